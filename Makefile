@@ -1,0 +1,69 @@
+# spader-pipeline — everything a fresh machine needs goes through these targets.
+# Quick start: `make run` (main job on the embedded default) and `make test`.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+STAMP  := $(VENV)/.installed
+
+# Telemetry off: Kedro and great-expectations otherwise try the network.
+export KEDRO_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+export GX_ANALYTICS_ENABLED := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
+
+MLFLOW_PORT ?= 5000
+VIZ_PORT ?= 4141
+
+.PHONY: install run test test-fast bench viz viz-build mlflow-ui lint clean help
+
+help:
+	@echo "make run        - install, then run the default pipeline on the embedded data"
+	@echo "make test       - install, then run the test suite (what CI runs)"
+	@echo "make bench      - run the benchmarks under benchmarks/"
+	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
+	@echo "make mlflow-ui  - serve the MLflow UI on 127.0.0.1:$(MLFLOW_PORT)"
+
+# CPU torch first (a local wheel here), then the project pinned by constraints.txt,
+# so no dependency can pull a multi-GB CUDA build of torch.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	mkdir -p mlruns
+	$(BIN)/kedro run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not e2e"
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest benchmarks --benchmark-only -p no:cacheprovider -o addopts=""
+	@for s in benchmarks/bench_*.py; do [ -f "$$s" ] && case "$$s" in *test_*) ;; *) echo "== $$s"; $(BIN)/python "$$s" ;; esac; done
+
+viz-build: $(STAMP)
+	$(BIN)/kedro viz build
+
+viz: $(STAMP)
+	$(BIN)/kedro viz run --host 127.0.0.1 --port $(VIZ_PORT) --no-browser
+
+mlflow-ui: $(STAMP)
+	mkdir -p mlruns/artifacts
+	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(MLFLOW_PORT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -1,0 +1,16 @@
+"""Kedro project settings. See https://docs.kedro.org/en/stable/kedro_project_setup/settings.html"""
+
+from kedro.config import OmegaConfigLoader
+
+from spader_pipeline.hooks import MlflowTrackingHooks
+
+HOOKS = (MlflowTrackingHooks(),)
+
+CONFIG_LOADER_CLASS = OmegaConfigLoader
+CONFIG_LOADER_ARGS = {
+    "base_env": "base",
+    "default_run_env": "local",
+    "config_patterns": {
+        "mlflow": ["mlflow*", "mlflow*/**"],
+    },
+}
