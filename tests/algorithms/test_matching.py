@@ -1,0 +1,183 @@
+"""Answer normalisation, alias-aware scoring and whole-word entity discovery."""
+
+from __future__ import annotations
+
+import doctest
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spader_pipeline.algorithms import matching
+from spader_pipeline.algorithms.matching import (
+    EntityMatcher,
+    find_entities_batched,
+    normalize_answer,
+    normalize_ground_truth,
+    score_answers,
+)
+
+
+def test_doctests():
+    assert doctest.testmod(matching).failed == 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("The Beatles", "beatles"),
+        ("A-ha", "aha"),
+        ("U.S.A.", "usa"),
+        ("C++", "c"),
+        ("Entity A", "entity"),
+        (None, ""),
+        (1984, "1984"),
+        ("  Théâtre   du\tSoleil ", "théâtre du soleil"),
+        ("\u201cQuoted\u201d \u2018it\u2019s\u2019 \u2014 dash\u2013en\u2010hy", "quoted its dashenhy"),
+        ("anthem of the band", "anthem of band"),
+    ],
+)
+def test_normalize_answer_spec_examples(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+@given(st.text())
+def test_normalize_is_idempotent_and_clean(text):
+    once = normalize_answer(text)
+    assert normalize_answer(once) == once
+    assert once == once.strip() and "  " not in once
+    assert not re.search(r"\b(a|an|the)\b", once)
+
+
+def test_spec_6_4_worked_check():
+    gt = [["Entity A", "Alias A"], ["Entity B"], ["The Beatles", "Beatles"]]
+    s = score_answers(["Entity A", "Alias A", "Beatles", "Foo"], gt)
+    assert s.precision == pytest.approx(0.75)
+    assert s.recall == pytest.approx(2 / 3)
+    assert s.f1 == pytest.approx(0.706, abs=5e-4)
+    assert (s.num_predicted, s.num_correct, s.num_gt, s.matched) == (4, 3, 3, (0, 2))
+    assert s.exact_match == 0.0
+    # Entity-level precision: the two aliases of Entity A count once.
+    e = score_answers(["Entity A", "Alias A", "Beatles", "Foo"], gt, precision_mode="entity")
+    assert e.precision == pytest.approx(2 / 3) and e.recall == pytest.approx(2 / 3)
+
+
+def test_defect2_multi_alias_entities_match_any_alias():
+    """Reference defect 2: training flattened [[a, b]] with str() so multi-alias entities never matched."""
+    gt = [["Paul McCartney", "James Paul McCartney"], ["Ringo Starr", "Richard Starkey"]]
+    s = score_answers(["richard starkey", "Paul McCartney"], gt)
+    assert s.recall == 1.0 and s.precision == 1.0 and s.exact_match == 1.0
+    # The reference's str(list) flattening cannot match either entity.
+    flattened = {normalize_answer(str(e)) for e in gt}
+    assert not flattened & {normalize_answer("richard starkey"), normalize_answer("Paul McCartney")}
+
+
+def test_predictions_deduplicated_after_normalisation():
+    s = score_answers(["The Beatles", "beatles", "BEATLES!", ""], [["Beatles"], ["Queen"]])
+    assert s.num_predicted == 1 and s.precision == 1.0 and s.recall == 0.5
+
+
+def test_empty_and_degenerate_inputs():
+    assert score_answers([], [["x"]]).f1 == 0.0
+    assert score_answers(None, [["x"]]).num_predicted == 0
+    assert score_answers(["x"], []).f1 == 0.0
+    assert score_answers(["x"], [["", "the"], ["x"]]).num_gt == 1  # entity with no usable alias dropped
+    # a flat list of names is one entity per name, never a character sequence
+    assert score_answers(["abc"], ["abc", "de"]).recall == 0.5
+    with pytest.raises(ValueError):
+        score_answers(["x"], [["x"]], precision_mode="bogus")
+
+
+def test_ground_truth_merges_identical_alias_sets():
+    gt = normalize_ground_truth([["The Who", "Who"], ["who"], ["Queen"]])
+    assert gt.aliases == (("who",), ("queen",))
+    assert gt.canonical == ("The Who", "Queen")
+
+
+def test_recall_at_k():
+    gt = [[f"e{i}"] for i in range(12)]
+    s = score_answers([f"e{i}" for i in range(6)], gt)
+    assert s.recall_at(5) == 1.0
+    assert s.recall_at(10) == pytest.approx(0.6)
+    assert score_answers([], gt).recall_at(5) == 0.0
+
+
+def test_defect3_word_boundaries():
+    """Reference defect 3: substring matching let "entity b" match "entity beatles"."""
+    m = EntityMatcher([["Entity B"], ["Cat"]])
+    found = m.found_in(["entity beatles", "concatenate", "The entity  B.", "a cat!", ""])
+    assert found.tolist() == [[False, False], [False, False], [True, False], [False, True], [False, False]]
+    # the reference's plain substring test does match
+    assert normalize_answer("Entity B") in normalize_answer("entity beatles")
+
+
+def test_shared_alias_and_multiword_overlap():
+    m = EntityMatcher([["New York"], ["York"], ["New York City", "NYC"]])
+    assert m.found_in(["visit new york city"]).tolist() == [[True, True, True]]
+    assert m.found_in(["york"]).tolist() == [[False, True, False]]
+    assert m.count_in(["nyc and york", "nothing"]).tolist() == [2, 0]
+
+
+def test_separator_characters_in_text_are_harmless():
+    m = EntityMatcher([["ab"]])
+    assert m.found_in(["x\x00ab", "a\x00b"]).tolist() == [[True], [False]]
+
+
+def test_empty_ground_truth_and_texts():
+    assert EntityMatcher([]).found_in(["abc"]).shape == (1, 0)
+    assert EntityMatcher([["a b"]]).found_in([]).shape == (0, 1)
+
+
+def _slow_found(gt, texts):
+    """Independent definition: token-sequence containment per entity per alias per text."""
+    norm = normalize_ground_truth(gt)
+    out = np.zeros((len(texts), len(norm)), dtype=bool)
+    for i, t in enumerate(texts):
+        words = normalize_answer(t).split()
+        for e, aliases in enumerate(norm.aliases):
+            for a in aliases:
+                aw = a.split()
+                if any(words[j : j + len(aw)] == aw for j in range(len(words) - len(aw) + 1)):
+                    out[i, e] = True
+    return out
+
+
+_WORDS = st.sampled_from(["alpha", "beta", "the", "a", "Gamma", "delta-x", "ε", "x", "b", "beatles", "C++", "."])
+_PHRASE = st.lists(_WORDS, min_size=0, max_size=4).map(" ".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gt=st.lists(st.lists(_PHRASE, min_size=1, max_size=3), min_size=0, max_size=5),
+    texts=st.lists(st.lists(_WORDS, max_size=25).map(" ".join), max_size=6),
+)
+def test_matcher_equals_slow_token_scan(gt, texts):
+    np.testing.assert_array_equal(EntityMatcher(gt).found_in(texts), _slow_found(gt, texts))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    preds=st.lists(_PHRASE, max_size=6),
+    gt=st.lists(st.lists(_PHRASE, min_size=1, max_size=3), max_size=5),
+)
+def test_score_properties(preds, gt):
+    s = score_answers(preds, gt)
+    e = score_answers(preds, gt, precision_mode="entity")
+    for sc in (s, e):
+        assert 0.0 <= sc.precision <= 1.0 and 0.0 <= sc.recall <= 1.0 and 0.0 <= sc.f1 <= 1.0
+        assert sc.f1 <= max(sc.precision, sc.recall) + 1e-12
+    assert s.recall == e.recall and s.matched == e.matched
+    assert e.precision <= s.precision + 1e-12  # collapsing aliases can only lower precision
+    assert score_answers(list(reversed(preds)), gt) == s  # order-free
+
+
+def test_find_entities_batched_matches_per_item():
+    gts = [[["x"]], [["y"], ["z"]], [["x"]]]
+    texts = [["x y", "z"], ["y z", "x", ""], ["nothing"]]
+    out = find_entities_batched(gts, texts)
+    for gt, t, o in zip(gts, texts, out, strict=True):
+        np.testing.assert_array_equal(o, EntityMatcher(gt).found_in(t))
+    with pytest.raises(ValueError):
+        find_entities_batched(gts, texts[:2])
