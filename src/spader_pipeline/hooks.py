@@ -68,8 +68,22 @@ class MlflowTrackingHooks:
             },
         )
         self._started = True
-        tracking.log_params(self._params)
+        tracking.log_params(self._used_params(pipeline))
         logger.info("MLflow run %s (tracking %s)", mlflow.active_run().info.run_id, uri)
+
+    def _used_params(self, pipeline) -> dict[str, Any]:
+        """The parameter blocks this pipeline reads (``params:a.b`` inputs), keyed by their path."""
+        used: dict[str, Any] = {}
+        for name in sorted(pipeline.inputs()):
+            if name == "parameters":
+                return dict(self._params)
+            if not name.startswith("params:"):
+                continue
+            value: Any = self._params
+            for part in name.removeprefix("params:").split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            used[name.removeprefix("params:")] = value
+        return used
 
     @hook_impl
     def after_node_run(self, node, outputs: dict[str, Any]) -> None:

@@ -1,0 +1,1 @@
+"""Data preparation: benchmark readers, the embedded default (corpus + QA), validation, output formats."""

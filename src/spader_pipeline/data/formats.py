@@ -1,0 +1,57 @@
+"""Output formats of data_prep: evaluation jsonl and VERL training parquet rows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from spader_pipeline.agent.prompts import render_prompt
+
+EVAL_FIELDS = ("id", "question", "ground_truth", "data_source")
+
+
+def _plain(ground_truth: Any) -> list[list[str]]:
+    """Ground truth as plain Python lists (parquet round-trips give numpy arrays)."""
+    return [[str(form) for form in entity] for entity in ground_truth]
+
+
+def eval_partitions(qa: pd.DataFrame, splits: Sequence[str]) -> dict[str, pd.DataFrame]:
+    """One evaluation table per ``<data_source>_<split>`` (the reference harness' jsonl format)."""
+    partitions: dict[str, pd.DataFrame] = {}
+    selected = qa[qa["split"].isin(list(splits))]
+    for (source, split), group in selected.groupby(["data_source", "split"], sort=True):
+        table = group.loc[:, list(EVAL_FIELDS)].copy()
+        table["ground_truth"] = table["ground_truth"].map(_plain)
+        partitions[f"{source}_{split}"] = table.reset_index(drop=True)
+    return partitions
+
+
+def verl_rows(
+    qa: pd.DataFrame, split: str, template: str, agent_name: str, sources: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """VERL ``RLHFDataset`` rows for one split.
+
+    Columns: ``data_source``, ``prompt`` (chat messages), ``ability``, ``reward_model``
+    (``{"style": "rule", "ground_truth": [[aliases], ...]}``), ``extra_info`` (``index``, ``id``,
+    ``split``, ``question``) and ``agent_name`` (selects our agent loop in VERL).
+    """
+    selected = qa[qa["split"] == split]
+    if sources:
+        selected = selected[selected["data_source"].isin(list(sources))]
+    records: list[Mapping[str, Any]] = []
+    for index, row in enumerate(selected.itertuples(index=False)):
+        records.append(
+            {
+                "data_source": row.data_source,
+                "prompt": render_prompt(template, row.question),
+                "ability": "multi_answer_search",
+                "reward_model": {"style": "rule", "ground_truth": _plain(row.ground_truth)},
+                "extra_info": {"index": index, "id": row.id, "split": split, "question": row.question},
+                "agent_name": agent_name,
+            }
+        )
+    return pd.DataFrame.from_records(
+        records, columns=["data_source", "prompt", "ability", "reward_model", "extra_info", "agent_name"]
+    )
