@@ -1,0 +1,145 @@
+"""BM25 over a streamed corpus with ``bm25s`` (Lù, 2024, arXiv 2407.03618) as the index store.
+
+Build: passages are tokenised chunk by chunk into vocabulary ids (the text itself is not kept);
+``bm25s.BM25.index`` turns the ids into the eager sparse score matrix (CSC: one column per term,
+entry = the BM25 weight of that term in that document), saved as ``.npy`` arrays.
+
+Query: the matrix is loaded, optionally memory-mapped (``mmap: true``), and a query is scored by
+summing its terms' columns. Only documents that contain a query term are ranked, as with Lucene.
+Default parameters ``k1=0.9, b=0.4`` are Pyserini's, which the SPADER reference server uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spader_pipeline.retrieval.corpus import Passage
+from spader_pipeline.retrieval.tokenize import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class BM25Params:
+    """BM25 settings (``conf/base/parameters_index_build.yml`` → ``bm25``)."""
+
+    k1: float = 0.9  #: term-frequency saturation (Pyserini default)
+    b: float = 0.4  #: length normalisation (Pyserini default)
+    method: str = "lucene"  #: bm25s scoring variant: lucene | robertson | atire | bm25l | bm25+
+    stemmer: str | None = "english"  #: Snowball stemmer language, or null
+    stopwords: str | None = "en"  #: stopword list, or null
+    index_title: bool = True  #: index "title\ncontents" rather than contents alone
+    mmap: bool = False  #: memory-map the score matrix at load time (for indexes larger than RAM)
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> BM25Params:
+        values = dict(values or {})
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown bm25 parameters: {sorted(unknown)}")
+        return cls(**values)
+
+
+def passage_text(passage: Passage, with_title: bool) -> str:
+    """The text that is indexed for a passage."""
+    if with_title and passage.title and not passage.contents.startswith(passage.title):
+        return f"{passage.title}\n{passage.contents}"
+    return passage.contents
+
+
+def build_bm25(passages: Iterable[Passage], out_dir: str | Path, params: BM25Params,
+               *, show_progress: bool = True) -> dict:
+    """Index ``passages`` (any iterable, consumed once) into ``out_dir``; returns size figures."""
+    import bm25s
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(params.stemmer, params.stopwords)
+    corpus_ids: list[list[int]] = []
+    n_tokens = 0
+    for passage in passages:
+        ids = tokenizer.ids(passage_text(passage, params.index_title), grow=True)
+        n_tokens += len(ids)
+        corpus_ids.append(ids)
+    if not corpus_ids:
+        raise ValueError("cannot build a BM25 index over an empty corpus")
+    vocab = dict(tokenizer.vocab)
+    vocab.setdefault("", len(vocab))  # bm25s' empty-document token, never produced by the tokenizer
+    model = bm25s.BM25(k1=params.k1, b=params.b, method=params.method)
+    model.index(bm25s.tokenization.Tokenized(ids=corpus_ids, vocab=vocab), show_progress=show_progress)
+    del corpus_ids
+    model.save(str(out_dir), show_progress=False)
+    (out_dir / TOKENIZER_FILE).write_text(
+        json.dumps({"stemmer": params.stemmer, "stopwords": params.stopwords}),
+        encoding="utf-8",
+    )
+    nnz = int(model.scores["data"].shape[0])
+    return {"num_docs": int(model.scores["num_docs"]), "vocab_size": len(vocab), "nnz": nnz,
+            "num_tokens": n_tokens, "params": asdict(params)}
+
+
+class BM25Retriever:
+    """Top-k BM25 search over a saved index. Thread-safe for concurrent reads."""
+
+    name = "bm25"
+
+    def __init__(self, index_dir: str | Path, *, mmap: bool = False) -> None:
+        import bm25s
+
+        index_dir = Path(index_dir)
+        model = bm25s.BM25.load(str(index_dir), mmap=mmap, load_corpus=False)
+        spec = json.loads((index_dir / TOKENIZER_FILE).read_text(encoding="utf-8"))
+        self.tokenizer = Tokenizer(spec["stemmer"], spec["stopwords"], model.vocab_dict)  # bm25s' vocab file
+        self._data = model.scores["data"]  # [nnz] float32 BM25 weights, grouped by term
+        self._indices = model.scores["indices"]  # [nnz] int32 document rows
+        self._indptr = model.scores["indptr"]  # [V + 1] column starts
+        self.num_docs = int(model.scores["num_docs"])
+        self.mmap = mmap
+
+    def scores(self, query: str) -> tuple[np.ndarray, np.ndarray]:
+        """Rows that contain at least one query term and their BM25 scores: ``([M] int64, [M] float32)``.
+
+        Sums each term's column (weighted by its count in the query). Small posting sets are
+        aggregated sparsely; when they cover a large share of the corpus a dense ``[N]`` accumulator
+        is cheaper.
+        """
+        ids, counts = self.tokenizer.query_terms(query)
+        if ids.size == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        starts, ends = self._indptr[ids], self._indptr[ids + 1]
+        total = int((ends - starts).sum())
+        if total == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        if total * 4 < self.num_docs:
+            rows = np.concatenate([self._indices[s:e] for s, e in zip(starts, ends, strict=True)])
+            weights = np.concatenate(
+                [self._data[s:e] * c for s, e, c in zip(starts, ends, counts, strict=True)]
+            )
+            uniq, inverse = np.unique(rows, return_inverse=True)
+            return uniq.astype(np.int64), np.bincount(inverse, weights=weights).astype(np.float32)
+        acc = np.zeros(self.num_docs, dtype=np.float32)
+        for s, e, c in zip(starts, ends, counts, strict=True):
+            acc[self._indices[s:e]] += self._data[s:e] * c  # rows within one column are distinct
+        rows = np.flatnonzero(acc)
+        return rows, acc[rows]
+
+    def search(self, queries: Sequence[str], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per query: the best ``k`` rows and scores, best first (fewer when fewer docs match)."""
+        return [top_k(*self.scores(q), k) for q in queries]
+
+
+def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` highest ``scores`` (ties broken by lower row) and their rows, best first."""
+    if rows.size > k:
+        part = np.argpartition(-scores, k - 1)[:k]
+        rows, scores = rows[part], scores[part]
+    order = np.lexsort((rows, -scores))
+    return rows[order], scores[order]

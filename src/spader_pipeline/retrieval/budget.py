@@ -1,0 +1,100 @@
+"""The character budget of SPADER-style responses (spec §1.6), made to hold exactly.
+
+The reference walks candidates rank-major (every query's rank-0 passage, then every rank-1
+passage, ...) and stops at the first one that does not fit, but it measures each passage at
+the wrong indentation, so the delivered JSON can exceed ``max_chars`` by hundreds of characters.
+
+Here the cost of each passage is its exact contribution to the delivered text
+``json.dumps(body, indent=2, ensure_ascii=False)`` where ``body = {"result": [{"query", "documents"}],
+"truncation_warning"?}`` — the longest rendering any published client shows the model (the
+compact wire form and the eval client's ``result`` + warning line are both shorter). The
+warning's own length is reserved as soon as anything is dropped. A passage that does not fit
+closes its query (so every query keeps a rank prefix: no gaps) but, unlike the reference, the walk
+goes on with the other queries, which may still fit smaller passages. A final render check
+guarantees the bound even if the arithmetic were ever off.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+ENTRY_DEPTH_INDENT = 8  # a passage sits at body > result > [i] > documents > [j]: 4 levels × 2 spaces
+
+
+def render(body: Any) -> str:
+    """The reference text form of a response body (what the SPADER training client shows)."""
+    return json.dumps(body, indent=2, ensure_ascii=False)
+
+
+def truncation_warning(max_chars: int) -> str:
+    return f"System Note: Retrieval results truncated at {max_chars} characters."
+
+
+def entry_cost(entry: Any, first: bool) -> int:
+    """Characters that appending ``entry`` to a query's ``documents`` list adds to :func:`render`.
+
+    ``first``: the list was empty (``[]`` becomes ``[\\n<entry>\\n      ]``); otherwise a
+    ``,\\n`` separator and the indentation are added.
+    """
+    text = json.dumps(entry, indent=2, ensure_ascii=False)
+    lines = text.count("\n") + 1
+    body = len(text) + ENTRY_DEPTH_INDENT * lines  # every line of the entry gets the base indent
+    return body + (1 + 1 + 6 if first else 2)  # first: "\n" + "\n" + closing indent; else ",\n"
+
+
+def spader_body(queries: Sequence[str], documents: Sequence[Sequence[Any]], warning: str | None) -> dict:
+    body: dict[str, Any] = {"result": [{"query": q, "documents": list(d)} for q, d in zip(queries, documents, strict=True)]}
+    if warning is not None:
+        body["truncation_warning"] = warning
+    return body
+
+
+class BudgetTooSmall(ValueError):
+    """``max_chars`` cannot even hold the echoed queries with no passages."""
+
+
+def apply_budget(queries: Sequence[str], candidates: Sequence[Sequence[Any]], max_chars: int | None) -> dict:
+    """The SPADER response body for ``candidates`` (per query, rank order) within ``max_chars``.
+
+    Returns ``{"result": [...], "truncation_warning"?}`` with
+    ``len(render(result)) <= max_chars`` whenever ``max_chars > 0`` (``None`` or ``<= 0``: no budget).
+    Raises :class:`BudgetTooSmall` when the skeleton alone does not fit.
+    """
+    if max_chars is None or max_chars <= 0:
+        return spader_body(queries, candidates, None)
+    skeleton = len(render(spader_body(queries, [[] for _ in queries], None)))
+    if skeleton > max_chars:
+        raise BudgetTooSmall(
+            f"max_chars={max_chars} is smaller than the response skeleton for these queries ({skeleton} characters)"
+        )
+    costs = [[entry_cost(e, first=(r == 0)) for r, e in enumerate(docs)] for docs in candidates]
+    if skeleton + sum(map(sum, costs)) <= max_chars:
+        body = spader_body(queries, candidates, None)
+    else:
+        warning = truncation_warning(max_chars)
+        reserve = len(render({"result": [], "truncation_warning": warning})) - len(render({"result": []}))
+        budget = max_chars - reserve - skeleton
+        kept = [0] * len(queries)
+        open_ = [True] * len(queries)
+        depth = max((len(d) for d in candidates), default=0)
+        for rank in range(depth):  # rank-major round robin
+            for q, docs in enumerate(candidates):
+                if not open_[q] or rank >= len(docs):
+                    continue
+                if costs[q][rank] <= budget:
+                    budget -= costs[q][rank]
+                    kept[q] += 1
+                else:
+                    open_[q] = False  # keep a rank prefix per query
+        body = spader_body(queries, [docs[:k] for docs, k in zip(candidates, kept, strict=True)], warning)
+    # Safety net: never deliver more than the budget, whatever the arithmetic above says.
+    while len(render(body)) > max_chars:
+        lists = [r["documents"] for r in body["result"]]
+        longest = max(range(len(lists)), key=lambda i: len(lists[i]))
+        if not lists[longest]:
+            raise BudgetTooSmall(f"max_chars={max_chars} cannot hold the response skeleton")
+        lists[longest].pop()
+        body.setdefault("truncation_warning", truncation_warning(max_chars))
+    return body

@@ -1,0 +1,64 @@
+"""Text → token ids for BM25: lower-case word tokens, English stopwords, Snowball stemming.
+
+The same :class:`Tokenizer` (with the vocabulary saved next to the index) is used at build and at
+query time, so the two can never disagree. Word pattern and stopword list follow bm25s' defaults
+(the Lucene English stopword set); stemming uses PyStemmer's Snowball English stemmer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+
+_WORD = re.compile(r"(?u)\b\w\w+\b")
+
+
+@lru_cache(maxsize=4)
+def _stemmer(language: str):
+    import Stemmer  # PyStemmer
+
+    return Stemmer.Stemmer(language)
+
+
+def _stopwords(name: str | None) -> frozenset[str]:
+    if not name:
+        return frozenset()
+    from bm25s.stopwords import STOPWORDS_EN
+
+    if name not in ("en", "english"):
+        raise ValueError(f"unknown stopword list {name!r} (known: 'en')")
+    return frozenset(STOPWORDS_EN)
+
+
+class Tokenizer:
+    """Maps text to vocabulary ids; ``grow=True`` adds unseen tokens (building), else drops them."""
+
+    def __init__(self, stemmer: str | None = "english", stopwords: str | None = "en",
+                 vocab: dict[str, int] | None = None) -> None:
+        self.stemmer_name = stemmer
+        self.stopwords_name = stopwords
+        self._stem = _stemmer(stemmer).stemWords if stemmer else None
+        self._stop = _stopwords(stopwords)
+        self.vocab: dict[str, int] = dict(vocab or {})
+
+    def tokens(self, text: str) -> list[str]:
+        words = [w for w in _WORD.findall(text.lower()) if w not in self._stop]
+        return self._stem(words) if self._stem and words else words
+
+    def ids(self, text: str, *, grow: bool = False) -> list[int]:
+        vocab = self.vocab
+        if grow:
+            return [vocab.setdefault(t, len(vocab)) for t in self.tokens(text)]
+        return [i for t in self.tokens(text) if (i := vocab.get(t)) is not None]
+
+    def query_terms(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct known token ids of a query and how often each occurs (a bag of words, as
+        Pyserini's default query generator builds it): ``(ids [T] int64, counts [T] float32)``."""
+        ids, counts = np.unique(np.asarray(self.ids(text), dtype=np.int64), return_counts=True)
+        return ids, counts.astype(np.float32)
+
+    def batch_ids(self, texts: Sequence[str], *, grow: bool = False) -> list[list[int]]:
+        return [self.ids(t, grow=grow) for t in texts]
