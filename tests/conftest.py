@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,22 @@ def _private_mlflow_store(tmp_path_factory):
 @pytest.fixture(scope="session")
 def project_root() -> Path:
     return PROJECT_ROOT
+
+
+@pytest.fixture
+def kedro_project(tmp_path, monkeypatch) -> Path:
+    """A throw-away copy of the project (pyproject + conf) as the working directory.
+
+    Kedro runs in it read this repository's configuration and code but write every dataset
+    under ``tmp_path/data``. Use with ``KedroSession.create(project_path=..., env="test")``.
+    """
+    from kedro.framework.startup import bootstrap_project
+
+    shutil.copy(PROJECT_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(PROJECT_ROOT / "conf", tmp_path / "conf", ignore=shutil.ignore_patterns("local"))
+    (tmp_path / "conf" / "local").mkdir()
+    (tmp_path / "src").mkdir()  # Kedro requires the source dir inside the project
+    (tmp_path / "src" / "spader_pipeline").symlink_to(PROJECT_ROOT / "src" / "spader_pipeline")
+    monkeypatch.chdir(tmp_path)
+    bootstrap_project(tmp_path)
+    return tmp_path

@@ -57,7 +57,8 @@ class MlflowTrackingHooks:
             artifacts.mkdir(parents=True, exist_ok=True)
             mlflow.create_experiment(experiment, artifact_location=artifacts.as_uri())
         mlflow.set_experiment(experiment)
-        pipeline_name = run_params.get("pipeline_name") or "__default__"
+        names = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
+        pipeline_name = ",".join(name for name in names if name) or "__default__"
         mlflow.start_run(
             run_name=f"{pipeline_name}",
             tags={

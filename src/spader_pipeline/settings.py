@@ -13,4 +13,6 @@ CONFIG_LOADER_ARGS = {
     "config_patterns": {
         "mlflow": ["mlflow*", "mlflow*/**"],
     },
+    # Environments (conf/test, conf/local) override single keys instead of whole top-level blocks.
+    "merge_strategy": {"parameters": "soft", "mlflow": "soft"},
 }
