@@ -144,7 +144,9 @@ def _slow_found(gt, texts):
     return out
 
 
-_WORDS = st.sampled_from(["alpha", "beta", "the", "a", "Gamma", "delta-x", "ε", "x", "b", "beatles", "C++", "."])
+_WORDS = st.sampled_from(
+    ["alpha", "beta", "the", "a", "Gamma", "delta-x", "ε", "x", "b", "beatles", "C++", "."]
+)
 _PHRASE = st.lists(_WORDS, min_size=0, max_size=4).map(" ".join)
 
 

@@ -3,3 +3,43 @@
 Only numpy, torch, pyahocorasick and the standard library are imported here (no verl, Ray, Kedro or
 HTTP), so the native trainer and the VERL plugin share exactly one implementation.
 """
+
+from .advantages import (
+    calibadv_advantage,
+    calibadv_step_scores,
+    grpo_outcome_advantage,
+    spa_advantage,
+    tspo_advantage,
+)
+from .matching import AnswerScore, EntityMatcher, normalize_answer, score_answers
+from .rewards import (
+    SpaderRewardConfig,
+    discover_entities,
+    exploration_step_rewards,
+    final_answer_reward,
+    first_occurrence_steps,
+    spader_rewards,
+    tool_cost_coefficient,
+)
+from .steps import StepLayout, segment_steps
+
+__all__ = [
+    "AnswerScore",
+    "EntityMatcher",
+    "SpaderRewardConfig",
+    "StepLayout",
+    "calibadv_advantage",
+    "calibadv_step_scores",
+    "discover_entities",
+    "exploration_step_rewards",
+    "final_answer_reward",
+    "first_occurrence_steps",
+    "grpo_outcome_advantage",
+    "normalize_answer",
+    "score_answers",
+    "segment_steps",
+    "spa_advantage",
+    "spader_rewards",
+    "tool_cost_coefficient",
+    "tspo_advantage",
+]

@@ -144,8 +144,9 @@ class AnswerScore:
       * ``"prediction"`` (default, = reference evaluation, spec §6.4): a distinct normalised prediction is
         correct when it equals any alias of any entity; precision = correct predictions / distinct
         predictions. Two aliases of the same entity both count as correct.
-      * ``"entity"``: predictions that hit the same entity count once; precision =
-        matched entities / (matched entities + wrong predictions). Not inflatable by listing aliases.
+      * ``"entity"``: each correct prediction is credited to at most one entity and each entity at most
+        once (a maximum matching); precision = credited / (credited + wrong predictions). Listing several
+        aliases of one entity earns one credit, so precision cannot be inflated that way.
     Recall is always matched entities / entities; F1 is their harmonic mean (0 when both are 0);
     exact match is ``f1 == 1``.
     """
@@ -164,6 +165,22 @@ class AnswerScore:
         if self.num_gt == 0 or k <= 0:
             return 0.0
         return min(len(self.matched) / min(k, self.num_gt), 1.0)
+
+
+def _max_matching(hits: Sequence[Sequence[int]]) -> int:
+    """Size of a maximum matching between correct predictions and the entities they hit (Kuhn)."""
+    owner: dict[int, int] = {}
+
+    def augment(p: int, visited: set[int]) -> bool:
+        for e in hits[p]:
+            if e not in visited:
+                visited.add(e)
+                if e not in owner or augment(owner[e], visited):
+                    owner[e] = p
+                    return True
+        return False
+
+    return sum(augment(p, set()) for p in range(len(hits)))
 
 
 def score_answers(
@@ -190,22 +207,17 @@ def score_answers(
     gt = normalize_ground_truth(ground_truth)
     preds = list(dict.fromkeys(p for p in (normalize_answer(x) for x in (predicted or ())) if p))
     lookup = gt.alias_to_entities
-    matched_set: set[int] = set()
-    correct = 0
-    for p in preds:
-        hit = lookup.get(p)
-        if hit:
-            correct += 1
-            matched_set.update(hit)
-    matched = tuple(sorted(matched_set))
+    hits = [lookup[p] for p in preds if p in lookup]
+    correct = len(hits)
+    matched = tuple(sorted({e for h in hits for e in h}))
     num_pred, num_gt = len(preds), len(gt)
     if num_pred == 0 or num_gt == 0:
         return AnswerScore(0.0, 0.0, 0.0, 0.0, num_pred, correct, num_gt, matched)
     if precision_mode == "prediction":
         precision = correct / num_pred
     else:
-        wrong = num_pred - correct
-        precision = len(matched) / (len(matched) + wrong) if matched or wrong else 0.0
+        credited = _max_matching(hits)
+        precision = credited / (credited + num_pred - correct)
     recall = len(matched) / num_gt
     f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
     return AnswerScore(precision, recall, f1, float(f1 == 1.0), num_pred, correct, num_gt, matched)
