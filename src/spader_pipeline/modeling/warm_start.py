@@ -1,0 +1,258 @@
+"""Warm start: supervised fine-tuning on demonstrations, loss on the model's own tokens only.
+
+A model built from scratch does not speak the agent protocol, so RL would have nothing to
+reinforce. Warm start teaches it the format from demonstrations (the scripted policy's
+trajectories by default, or a user's own SFT data) before RL.
+
+An example is a token sequence with a loss mask: 1 on tokens the model would have generated
+(assistant turns and the ``<|im_end|>`` that closes them), 0 on prompt and observation tokens.
+Chat conversations are tokenised turn by turn (:func:`encode_conversation`), exactly the way a
+multi-turn rollout appends tokens, so the model is trained on the token boundaries it sees in RL.
+
+Three things make the loop fast on CPU (measured in ``benchmarks/bench_training_warm_start.py``):
+
+- **output layer only where there is loss**: the decoder runs on every position, but the
+  ``hidden × vocab`` projection and the softmax run only on the ~5% of positions with loss;
+- **length bucketing**: batches hold examples of similar length, so little compute goes to padding;
+- **bf16 autocast** for the matrix multiplications (weights and optimizer state stay fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One training sequence: ``input_ids`` and a same-length 0/1 ``loss_mask``."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError("input_ids and loss_mask must have the same length")
+
+
+def encode_conversation(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None) -> SFTExample:
+    """Tokenise a chat conversation turn by turn; loss on assistant turns.
+
+    The text of message ``k`` is the difference between the chat template rendered over
+    ``messages[:k+1]`` and over ``messages[:k]`` (with the assistant header added when message
+    ``k`` is an assistant turn, so the header is context, not target). Each piece is tokenised on
+    its own, as a rollout does when it appends generated and observation tokens. The trailing
+    newline after ``<|im_end|>`` of an assistant turn is context (a rollout stops at the EOS token).
+    """
+    pieces: list[tuple[str, int]] = []
+    rendered = ""
+    for k, message in enumerate(messages):
+        is_assistant = message["role"] == "assistant"
+        before = _render(tokenizer, messages[:k], add_generation_prompt=is_assistant) if k else ""
+        if is_assistant and before != rendered:
+            pieces.append((before[len(rendered) :], 0))  # the assistant header
+            rendered = before
+        after = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        if not after.startswith(rendered):
+            raise ValueError("the chat template does not render conversations prefix by prefix")
+        delta = after[len(rendered) :]
+        if is_assistant:
+            eos = tokenizer.eos_token
+            cut = delta.rfind(eos) + len(eos) if eos and eos in delta else len(delta)
+            pieces.append((delta[:cut], 1))
+            if delta[cut:]:
+                pieces.append((delta[cut:], 0))
+        else:
+            pieces.append((delta, 0))
+        rendered = after
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, label in pieces:
+        if not text:
+            continue
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids.extend(piece)
+        mask.extend([label] * len(piece))
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return SFTExample(tuple(ids), tuple(mask))
+
+
+def example_from_tokens(prompt_ids: Sequence[int], response_ids: Sequence[int], response_mask: Sequence[int]) -> SFTExample:
+    """An example from a token-level trajectory (prompt context + response with its mask)."""
+    return SFTExample(
+        tuple(int(i) for i in prompt_ids) + tuple(int(i) for i in response_ids),
+        (0,) * len(prompt_ids) + tuple(int(m) for m in response_mask),
+    )
+
+
+def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@dataclass
+class WarmStartConfig:
+    """Settings of :func:`train_sft`."""
+
+    max_steps: int = 600
+    """optimizer steps (the loop also stops at ``max_seconds``)"""
+    max_seconds: float | None = None
+    """wall-clock budget in seconds; ``None`` for no limit"""
+    batch_tokens: int = 8192
+    """padded tokens per batch (examples per batch = batch_tokens // bucket length, at least 1)"""
+    learning_rate: float = 1e-3
+    """peak AdamW learning rate"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    warmup_steps: int = 20
+    """linear warm-up steps, then cosine decay to 10% of the peak"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    bf16: bool | str = "auto"
+    """bf16 autocast for the forward pass: ``"auto"`` = on for CUDA only (CPUs without native
+    bf16 units, such as AVX2-only machines, run bf16 autocast many times slower than fp32)"""
+    max_length: int = 1024
+    """examples are truncated to this many tokens"""
+    seed: int = 0
+    """shuffling and initialisation seed"""
+    log_every: int = 20
+    """log the loss every this many steps"""
+    extra: dict = field(default_factory=dict)
+    """ignored; keeps unknown keys from YAML"""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 0 or self.batch_tokens < 1 or self.learning_rate <= 0:
+            raise ValueError("max_steps >= 0, batch_tokens >= 1 and learning_rate > 0 are required")
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
+
+
+def length_buckets(examples: Sequence[SFTExample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Group example indices into batches of similar length (≤ ``batch_tokens`` padded tokens).
+
+    Examples are sorted by length, cut into consecutive batches, and the batch order shuffled.
+    """
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].input_ids), rng.random()))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([len(examples[j].input_ids) for j in current] + [len(examples[i].input_ids)])
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to ``(input_ids, attention_mask, loss_mask)``, each ``[B, T]``."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    loss = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        attn[row, :n] = 1
+        loss[row, :n] = torch.tensor(e.loss_mask)
+    return ids, attn, loss
+
+
+def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over positions whose *target* has ``loss_mask == 1``.
+
+    Runs the decoder body (``model.model``) on all positions and the output layer only on the
+    positions that predict a target token. Shapes: all inputs ``[B, T]``. Returns the loss and
+    the number of target tokens.
+    """
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    select = loss_mask[:, 1:].bool()  # position t predicts token t+1
+    states = hidden[:, :-1][select]  # [N, H]
+    targets = input_ids[:, 1:][select]  # [N]
+    logits = model.lm_head(states).float()  # [N, V]
+    return F.cross_entropy(logits, targets), int(targets.numel())
+
+
+def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *, pad_id: int, on_log=None) -> dict[str, float]:
+    """Fine-tune ``model`` in place on ``examples``; return summary metrics.
+
+    ``on_log(step, metrics)`` is called every ``config.log_every`` steps (e.g. MLflow logging).
+    """
+    examples = [e for e in examples if sum(e.loss_mask[1:]) > 0]
+    if not examples:
+        raise ValueError("warm start has no example with a trainable token")
+    examples = [SFTExample(e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.max_steps))
+    device = next(model.parameters()).device
+    model.train()
+    start = time.perf_counter()
+    step, tokens, seen, loss_sum, loss_n = 0, 0, 0, 0.0, 0
+    last_loss = float("nan")
+    while step < config.max_steps:
+        for batch in length_buckets(examples, config.batch_tokens, rng):
+            if step >= config.max_steps or (config.max_seconds and time.perf_counter() - start > config.max_seconds):
+                break
+            ids, attn, loss_mask = (t.to(device) for t in collate([examples[i] for i in batch], pad_id))
+            with autocast(ids.device, config.bf16):
+                loss, n_targets = masked_lm_loss(model, ids, attn, loss_mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            tokens += int(attn.sum())
+            seen += len(batch)
+            last_loss = float(loss.detach())
+            loss_sum, loss_n = loss_sum + last_loss, loss_n + 1
+            if on_log is not None and step % config.log_every == 0:
+                on_log(step, {"loss": loss_sum / loss_n, "lr": schedule.get_last_lr()[0]})
+                loss_sum, loss_n = 0.0, 0
+        else:
+            continue
+        break
+    model.eval()
+    seconds = time.perf_counter() - start
+    return {
+        "steps": float(step),
+        "examples_seen": float(seen),
+        "final_loss": last_loss,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def autocast(device: torch.device, bf16: bool | str):
+    """A bf16 autocast context for ``device``; ``bf16="auto"`` enables it on CUDA only."""
+    enabled = device.type == "cuda" if bf16 == "auto" else bool(bf16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def examples_from_conversations(tokenizer, conversations: Iterable[Sequence[Mapping[str, str]]], max_length: int | None = None) -> list[SFTExample]:
+    """:func:`encode_conversation` over many conversations."""
+    return [encode_conversation(tokenizer, messages, max_length) for messages in conversations]
