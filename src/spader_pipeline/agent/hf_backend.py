@@ -1,0 +1,242 @@
+"""In-process Hugging Face generator: batched, token level, VERL's token layout.
+
+Token layout (identical to VERL 0.9's agent loop, ``verl.experimental.agent_loop``):
+
+* ``prompt_ids`` = the chat template applied to the prompt messages with
+  ``add_generation_prompt=True``;
+* each assistant turn appends the generated ids as they were sampled (mask 1), including the
+  end-of-turn token;
+* each observation (a ``user`` message) is encoded by VERL's own Continuous-Token builder
+  (``verl.utils.tokenizer.continuous_token_wiring.create_continuous_token_builder``): the chat
+  template is rendered after a synthetic system+user prefix with ``add_generation_prompt=True``
+  and the prefix is cut off, plus the model family's boundary fix (Qwen: the ``"\\n"`` after a
+  generated ``<|im_end|>``). These tokens get mask 0.
+
+Using the builder itself, rather than a re-implementation, guarantees that a policy trained here
+and one trained under VERL see the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_token_builder(
+    tokenizer: Any, model_type: str | None, chat_template_kwargs: Mapping[str, Any] | None = None
+):
+    """VERL's Continuous-Token builder for this tokenizer and model family."""
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    return create_continuous_token_builder(
+        tokenizer, hf_model_type=model_type, chat_template_kwargs=dict(chat_template_kwargs or {})
+    )
+
+
+class HFGenerator(Generator):
+    """Generate assistant turns with a ``transformers`` causal LM, all active trajectories in one batch.
+
+    Args:
+        model: a causal LM (eval mode is set; its device is used).
+        tokenizer: its tokenizer, with a chat template.
+        sampling: decoding parameters (``temperature == 0``: greedy).
+        max_prompt_tokens: prompts longer than this are left-truncated with a warning (as VERL does).
+        chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (VERL's
+            ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
+        micro_batch_size: most sequences per ``generate`` call (memory bound).
+    """
+
+    token_level = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        max_prompt_tokens: int = 1024,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        micro_batch_size: int = 32,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingParams()
+        self.max_prompt_tokens = max_prompt_tokens
+        self.micro_batch_size = micro_batch_size
+        self.builder = make_token_builder(
+            tokenizer, getattr(model.config, "model_type", None), chat_template_kwargs
+        )
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+        )
+        self.generated_tokens = 0  # running count, for throughput reporting
+        self._generator = None
+        if self.sampling.seed is not None:
+            self._generator = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
+
+    # ---- token bookkeeping ---------------------------------------------------------------------
+
+    def start(self, state: RolloutState) -> None:
+        ids = list(self.builder.build_initial_tokens(state.messages))
+        if len(ids) > self.max_prompt_tokens:
+            logger.warning(
+                "prompt of %d tokens exceeds %d; left-truncating", len(ids), self.max_prompt_tokens
+            )
+            ids = ids[-self.max_prompt_tokens :]
+        state.token_ids = ids
+        state.prompt_length = len(ids)
+        state.response_mask = []
+
+    def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
+        merge = self.builder.merge_assistant_tokens(state.token_ids, list(turn.token_ids or ()))
+        state.response_mask, _ = self.builder.align_response_metadata(merge, state.response_mask)
+        state.token_ids = merge.token_ids
+
+    def append_observation(self, state: RolloutState, previous: list[dict[str, str]]) -> bool:
+        merge = self.builder.merge_context_tokens(previous, state.messages, state.token_ids)
+        mask, _ = self.builder.align_response_metadata(merge, state.response_mask)
+        if len(mask) >= state.max_response_tokens:
+            return False  # VERL: an observation that would overflow ends the trajectory unappended
+        state.token_ids = merge.token_ids
+        state.response_mask = mask
+        return True
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def generate(self, states: Sequence[RolloutState]) -> list[GeneratedTurn]:
+        return await asyncio.to_thread(self._generate_all, list(states))
+
+    def _generate_all(self, states: list[RolloutState]) -> list[GeneratedTurn]:
+        out: list[GeneratedTurn] = []
+        for i in range(0, len(states), self.micro_batch_size):
+            out.extend(self._generate_batch(states[i : i + self.micro_batch_size]))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, states: list[RolloutState]) -> list[GeneratedTurn]:
+        budgets = [
+            max(1, min(self.sampling.max_new_tokens, s.max_response_tokens - s.response_length))
+            for s in states
+        ]
+        device = next(self.model.parameters()).device
+        width = max(len(s.token_ids) for s in states)
+        input_ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(states), width), dtype=torch.long)
+        for row, state in enumerate(states):  # left padding
+            n = len(state.token_ids)
+            input_ids[row, width - n :] = torch.tensor(state.token_ids, dtype=torch.long)
+            attention[row, width - n :] = 1
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max(budgets),
+            "pad_token_id": self.pad_id,
+            "eos_token_id": sorted(self.eos_ids),
+        }
+        if self.sampling.temperature > 0:
+            kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+            kwargs["top_k"] = self.sampling.top_k if self.sampling.top_k > 0 else None
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if self._generator is not None:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator)))
+        sequences = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
+        )
+        new_tokens = sequences[:, width:].tolist()
+        turns = []
+        for ids, budget in zip(new_tokens, budgets, strict=True):
+            ids = ids[:budget]
+            for pos, tok in enumerate(ids):
+                if tok in self.eos_ids:
+                    ids = ids[: pos + 1]
+                    break
+            self.generated_tokens += len(ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            turns.append(GeneratedTurn(text=text, token_ids=tuple(ids)))
+        return turns
+
+
+# --------------------------------------------------------------------------------------------------
+# Token layout helpers for training
+# --------------------------------------------------------------------------------------------------
+
+
+def encode_dialogue(
+    messages: Sequence[Mapping[str, str]],
+    tokenizer: Any,
+    *,
+    model_type: str | None = None,
+    builder: Any = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Token layout of a finished chat (e.g. a scripted demonstration), as the HF rollout lays it out.
+
+    The messages before the first assistant turn form the prompt; every assistant turn becomes its
+    tokens plus the end-of-turn token (mask 1), every later user turn is encoded by VERL's builder
+    (mask 0). Returns ``(prompt_ids, response_ids, response_mask)``.
+    """
+    builder = builder or make_token_builder(tokenizer, model_type)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    history = [dict(m) for m in messages[:first]]
+    ids = list(builder.build_initial_tokens(history))
+    prompt_length = len(ids)
+    mask: list[int] = []
+    eos = tokenizer.eos_token_id
+    for message in messages[first:]:
+        if message["role"] == "assistant":
+            turn = list(tokenizer.encode(message["content"], add_special_tokens=False)) + [eos]
+            merge = builder.merge_assistant_tokens(ids, turn)
+        else:
+            merge = builder.merge_context_tokens(history, [*history, dict(message)], ids)
+        mask, _ = builder.align_response_metadata(merge, mask)
+        ids = merge.token_ids
+        history.append(dict(message))
+    return ids[:prompt_length], ids[prompt_length:], mask
+
+
+def pad_batch(
+    trajectories: Sequence[Any],
+    pad_token_id: int,
+    *,
+    max_prompt_tokens: int | None = None,
+    max_response_tokens: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """VERL's batch layout from token-level trajectories.
+
+    Prompts are left-padded, responses right-padded. Returns ``prompts`` [B, P], ``responses``
+    [B, R], ``response_mask`` [B, R] (1 model tokens, 0 observation tokens and padding),
+    ``attention_mask`` [B, P + R] (1 on every real token, observations included) and
+    ``input_ids`` [B, P + R].
+    """
+    prompt_len = max_prompt_tokens or max(len(t.prompt_ids) for t in trajectories)
+    resp_len = max_response_tokens or max(1, max(len(t.response_ids) for t in trajectories))
+    batch = len(trajectories)
+    prompts = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
+    responses = torch.full((batch, resp_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((batch, resp_len), dtype=torch.long)
+    attention = torch.zeros((batch, prompt_len + resp_len), dtype=torch.long)
+    for row, t in enumerate(trajectories):
+        p = list(t.prompt_ids)[-prompt_len:]
+        r = list(t.response_ids)[:resp_len]
+        m = list(t.response_mask)[:resp_len]
+        prompts[row, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[row, prompt_len - len(p) : prompt_len] = 1
+        if r:
+            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[row, : len(m)] = torch.tensor(m, dtype=torch.long)
+            attention[row, prompt_len : prompt_len + len(r)] = 1
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "attention_mask": attention,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+    }
