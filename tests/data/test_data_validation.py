@@ -49,6 +49,7 @@ def test_quarantine_reasons(outcome):
         ("webqsp:WebQTest-9", "empty_alias"),
         ("unified_fixture:u3", "bad_ground_truth;no_answers"),  # a string is no entity list
         ("unified_fixture:u4", "unknown_split"),
+        ("unified_fixture:u5", "unmatchable_alias"),
     }
     assert result.metrics["qampari"]["quarantined"] == {
         "empty_question": 2, "no_answers": 2, "empty_alias": 1, "duplicate_id": 1
@@ -67,7 +68,7 @@ def test_clean_rows_keep_first_duplicate_and_schema(outcome):
 
 
 def test_question_length_limit():
-    rows = [{"id": "x:1", "question": "q" * 50, "ground_truth": [["a"]], "data_source": "x", "split": "test"}]
+    rows = [{"id": "x:1", "question": "q" * 50, "ground_truth": [["Ghana"]], "data_source": "x", "split": "test"}]
     assert validate_tables({"x": rows}, max_question_chars=10).quarantine["reasons"].tolist() == ["question_too_long"]
 
 

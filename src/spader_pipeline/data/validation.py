@@ -13,6 +13,8 @@ question_too_long ``question`` is at most ``max_question_chars`` characters
 bad_ground_truth  ``ground_truth`` is a list of lists of strings
 no_answers        at least one entity
 empty_alias       every entity has at least one non-empty surface form
+unmatchable_alias every entity has a surface form that survives answer normalisation
+                  (``"The"`` or ``"!!!"`` normalise to nothing and could never be matched)
 unknown_split     ``split`` is one of train / validation / test
 ================  =====================================================================
 
@@ -33,6 +35,7 @@ from typing import Any
 
 import pandas as pd
 
+from spader_pipeline.algorithms.matching import normalize_answer
 from spader_pipeline.data.schema import SPLITS, UNIFIED_COLUMNS
 
 logger = logging.getLogger(__name__)
@@ -76,12 +79,21 @@ def _check_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
                 )
                 if isinstance(truth, list)
                 else 0,
+                "unmatchable_entities": sum(
+                    1 for entity in truth if isinstance(entity, list) and any(
+                        isinstance(form, str) and form.strip() for form in entity)
+                    and not any(normalize_answer(form) for form in entity)
+                )
+                if well_formed
+                else 0,
                 # Expectations skip nulls, so a missing split is made a visible non-member value.
                 "split": row.get("split") if isinstance(row.get("split"), str) else "<missing>",
             }
         )
     return pd.DataFrame.from_records(
-        records, columns=["id", "question_chars", "ground_truth_ok", "num_entities", "empty_entities", "split"]
+        records,
+        columns=["id", "question_chars", "ground_truth_ok", "num_entities", "empty_entities",
+                 "unmatchable_entities", "split"],
     )
 
 
@@ -99,6 +111,7 @@ def _expectations(max_question_chars: int):
         "bad_ground_truth": expect.ExpectColumnValuesToBeInSet(column="ground_truth_ok", value_set=[True]),
         "no_answers": expect.ExpectColumnValuesToBeBetween(column="num_entities", min_value=1),
         "empty_alias": expect.ExpectColumnValuesToBeBetween(column="empty_entities", max_value=0),
+        "unmatchable_alias": expect.ExpectColumnValuesToBeBetween(column="unmatchable_entities", max_value=0),
         "unknown_split": expect.ExpectColumnValuesToBeInSet(column="split", value_set=list(SPLITS)),
     }
 
