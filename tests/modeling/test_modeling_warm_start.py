@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spader_pipeline.modeling.warm_start import (
     SFTExample,
     WarmStartConfig,
-    encode_conversation,
+    examples_from_dialogues,
     example_from_tokens,
     length_buckets,
     masked_lm_loss,
@@ -24,10 +24,14 @@ CONVERSATION = [
 ]
 
 
-def test_encode_conversation_puts_loss_on_assistant_turns_and_their_eos_only(tiny_model_dir):
+def _encode(tok):
+    return examples_from_dialogues(tok, [CONVERSATION], model_type="qwen3")[0]
+
+
+def test_dialogue_examples_put_loss_on_assistant_turns_and_their_eos_only(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    example = encode_conversation(tok, CONVERSATION)
-    assert tok.decode(example.input_ids) == tok.apply_chat_template(CONVERSATION, tokenize=False)
+    example = _encode(tok)
+    assert tok.decode(example.input_ids).rstrip("\n") == tok.apply_chat_template(CONVERSATION, tokenize=False).rstrip("\n")
     trained = [i for i, m in zip(example.input_ids, example.loss_mask, strict=True) if m]
     assert tok.decode(trained) == (
         '<think>search</think>\n<tool_call>["Country in West Africa"]</tool_call><|im_end|>'
@@ -65,7 +69,7 @@ def test_masked_loss_equals_full_cross_entropy_on_the_same_positions(tiny_model_
 def test_train_sft_fits_a_repeated_demonstration(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    example = encode_conversation(tok, CONVERSATION)
+    example = _encode(tok)
     ids, attn = torch.tensor([example.input_ids]), torch.ones(1, len(example.input_ids), dtype=torch.long)
     before, _ = masked_lm_loss(model, ids, attn, torch.tensor([example.loss_mask]))
     logged = []

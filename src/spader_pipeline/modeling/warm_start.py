@@ -6,8 +6,9 @@ trajectories by default, or a user's own SFT data) before RL.
 
 An example is a token sequence with a loss mask: 1 on tokens the model would have generated
 (assistant turns and the ``<|im_end|>`` that closes them), 0 on prompt and observation tokens.
-Chat conversations are tokenised turn by turn (:func:`encode_conversation`), exactly the way a
-multi-turn rollout appends tokens, so the model is trained on the token boundaries it sees in RL.
+Chat conversations are tokenised by the rollout's own token layout (VERL's continuous-token
+builder, through :func:`spader_pipeline.agent.hf_backend.encode_dialogue`), so the model is trained
+on exactly the token boundaries it sees in RL and under VERL.
 
 Three things make the loop fast on CPU (measured in ``benchmarks/bench_training_warm_start.py``):
 
@@ -44,59 +45,12 @@ class SFTExample:
             raise ValueError("input_ids and loss_mask must have the same length")
 
 
-def encode_conversation(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int | None = None) -> SFTExample:
-    """Tokenise a chat conversation turn by turn; loss on assistant turns.
-
-    The text of message ``k`` is the difference between the chat template rendered over
-    ``messages[:k+1]`` and over ``messages[:k]`` (with the assistant header added when message
-    ``k`` is an assistant turn, so the header is context, not target). Each piece is tokenised on
-    its own, as a rollout does when it appends generated and observation tokens. The trailing
-    newline after ``<|im_end|>`` of an assistant turn is context (a rollout stops at the EOS token).
-    """
-    pieces: list[tuple[str, int]] = []
-    rendered = ""
-    for k, message in enumerate(messages):
-        is_assistant = message["role"] == "assistant"
-        before = _render(tokenizer, messages[:k], add_generation_prompt=is_assistant) if k else ""
-        if is_assistant and before != rendered:
-            pieces.append((before[len(rendered) :], 0))  # the assistant header
-            rendered = before
-        after = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
-        if not after.startswith(rendered):
-            raise ValueError("the chat template does not render conversations prefix by prefix")
-        delta = after[len(rendered) :]
-        if is_assistant:
-            eos = tokenizer.eos_token
-            cut = delta.rfind(eos) + len(eos) if eos and eos in delta else len(delta)
-            pieces.append((delta[:cut], 1))
-            if delta[cut:]:
-                pieces.append((delta[cut:], 0))
-        else:
-            pieces.append((delta, 0))
-        rendered = after
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, label in pieces:
-        if not text:
-            continue
-        piece = tokenizer.encode(text, add_special_tokens=False)
-        ids.extend(piece)
-        mask.extend([label] * len(piece))
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return SFTExample(tuple(ids), tuple(mask))
-
-
 def example_from_tokens(prompt_ids: Sequence[int], response_ids: Sequence[int], response_mask: Sequence[int]) -> SFTExample:
     """An example from a token-level trajectory (prompt context + response with its mask)."""
     return SFTExample(
         tuple(int(i) for i in prompt_ids) + tuple(int(i) for i in response_ids),
         (0,) * len(prompt_ids) + tuple(int(m) for m in response_mask),
     )
-
-
-def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 @dataclass
@@ -253,6 +207,20 @@ def _warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def examples_from_conversations(tokenizer, conversations: Iterable[Sequence[Mapping[str, str]]], max_length: int | None = None) -> list[SFTExample]:
-    """:func:`encode_conversation` over many conversations."""
-    return [encode_conversation(tokenizer, messages, max_length) for messages in conversations]
+def examples_from_dialogues(
+    tokenizer, conversations: Iterable[Sequence[Mapping[str, str]]], *, model_type: str | None = None,
+    max_length: int | None = None,
+) -> list[SFTExample]:
+    """Chat conversations → examples, tokenised by the rollout's own layout
+    (:func:`spader_pipeline.agent.hf_backend.encode_dialogue`, VERL's token builder)."""
+    from spader_pipeline.agent.hf_backend import encode_dialogue, make_token_builder
+
+    builder = make_token_builder(tokenizer, model_type)
+    out = []
+    for messages in conversations:
+        prompt, response, mask = encode_dialogue(messages, tokenizer, builder=builder)
+        example = example_from_tokens(prompt, response, mask)
+        if max_length is not None:
+            example = SFTExample(example.input_ids[:max_length], example.loss_mask[:max_length])
+        out.append(example)
+    return out
