@@ -103,6 +103,8 @@ class BM25Retriever:
         self._indptr = model.scores["indptr"]  # [V + 1] column starts
         self.num_docs = int(model.scores["num_docs"])
         self.mmap = mmap
+        #: aggregate sparsely while the query's postings are below this share of the corpus
+        self.sparse_fraction = 0.25
 
     def scores(self, query: str) -> tuple[np.ndarray, np.ndarray]:
         """Rows that contain at least one query term and their BM25 scores: ``([M] int64, [M] float32)``.
@@ -118,7 +120,7 @@ class BM25Retriever:
         total = int((ends - starts).sum())
         if total == 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
-        if total * 4 < self.num_docs:
+        if total < self.sparse_fraction * self.num_docs:
             rows = np.concatenate([self._indices[s:e] for s, e in zip(starts, ends, strict=True)])
             weights = np.concatenate(
                 [self._data[s:e] * c for s, e, c in zip(starts, ends, counts, strict=True)]

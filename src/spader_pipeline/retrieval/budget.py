@@ -60,7 +60,8 @@ def apply_budget(queries: Sequence[str], candidates: Sequence[Sequence[Any]], ma
 
     Returns ``{"result": [...], "truncation_warning"?}`` with
     ``len(render(result)) <= max_chars`` whenever ``max_chars > 0`` (``None`` or ``<= 0``: no budget).
-    Raises :class:`BudgetTooSmall` when the skeleton alone does not fit.
+    Raises :class:`BudgetTooSmall` when the skeleton (plus the warning, if anything must be
+    dropped) does not fit.
     """
     if max_chars is None or max_chars <= 0:
         return spader_body(queries, candidates, None)
@@ -76,6 +77,11 @@ def apply_budget(queries: Sequence[str], candidates: Sequence[Sequence[Any]], ma
         warning = truncation_warning(max_chars)
         reserve = len(render({"result": [], "truncation_warning": warning})) - len(render({"result": []}))
         budget = max_chars - reserve - skeleton
+        if budget < 0:
+            raise BudgetTooSmall(
+                f"max_chars={max_chars} cannot hold these queries' response skeleton plus the truncation "
+                f"warning ({skeleton + reserve} characters)"
+            )
         kept = [0] * len(queries)
         open_ = [True] * len(queries)
         depth = max((len(d) for d in candidates), default=0)

@@ -1,0 +1,113 @@
+"""BM25 index over the fixture corpus: relevance, persistence, memory mapping, manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from retrieval_cases import EXPECTED
+
+from spader_pipeline.retrieval.bm25 import BM25Retriever, top_k
+from spader_pipeline.retrieval.corpus import file_sha256, iter_corpus
+from spader_pipeline.retrieval.index import build_index, build_index_from_file, load_retriever, read_manifest
+
+
+@pytest.mark.parametrize(("query", "title"), sorted(EXPECTED.items()))
+def test_expected_passage_in_top3(bm25_index, query, title):
+    searcher = load_retriever(bm25_index)
+    result = searcher.search([query], topk=3)[0]
+    assert title in [d.title for d in result.documents]
+    scores = [d.score for d in result.documents]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_mmap_load_matches_in_memory(bm25_index):
+    queries = list(EXPECTED)
+    in_ram = load_retriever(bm25_index, mmap=False).search(queries, topk=5)
+    mapped = load_retriever(bm25_index, mmap=True)
+    assert isinstance(mapped.retriever._data, np.memmap)
+    assert mapped.search(queries, topk=5) == in_ram
+
+
+def test_query_without_known_terms_returns_nothing(bm25_index):
+    searcher = load_retriever(bm25_index)
+    assert searcher.search(["zzzqx", "the of a"], topk=5)[0].documents == []
+
+
+def test_only_matching_passages_are_returned(bm25_index):
+    # "Accra" appears in exactly one passage: asking for 5 gives 1.
+    docs = load_retriever(bm25_index).search(["Accra"], topk=5)[0].documents
+    assert [d.title for d in docs] == ["Ghana"]
+
+
+def test_manifest_records_method_parameters_hash_and_sizes(bm25_index, corpus_path):
+    manifest = read_manifest(bm25_index)
+    assert manifest["method"] == "bm25"
+    assert manifest["parameters"]["k1"] == 0.9 and manifest["parameters"]["b"] == 0.4
+    assert manifest["corpus"]["num_passages"] == sum(1 for _ in iter_corpus(corpus_path))
+    assert len(manifest["corpus"]["sha256"]) == 64
+    assert manifest["sizes"]["index_bytes"] > 0 and manifest["sizes"]["docstore_bytes"] > 0
+    assert manifest["build_seconds"] >= 0
+    assert len(file_sha256(corpus_path)) == 64
+
+
+def test_parameters_come_from_config(tmp_path, corpus_path):
+    build_index_from_file(corpus_path, tmp_path / "a", "bm25", {"bm25": {"k1": 0.9, "b": 0.4}}, show_progress=False)
+    build_index_from_file(corpus_path, tmp_path / "b", "bm25", {"bm25": {"k1": 2.0, "b": 1.0}}, show_progress=False)
+    a = load_retriever(tmp_path / "a").search(["river Danube Vienna"], 3)[0].documents
+    b = load_retriever(tmp_path / "b").search(["river Danube Vienna"], 3)[0].documents
+    assert a[0].title == b[0].title == "Danube"
+    assert a[0].score != pytest.approx(b[0].score)
+    assert read_manifest(tmp_path / "b")["parameters"]["k1"] == 2.0
+    with pytest.raises(ValueError, match="unknown bm25 parameters"):
+        build_index_from_file(corpus_path, tmp_path / "c", "bm25", {"bm25": {"k_one": 1}}, show_progress=False)
+
+
+def test_identical_corpus_gives_identical_hash(tmp_path, corpus_path):
+    first = build_index_from_file(corpus_path, tmp_path / "x", "bm25", show_progress=False)
+    second = build_index_from_file(corpus_path, tmp_path / "y", "bm25", show_progress=False)
+    assert first["corpus"]["sha256"] == second["corpus"]["sha256"]
+
+
+def test_streamed_build_consumes_a_generator_once(tmp_path):
+    from spader_pipeline.retrieval.corpus import Passage
+
+    consumed = []
+
+    def passages():
+        for i in range(500):
+            consumed.append(i)
+            yield Passage(f"p{i}", f"title {i}", f"passage number {i} about topic{i % 7}")
+
+    manifest = build_index(passages(), tmp_path, "bm25", show_progress=False)
+    assert consumed == list(range(500)) and manifest["corpus"]["num_passages"] == 500
+    docs = load_retriever(tmp_path).search(["topic3"], 100)[0].documents
+    assert len(docs) == len([i for i in range(500) if i % 7 == 3][:100])
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="empty corpus"):
+        build_index([], tmp_path, "bm25", show_progress=False)
+
+
+def test_top_k_orders_by_score_then_row():
+    rows = np.array([5, 3, 9, 1])
+    scores = np.array([1.0, 2.0, 2.0, 0.5], dtype=np.float32)
+    r, s = top_k(rows, scores, 3)
+    assert r.tolist() == [3, 9, 5] and s.tolist() == [2.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("query", ["kingfisher birds river fish", "the capital city", "Accra"])
+def test_sparse_and_dense_aggregation_agree(bm25_index, query):
+    retriever = BM25Retriever(bm25_index / "bm25")
+    retriever.sparse_fraction = float("inf")
+    sparse_rows, sparse_scores = retriever.scores(query)
+    retriever.sparse_fraction = 0.0
+    dense_rows, dense_scores = retriever.scores(query)
+    assert sparse_rows.tolist() == dense_rows.tolist()
+    np.testing.assert_allclose(sparse_scores, dense_scores, rtol=1e-6)
+
+
+def test_manifest_is_json(bm25_index):
+    json.loads((bm25_index / "manifest.json").read_text())
