@@ -242,3 +242,32 @@ def enforce_quality_gate(metrics: Mapping[str, Any], max_failure_rate: float) ->
             f"data quality gate failed — {details}. The quarantined rows and their reasons are in the "
             "`qa_quarantine` dataset; fix the source or raise data_prep.validation.max_failure_rate."
         )
+
+
+def quarantine_report(metrics: Mapping[str, Any], quarantine: pd.DataFrame, examples: int = 5) -> str:
+    """A markdown summary: per data source rows in/clean/quarantined and counts per reason, then a
+    few quarantined ids per reason (the full rows are in the ``qa_quarantine`` dataset)."""
+    lines = [
+        "# Data quality report",
+        "",
+        "| data source | rows in | clean | quarantined | rate | reasons |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, table in metrics.items():
+        if name == "total":
+            continue
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(table["quarantined"].items())) or "-"
+        lines.append(
+            f"| {name} | {table['rows_in']} | {table['rows_clean']} | {table['rows_quarantined']} "
+            f"| {table['quarantine_rate']:.1%} | {reasons} |"
+        )
+    total = metrics.get("total", {})
+    lines += ["", f"Total: {total.get('rows_in', 0)} rows in, {total.get('rows_clean', 0)} clean, "
+              f"{total.get('rows_quarantined', 0)} quarantined."]
+    if not quarantine.empty:
+        lines += ["", "## Examples", ""]
+        exploded = quarantine.assign(reason=quarantine["reasons"].str.split(";")).explode("reason")
+        for reason, group in exploded.groupby("reason", sort=True):
+            ids = ", ".join(f"`{i}`" for i in group["id"].head(examples))
+            lines.append(f"- **{reason}** ({len(group)}): {ids}")
+    return "\n".join(lines) + "\n"

@@ -58,6 +58,10 @@ def test_data_prep_quality_gate_stops_run_and_keeps_quarantine(kedro_project):
     quarantine = pd.read_json(version / "qa_quarantine.jsonl", lines=True)
     assert len(quarantine) == 5 and set(quarantine["data_source"]) == {"qampari"}
 
+    (report,) = list((kedro_project / "data/08_reporting/data_quality_report.md").iterdir())
+    text = (report / "data_quality_report.md").read_text()
+    assert "| qampari | 6 | 1 | 5 | 83.3% |" in text and "**duplicate_id** (1): `qampari:q-films`" in text
+
     run = _runs()[0]
     assert run.info.status == "FAILED"
     assert "DataQualityError" in run.data.tags["error"]

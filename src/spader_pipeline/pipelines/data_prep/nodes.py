@@ -58,8 +58,18 @@ def validate_questions(
     return outcome.clean, outcome.quarantine, outcome.metrics
 
 
-def check_quality_gate(clean: pd.DataFrame, metrics: dict[str, Any], params: dict[str, Any]) -> pd.DataFrame:
-    """Stop the pipeline when a source's quarantine rate exceeds the threshold; else pass rows on."""
+def write_quality_report(metrics: dict[str, Any], quarantine: pd.DataFrame) -> str:
+    """Markdown summary of validation (data/08_reporting/data_quality_report.md)."""
+    return validation.quarantine_report(metrics, quarantine)
+
+
+def check_quality_gate(
+    clean: pd.DataFrame, metrics: dict[str, Any], report: str, params: dict[str, Any]
+) -> pd.DataFrame:
+    """Stop the pipeline when a source's quarantine rate exceeds the threshold; else pass rows on.
+
+    ``report`` is taken only so the gate runs after the quality report has been written.
+    """
     validation.enforce_quality_gate(metrics, float(params["max_failure_rate"]))
     return clean
 

@@ -22,8 +22,14 @@ def create_pipeline(**kwargs) -> Pipeline:
                 name="validate_questions",
             ),
             node(
+                nodes.write_quality_report,
+                ["data_prep_metrics", "qa_quarantine"],
+                "data_quality_report",
+                name="write_quality_report",
+            ),
+            node(
                 nodes.check_quality_gate,
-                ["qa_validated", "data_prep_metrics", "params:data_prep.validation"],
+                ["qa_validated", "data_prep_metrics", "data_quality_report", "params:data_prep.validation"],
                 "qa_unified",
                 name="check_quality_gate",
             ),
