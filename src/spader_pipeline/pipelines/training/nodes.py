@@ -1,0 +1,226 @@
+"""Nodes of the training stage. Thin: the work is in :mod:`spader_pipeline.modeling`,
+:mod:`spader_pipeline.native` and :mod:`spader_pipeline.launch`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from spader_pipeline import tracking
+from spader_pipeline.agent.prompts import resolve_template
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Training questions ``{"id", "question", "ground_truth", "data_source"}`` from the VERL parquet
+    (``extra_info.question``, ``reward_model.ground_truth``); an optional seeded subset of ``limit``."""
+    rows = []
+    for row in frame.to_dict(orient="records"):
+        extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
+        gt = [[str(a) for a in (entity if not isinstance(entity, str) else [entity])]
+              for entity in list(reward.get("ground_truth", []))]
+        rows.append({"id": str(extra.get("id", len(rows))), "question": str(extra["question"]),
+                     "ground_truth": gt, "data_source": row.get("data_source")})
+    if limit and len(rows) > limit:
+        keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
+        rows = [rows[int(i)] for i in sorted(keep)]
+    return rows
+
+
+@contextlib.contextmanager
+def search_backend(params: Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[Any]:
+    """The search backend for rollouts: the in-process index (``mode: local``, fastest), the
+    retrieval service started on the index (``mode: service``), or a running one (``url``)."""
+    params = dict(params or {})
+    if params.get("url"):
+        from spader_pipeline.retrieval import RetrievalClient
+
+        yield RetrievalClient(params["url"], timeout=params.get("timeout", 30.0))
+    elif params.get("mode", "local") == "service":
+        from spader_pipeline.retrieval import RetrievalClient, running_service
+
+        with running_service(index_manifest["index_dir"]) as url:
+            yield RetrievalClient(url, timeout=params.get("timeout", 30.0))
+    else:
+        from spader_pipeline.agent.rollout import LocalSearch
+        from spader_pipeline.retrieval import load_retriever
+
+        retriever = load_retriever(index_manifest["index_dir"])
+        try:
+            yield LocalSearch(retriever)
+        finally:
+            close = getattr(retriever, "close", None)
+            if close is not None:
+                close()
+
+
+def _template(prompt: Mapping[str, Any], name: str | None = None) -> str:
+    if name:
+        return resolve_template({**prompt, "template": name})
+    return resolve_template(prompt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Warm start
+# ----------------------------------------------------------------------------------------------
+
+
+def warm_start(
+    base_model_manifest: Mapping[str, Any],
+    verl_train: pd.DataFrame,
+    verl_validation: pd.DataFrame,
+    index_manifest: Mapping[str, Any],
+    params: Mapping[str, Any],
+    prompt: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Supervised warm start of the base model; returns its manifest and summary metrics.
+
+    Demonstrations are the scripted policy's trajectories on training questions, or the user's own
+    chat conversations (``params.data_path``: JSON lines with ``messages``). ``enabled: false``
+    passes the base model through unchanged.
+    """
+    from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
+    from spader_pipeline.agent.scripted import ScriptedPolicy
+    from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.modeling.warm_start import WarmStartConfig, examples_from_dialogues, train_sft
+
+    if not params.get("enabled", True):
+        logger.info("warm start disabled; RL starts from the base model")
+        return {**base_model_manifest, "warm_start": False}, {}
+    started = time.perf_counter()
+    seed = int(params.get("seed", 0))
+    template = _template(prompt, params.get("prompt_template"))
+    rollout_cfg = RolloutConfig.from_mapping(params.get("rollout", {}))
+    model, tokenizer = load_model_and_tokenizer(base_model_manifest["path"])
+
+    if params.get("data_path"):
+        conversations = [json.loads(line)["messages"] for line in Path(params["data_path"]).read_text().splitlines() if line.strip()]
+        source = str(params["data_path"])
+    else:
+        samples = samples_from_verl(verl_train, params.get("max_demonstrations"), seed)
+        with search_backend(params.get("search", {}), index_manifest) as search:
+            demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout_cfg, template)
+        conversations = [t.messages for t in demos if t.predicted is not None]
+        source = "scripted"
+    examples = examples_from_dialogues(tokenizer, conversations, model_type=model.config.model_type,
+                                       max_length=params.get("max_length"))
+    logger.info("warm start on %d demonstrations (%s)", len(examples), source)
+    summary = train_sft(
+        model, examples, WarmStartConfig(**params.get("sft", {})), pad_id=tokenizer.pad_token_id,
+        on_log=lambda step, m: tracking.log_metrics(m, step=step, prefix="warm_start/train"),
+    )
+    out = Path(params["output_dir"])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    metrics = {**summary, "demonstrations": float(len(examples))}
+    metrics.update(_protocol_check(model, tokenizer, verl_validation, index_manifest, params, template))
+    metrics["total_seconds"] = time.perf_counter() - started
+    manifest = {"path": str(out.resolve()), "source": "warm_start", "base": base_model_manifest["path"],
+                "demonstrations": source, "warm_start": True}
+    return manifest, metrics
+
+
+def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -> dict[str, float]:
+    """Greedy rollouts of the warm-started model on a few validation questions: does it speak the protocol?"""
+    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+    from spader_pipeline.algorithms import score_answers
+
+    n = int(params.get("check_questions", 0) or 0)
+    if n <= 0 or frame is None or len(frame) == 0:
+        return {}
+    samples = samples_from_verl(frame, n, seed=1)
+    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
+    with search_backend(params.get("search", {}), index_manifest) as search:
+        trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
+    turns = [s for t in trajs for s in t.steps]
+    recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]
+    return {
+        "check/valid_turn_rate": sum(s.kind != "invalid" for s in turns) / max(len(turns), 1),
+        "check/answered_rate": sum(t.predicted is not None for t in trajs) / len(trajs),
+        "check/answer_recall": float(np.mean(recall)),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# RL
+# ----------------------------------------------------------------------------------------------
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in (override or {}).items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
+
+
+def train_policy(
+    init_manifest: Mapping[str, Any],
+    verl_train: pd.DataFrame,
+    index_manifest: Mapping[str, Any],
+    method: Mapping[str, Any],
+    training: Mapping[str, Any],
+    prompt: Mapping[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
+    """Train one method from ``init_manifest``; return the policy manifest, the per-step history
+    and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch."""
+    name = method["method"]
+    backend = training.get("backend", "native")
+    run_dir = Path(training.get("output_dir", "data/06_models")) / f"train_{name}"
+    template = _template(prompt, training.get("prompt_template"))
+    if backend == "verl":
+        from spader_pipeline.launch.verl import launch_verl_training
+
+        manifest = launch_verl_training(init_manifest, index_manifest, method, training, run_dir)
+        return manifest, [], {"backend_verl": 1.0}
+    if backend != "native":
+        raise ValueError(f"training.backend={backend!r}: use native or verl")
+
+    from spader_pipeline.native import NativeTrainerConfig, train_native
+
+    settings = _merge(training.get("native", {}), method)
+    config = NativeTrainerConfig.from_mapping(settings)
+    samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
+    prefix = f"train_{name}"
+    with search_backend(training.get("search", {}), index_manifest) as search:
+        result = train_native(
+            config,
+            model_path=init_manifest["path"],
+            samples=samples,
+            search=search,
+            run_dir=run_dir,
+            prompt_template=template,
+            log_metrics=lambda m, step: tracking.log_metrics(m, step=step, prefix=prefix),
+            log_artifact=lambda p: tracking.log_artifact(p, artifact_path=f"{prefix}/samples"),
+        )
+    manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
+                "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
+                "resumed_from": result.resumed_from}
+    final = _summary(result.history)
+    return manifest, result.history, final
+
+
+def _summary(history: list[dict[str, float]], window: int = 10) -> dict[str, float]:
+    """Means of the last ``window`` steps (the run's end state) plus the step count."""
+    if not history:
+        return {"steps": 0.0}
+    tail = history[-window:]
+    keys = [k for k in tail[-1] if k != "step"]
+    out = {f"last{window}/{k}": float(np.mean([h[k] for h in tail if k in h])) for k in keys}
+    out["steps"] = float(history[-1]["step"])
+    out["seconds"] = float(sum(h.get("perf/step_seconds", 0.0) for h in history))
+    return out

@@ -1,0 +1,59 @@
+"""Pipelines of the training stage.
+
+- :func:`warm_start_pipeline` — SFT on demonstrations → ``warm_start_manifest``.
+- :func:`method_pipeline` — one RL run (native or VERL backend) from ``warm_start_manifest``; reused
+  per method under the namespace ``train_<method>``: its datasets become
+  ``train_<method>.policy_manifest`` / ``.training_history`` / ``.training_metrics`` and its method
+  block ``params:train_<method>.method`` (``conf/base/parameters_training.yml``), while
+  ``params:training`` (everything shared) stays common. Two methods therefore differ only in
+  their ``train_<method>.method`` blocks.
+- :func:`create_pipeline` — the default ``training`` stage: warm start + GRPO + SPADER.
+"""
+
+from kedro.pipeline import Pipeline, node, pipeline
+
+from .nodes import train_policy, warm_start
+
+SHARED_INPUTS = {"warm_start_manifest", "verl_train", "index_manifest"}
+SHARED_PARAMS = {"params:training", "params:prompt"}
+DEFAULT_METHODS = ("grpo", "spader")
+
+
+def warm_start_pipeline() -> Pipeline:
+    return Pipeline(
+        [
+            node(
+                warm_start,
+                inputs=["base_model_manifest", "verl_train", "verl_validation", "index_manifest",
+                        "params:warm_start", "params:prompt"],
+                outputs=["warm_start_manifest", "warm_start_metrics"],
+                name="warm_start",
+            )
+        ],
+        tags="training",
+    )
+
+
+def method_pipeline(method: str) -> Pipeline:
+    """The RL pipeline of one method, namespaced ``train_<method>``."""
+    base = Pipeline(
+        [
+            node(
+                train_policy,
+                inputs=["warm_start_manifest", "verl_train", "index_manifest", "params:method",
+                        "params:training", "params:prompt"],
+                outputs=["policy_manifest", "training_history", "training_metrics"],
+                name="train_policy",
+            )
+        ],
+        tags="training",
+    )
+    return pipeline(base, namespace=f"train_{method}", inputs=SHARED_INPUTS, parameters=SHARED_PARAMS)
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    methods = kwargs.get("methods", DEFAULT_METHODS)
+    combined = warm_start_pipeline()
+    for method in methods:
+        combined += method_pipeline(method)
+    return combined

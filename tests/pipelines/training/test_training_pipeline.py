@@ -1,0 +1,54 @@
+"""A real ``kedro run`` of data prep → index → base model → training (warm start, GRPO, SPADER)
+through KedroSession on a small slice of the embedded default, tracked in a tmp MLflow store."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+from kedro.framework.session import KedroSession
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from spader_pipeline.pipelines import train_grpo, train_spader, training
+
+
+def test_method_pipelines_differ_only_in_their_namespaced_method_block():
+    grpo, spader = train_grpo.create_pipeline(), train_spader.create_pipeline()
+    assert [n.name for n in grpo.nodes] == ["train_grpo.train_policy"]
+    assert grpo.inputs() == {"warm_start_manifest", "verl_train", "index_manifest", "params:train_grpo.method",
+                             "params:training", "params:prompt"}
+    assert {i.replace("spader", "grpo") for i in spader.inputs()} == grpo.inputs()
+    assert training.create_pipeline().outputs() >= {"train_grpo.policy_manifest", "train_spader.policy_manifest"}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_training_session_run_two_native_steps_per_method(kedro_project):
+    runtime = {"data_prep": {"wiki": {"limit": 400}}}
+    with KedroSession.create(project_path=kedro_project, env="test", runtime_params=runtime) as session:
+        session.run(pipeline_names=["data_prep", "index_build", "base_model", "training"])
+
+    for method in ("grpo", "spader"):
+        manifest = json.loads((kedro_project / f"data/06_models/train_{method}/policy_manifest.json").read_text())
+        assert manifest["steps"] == 2 and manifest["method"] == method
+        model = AutoModelForCausalLM.from_pretrained(manifest["path"])
+        assert model.config.model_type == "qwen3"
+        AutoTokenizer.from_pretrained(manifest["path"])
+        ckpt = kedro_project / f"data/06_models/train_{method}/checkpoints/step_000002"
+        AutoModelForCausalLM.from_pretrained(ckpt)
+        history = json.loads((kedro_project / f"data/07_model_output/train_{method}/training_history.json").read_text())
+        assert [h["step"] for h in history] == [1, 2]
+
+    run = mlflow.search_runs(experiment_names=["spader-pipeline-test"], output_format="list",
+                             order_by=["start_time DESC"])[0]
+    assert run.info.status == "FINISHED"
+    client = mlflow.MlflowClient()
+    for method in ("grpo", "spader"):
+        for key in ("reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "perf/step_seconds"):
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, f"train_{method}/{key}")]
+            assert steps == [1, 2], (method, key)
+        assert run.data.metrics[f"train_{method}/training/steps"] == 2
+    assert "warm_start/demonstrations" in run.data.metrics
+    samples = client.list_artifacts(run.info.run_id, "train_spader/samples")
+    assert [a.path.rsplit("/", 1)[-1] for a in samples] == ["step_000001.json", "step_000002.json"]
