@@ -1,19 +1,7 @@
-"""In-process Hugging Face generator: batched, token level, VERL's token layout.
+"""In-process Hugging Face generator: batched across trajectories, token level, VERL's token layout.
 
-Token layout (identical to VERL 0.9's agent loop, ``verl.experimental.agent_loop``):
-
-* ``prompt_ids`` = the chat template applied to the prompt messages with
-  ``add_generation_prompt=True``;
-* each assistant turn appends the generated ids as they were sampled (mask 1), including the
-  end-of-turn token;
-* each observation (a ``user`` message) is encoded by VERL's own Continuous-Token builder
-  (``verl.utils.tokenizer.continuous_token_wiring.create_continuous_token_builder``): the chat
-  template is rendered after a synthetic system+user prefix with ``add_generation_prompt=True``
-  and the prefix is cut off, plus the model family's boundary fix (Qwen: the ``"\\n"`` after a
-  generated ``<|im_end|>``). These tokens get mask 0.
-
-Using the builder itself, rather than a re-implementation, guarantees that a policy trained here
-and one trained under VERL see the same tokens.
+The token bookkeeping (prompt, model turns with mask 1, observations with mask 0) is
+:class:`spader_pipeline.agent.tokens.TokenLayout`, the same code the VERL agent loop uses.
 """
 
 from __future__ import annotations
@@ -26,19 +14,11 @@ from typing import Any
 import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
+from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+
+__all__ = ["HFGenerator", "encode_dialogue", "make_token_builder", "pad_batch"]
 
 logger = logging.getLogger(__name__)
-
-
-def make_token_builder(
-    tokenizer: Any, model_type: str | None, chat_template_kwargs: Mapping[str, Any] | None = None
-):
-    """VERL's Continuous-Token builder for this tokenizer and model family."""
-    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
-
-    return create_continuous_token_builder(
-        tokenizer, hf_model_type=model_type, chat_template_kwargs=dict(chat_template_kwargs or {})
-    )
 
 
 class HFGenerator(Generator):
@@ -69,11 +49,11 @@ class HFGenerator(Generator):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
-        self.max_prompt_tokens = max_prompt_tokens
         self.micro_batch_size = micro_batch_size
-        self.builder = make_token_builder(
+        builder = make_token_builder(
             tokenizer, getattr(model.config, "model_type", None), chat_template_kwargs
         )
+        self.layout = TokenLayout(builder, max_prompt_tokens)
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = (
@@ -84,32 +64,16 @@ class HFGenerator(Generator):
         if self.sampling.seed is not None:
             self._generator = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
 
-    # ---- token bookkeeping ---------------------------------------------------------------------
+    # ---- token bookkeeping (VERL layout) ------------------------------------------------------
 
     def start(self, state: RolloutState) -> None:
-        ids = list(self.builder.build_initial_tokens(state.messages))
-        if len(ids) > self.max_prompt_tokens:
-            logger.warning(
-                "prompt of %d tokens exceeds %d; left-truncating", len(ids), self.max_prompt_tokens
-            )
-            ids = ids[-self.max_prompt_tokens :]
-        state.token_ids = ids
-        state.prompt_length = len(ids)
-        state.response_mask = []
+        self.layout.start(state)
 
     def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
-        merge = self.builder.merge_assistant_tokens(state.token_ids, list(turn.token_ids or ()))
-        state.response_mask, _ = self.builder.align_response_metadata(merge, state.response_mask)
-        state.token_ids = merge.token_ids
+        self.layout.append_turn(state, turn)
 
     def append_observation(self, state: RolloutState, previous: list[dict[str, str]]) -> bool:
-        merge = self.builder.merge_context_tokens(previous, state.messages, state.token_ids)
-        mask, _ = self.builder.align_response_metadata(merge, state.response_mask)
-        if len(mask) >= state.max_response_tokens:
-            return False  # VERL: an observation that would overflow ends the trajectory unappended
-        state.token_ids = merge.token_ids
-        state.response_mask = mask
-        return True
+        return self.layout.append_observation(state, previous)
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -168,38 +132,6 @@ class HFGenerator(Generator):
 # --------------------------------------------------------------------------------------------------
 # Token layout helpers for training
 # --------------------------------------------------------------------------------------------------
-
-
-def encode_dialogue(
-    messages: Sequence[Mapping[str, str]],
-    tokenizer: Any,
-    *,
-    model_type: str | None = None,
-    builder: Any = None,
-) -> tuple[list[int], list[int], list[int]]:
-    """Token layout of a finished chat (e.g. a scripted demonstration), as the HF rollout lays it out.
-
-    The messages before the first assistant turn form the prompt; every assistant turn becomes its
-    tokens plus the end-of-turn token (mask 1), every later user turn is encoded by VERL's builder
-    (mask 0). Returns ``(prompt_ids, response_ids, response_mask)``.
-    """
-    builder = builder or make_token_builder(tokenizer, model_type)
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    history = [dict(m) for m in messages[:first]]
-    ids = list(builder.build_initial_tokens(history))
-    prompt_length = len(ids)
-    mask: list[int] = []
-    eos = tokenizer.eos_token_id
-    for message in messages[first:]:
-        if message["role"] == "assistant":
-            turn = list(tokenizer.encode(message["content"], add_special_tokens=False)) + [eos]
-            merge = builder.merge_assistant_tokens(ids, turn)
-        else:
-            merge = builder.merge_context_tokens(history, [*history, dict(message)], ids)
-        mask, _ = builder.align_response_metadata(merge, mask)
-        ids = merge.token_ids
-        history.append(dict(message))
-    return ids[:prompt_length], ids[prompt_length:], mask
 
 
 def pad_batch(

@@ -61,9 +61,11 @@ __all__ = [
     "RolloutState",
     "SamplingParams",
     "SearchBackend",
+    "SearchOutcome",
     "Step",
     "Trajectory",
     "document_text",
+    "observe_search",
     "run_rollouts",
     "run_rollouts_sync",
 ]
@@ -175,6 +177,7 @@ class Trajectory:
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
     response_mask: list[int] | None = None
+    response_logprobs: list[float] | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -233,6 +236,7 @@ class RolloutState:
     token_ids: list[int] = field(default_factory=list)
     prompt_length: int = 0
     response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] | None = None
     finish_reason: FinishReason | None = None
     predicted: tuple[str, ...] | None = None
     error: str | None = None
@@ -253,6 +257,7 @@ class GeneratedTurn:
 
     text: str
     token_ids: tuple[int, ...] | None = None
+    logprobs: tuple[float, ...] | None = None
     error: str | None = None
 
 
@@ -325,39 +330,74 @@ def _doc_field(doc: Any, name: str) -> str:
 
 
 def new_state(
-    sample: Mapping[str, Any], template: str, config: RolloutConfig, system: str | None = None
+    sample: Mapping[str, Any], template: str | None, config: RolloutConfig, system: str | None = None
 ) -> RolloutState:
-    """A fresh trajectory for ``sample`` (needs ``question``; ``id`` recommended)."""
-    question = str(sample["question"])
-    return RolloutState(
-        sample=sample,
-        messages=render_prompt(template, question, system=system),
-        max_response_tokens=config.max_response_tokens,
-    )
+    """A fresh trajectory for ``sample``: ``question`` rendered with ``template``, or the ready chat
+    ``messages`` of the sample (e.g. VERL's ``raw_prompt``) when it has them."""
+    if sample.get("messages"):
+        messages = [dict(m) for m in sample["messages"]]
+    else:
+        if template is None:
+            raise ValueError("a sample without 'messages' needs a prompt template")
+        messages = render_prompt(template, str(sample["question"]), system=system)
+    return RolloutState(sample=sample, messages=messages, max_response_tokens=config.max_response_tokens)
 
 
-async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> str:
-    """Run the search of ``step`` (filling its records) and return the observation text."""
-    queries = list(step.queries)
+@dataclass
+class SearchOutcome:
+    """What one executed tool call produced: the observation text and the per-query records."""
+
+    text: str
+    queries: tuple[str, ...]
+    doc_ids: list[list[str]] = field(default_factory=list)
+    titles: list[list[str]] = field(default_factory=list)
+    retrieved_texts: list[str] = field(default_factory=list)
+    truncation_warning: str | None = None
+    error: str | None = None
+
+
+async def observe_search(
+    search: SearchBackend, queries: Sequence[str], config: RolloutConfig
+) -> SearchOutcome:
+    """Run one tool call and render its observation. Never raises: a failed search is an observation.
+
+    Shared by the rollout loop and the VERL search tool, so both show the model the same text.
+    """
+    queries = list(queries)
     note = None
     if len(queries) > config.max_queries_per_call:
         note = f"Only the first {config.max_queries_per_call} of {len(queries)} queries were run."
         queries = queries[: config.max_queries_per_call]
-        step.queries = tuple(queries)
+    if not queries:
+        message = "the tool call has no non-empty query"
+        return SearchOutcome(format_error_observation(message), (), error=message)
     try:
         response = await search.search(queries, topk=config.topk, max_chars=config.max_chars)
     except Exception as exc:  # noqa: BLE001 - a failed search is an observation, not a crash
         logger.warning("search failed for %r: %s", queries, exc)
-        step.error = f"search failed: {exc.__class__.__name__}: {exc}"
-        return format_error_observation(f"the search service failed ({exc.__class__.__name__}); try again")
+        text = format_error_observation(f"the search service failed ({exc.__class__.__name__}); try again")
+        return SearchOutcome(text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}")
     results, warning = _results_of(response)
+    outcome = SearchOutcome("", tuple(queries))
     for result in results:
         docs = _docs_of(result)
-        step.doc_ids.append([_doc_field(d, "id") for d in docs])
-        step.titles.append([_doc_field(d, "title") for d in docs])
-        step.retrieved_texts.extend(document_text(d) for d in docs)
-    step.truncation_warning = " ".join(x for x in (warning, note) if x) or None
-    return format_observation(results, step.truncation_warning, max_chars=config.max_observation_chars)
+        outcome.doc_ids.append([_doc_field(d, "id") for d in docs])
+        outcome.titles.append([_doc_field(d, "title") for d in docs])
+        outcome.retrieved_texts.extend(document_text(d) for d in docs)
+    outcome.truncation_warning = " ".join(x for x in (warning, note) if x) or None
+    outcome.text = format_observation(
+        results, outcome.truncation_warning, max_chars=config.max_observation_chars
+    )
+    return outcome
+
+
+async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> str:
+    """Run the search of ``step``, fill its records, return the observation text."""
+    outcome = await observe_search(search, step.queries, config)
+    step.queries = outcome.queries
+    step.doc_ids, step.titles, step.retrieved_texts = outcome.doc_ids, outcome.titles, outcome.retrieved_texts
+    step.truncation_warning, step.error = outcome.truncation_warning, outcome.error
+    return outcome.text
 
 
 def _finish(state: RolloutState, reason: FinishReason) -> None:
@@ -422,14 +462,15 @@ async def run_rollouts(
     generator: Generator,
     search: SearchBackend,
     config: RolloutConfig,
-    template: str,
+    template: str | None,
     *,
     system: str | None = None,
 ) -> list[Trajectory]:
     """Roll out one trajectory per sample, all advancing in lock-step rounds (one batch per round).
 
     ``samples`` are mappings with ``question`` (and usually ``id``); ``template`` is a prompt
-    template with one ``{question}`` placeholder (see :mod:`.prompts`). Generator errors end that
+    template with one ``{question}`` placeholder (see :mod:`.prompts`). A sample that carries
+    ready ``messages`` uses them instead. Generator errors end that
     trajectory with ``finish_reason="error"``; nothing raises for a single bad sample except
     programming errors.
     """
@@ -451,7 +492,7 @@ def run_rollouts_sync(*args: Any, **kwargs: Any) -> list[Trajectory]:
 def _to_trajectory(state: RolloutState, token_level: bool) -> Trajectory:
     return Trajectory(
         id=str(state.sample.get("id", "")),
-        question=str(state.sample["question"]),
+        question=str(state.sample.get("question", "")),
         messages=state.messages,
         steps=state.steps,
         finish_reason=state.finish_reason or "error",
@@ -459,5 +500,6 @@ def _to_trajectory(state: RolloutState, token_level: bool) -> Trajectory:
         prompt_ids=state.token_ids[: state.prompt_length] if token_level else None,
         response_ids=state.token_ids[state.prompt_length :] if token_level else None,
         response_mask=list(state.response_mask) if token_level else None,
+        response_logprobs=list(state.response_logprobs) if token_level and state.response_logprobs else None,
         error=state.error,
     )

@@ -1,0 +1,119 @@
+"""VERL's token layout for multi-turn trajectories, shared by the HF backend and the VERL agent loop.
+
+Layout (VERL 0.9 agent loop, ``verl.experimental.agent_loop``):
+
+* ``prompt_ids`` = the chat template applied to the prompt messages with
+  ``add_generation_prompt=True``;
+* each assistant turn appends the generated ids as sampled (mask 1), end-of-turn token included;
+* each observation (a ``user`` message) is encoded by VERL's own Continuous-Token builder
+  (``create_continuous_token_builder``): the template is rendered after a synthetic system+user
+  prefix with ``add_generation_prompt=True`` and the prefix is cut off, plus the model family's
+  boundary fix (Qwen: the ``"\\n"`` after a generated ``<|im_end|>``). These tokens get mask 0
+  (and log-prob 0.0 when log-probs are tracked).
+
+Calling the builder itself, rather than re-implementing it, guarantees that the native trainer and
+VERL see the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from spader_pipeline.agent.rollout import GeneratedTurn, RolloutState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TokenLayout", "encode_dialogue", "make_token_builder"]
+
+
+def make_token_builder(
+    tokenizer: Any, model_type: str | None, chat_template_kwargs: Mapping[str, Any] | None = None
+):
+    """VERL's Continuous-Token builder for this tokenizer and model family."""
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    return create_continuous_token_builder(
+        tokenizer, hf_model_type=model_type, chat_template_kwargs=dict(chat_template_kwargs or {})
+    )
+
+
+class TokenLayout:
+    """Keeps ``state.token_ids`` / ``response_mask`` / ``response_logprobs`` in VERL's layout."""
+
+    def __init__(self, builder: Any, max_prompt_tokens: int | None = None) -> None:
+        self.builder = builder
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def start(self, state: RolloutState) -> None:
+        ids = list(self.builder.build_initial_tokens(state.messages))
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            logger.warning(
+                "prompt of %d tokens exceeds %d; left-truncating", len(ids), self.max_prompt_tokens
+            )
+            ids = ids[-self.max_prompt_tokens :]
+        state.token_ids = ids
+        state.prompt_length = len(ids)
+        state.response_mask = []
+        state.response_logprobs = None
+
+    def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
+        merge = self.builder.merge_assistant_tokens(state.token_ids, list(turn.token_ids or ()))
+        logprobs = list(turn.logprobs) if turn.logprobs is not None else None
+        if logprobs is not None and state.response_logprobs is None:
+            state.response_logprobs = [0.0] * len(state.response_mask)
+        state.response_mask, aligned = self.builder.align_response_metadata(
+            merge,
+            state.response_mask,
+            state.response_logprobs,
+            assistant_logprobs=logprobs if state.response_logprobs is not None else None,
+        )
+        if state.response_logprobs is not None:
+            state.response_logprobs = aligned
+        state.token_ids = merge.token_ids
+
+    def append_observation(self, state: RolloutState, previous: list[dict[str, str]]) -> bool:
+        merge = self.builder.merge_context_tokens(previous, state.messages, state.token_ids)
+        mask, logprobs = self.builder.align_response_metadata(
+            merge, state.response_mask, state.response_logprobs
+        )
+        if len(mask) >= state.max_response_tokens:
+            return False  # VERL: an observation that would overflow ends the trajectory unappended
+        state.token_ids = merge.token_ids
+        state.response_mask = mask
+        if state.response_logprobs is not None:
+            state.response_logprobs = logprobs
+        return True
+
+
+def encode_dialogue(
+    messages: Sequence[Mapping[str, str]],
+    tokenizer: Any,
+    *,
+    model_type: str | None = None,
+    builder: Any = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """Token layout of a finished chat (e.g. a scripted demonstration), as the HF rollout lays it out.
+
+    The messages before the first assistant turn form the prompt; every assistant turn becomes its
+    tokens plus the end-of-turn token (mask 1), every later user turn is encoded by VERL's builder
+    (mask 0). Returns ``(prompt_ids, response_ids, response_mask)``.
+    """
+    builder = builder or make_token_builder(tokenizer, model_type)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    history = [dict(m) for m in messages[:first]]
+    ids = list(builder.build_initial_tokens(history))
+    prompt_length = len(ids)
+    mask: list[int] = []
+    eos = tokenizer.eos_token_id
+    for message in messages[first:]:
+        if message["role"] == "assistant":
+            turn = list(tokenizer.encode(message["content"], add_special_tokens=False)) + [eos]
+            merge = builder.merge_assistant_tokens(ids, turn)
+        else:
+            merge = builder.merge_context_tokens(history, [*history, dict(message)], ids)
+        mask, _ = builder.align_response_metadata(merge, mask)
+        ids = merge.token_ids
+        history.append(dict(message))
+    return ids[:prompt_length], ids[prompt_length:], mask

@@ -1,0 +1,1 @@
+"""Evaluation of search agents: metrics and the evaluation runner."""

@@ -1,0 +1,299 @@
+"""Run an agent over an evaluation set: bounded concurrency, progress, resume, retries, no silent drops.
+
+:func:`evaluate_dataset` rolls out every sample of one dataset with one model and returns one
+record per sample — ``status: "ok"`` with every metric of :mod:`.metrics`, or ``status: "failed"``
+with the error after ``max_attempts`` tries. Finished records are appended to a work file as they
+complete, so an interrupted evaluation resumes where it stopped (ids already done are skipped).
+
+:func:`open_generator` turns a model entry of ``parameters_evaluate.yml`` into a generator:
+``scripted``, ``hf`` (in-process), ``openai`` (an external endpoint) or ``served`` (this process
+starts vLLM/SGLang on a merged checkpoint, GPU only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from spader_pipeline.agent.rollout import (
+    Generator,
+    RolloutConfig,
+    SamplingParams,
+    SearchBackend,
+    Trajectory,
+    run_rollouts,
+)
+from spader_pipeline.evaluation.metrics import sample_metrics
+
+logger = logging.getLogger(__name__)
+
+MODEL_KINDS = ("scripted", "hf", "openai", "served")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model entry of ``evaluate.models`` (see ``conf/base/parameters_evaluate.yml``)."""
+
+    name: str
+    kind: str
+    path: str | None = None
+    base_url: str | None = None
+    model: str | None = None
+    engine: str = "vllm"
+    prompt_template: str | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    rollout: Mapping[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
+    concurrency: int = 8
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, entry: Mapping[str, Any]) -> ModelSpec:
+        entry = dict(entry)
+        if entry.get("kind") not in MODEL_KINDS:
+            raise ValueError(
+                f"model {entry.get('name')!r}: kind must be one of {MODEL_KINDS}, got {entry.get('kind')!r}"
+            )
+        known = set(cls.__dataclass_fields__) - {"options"}
+        options = {k: entry.pop(k) for k in list(entry) if k not in known}
+        return cls(**entry, options=options)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this model cannot be evaluated here (``None`` when it can)."""
+        if self.kind in ("hf", "served"):
+            if not self.path or not (Path(self.path) / "config.json").is_file():
+                return f"no Hugging Face checkpoint at {self.path!r} (not built or trained yet)"
+        if self.kind == "openai" and not (self.base_url and self.model):
+            return "no base_url/model configured for the OpenAI-compatible endpoint"
+        if self.kind == "served":
+            import torch
+
+            if not torch.cuda.is_available():
+                return "serving a checkpoint with vLLM/SGLang needs a GPU"
+            if self.engine == "vllm" and shutil.which("vllm") is None:
+                return "the vllm executable is not installed"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters logged with the evaluation (model, decoding)."""
+        out = {"model": self.name, "kind": self.kind, "path": self.path, "endpoint_model": self.model}
+        out.update({f"sampling.{k}": v for k, v in self.sampling.items()})
+        out.update({f"rollout.{k}": v for k, v in self.rollout.items()})
+        out.update({f"option.{k}": v for k, v in self.options.items()})
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@contextlib.contextmanager
+def open_generator(spec: ModelSpec) -> Iterator[Generator]:
+    """The generator for ``spec`` (servers started here are stopped on exit)."""
+    sampling = SamplingParams.from_mapping(spec.sampling)
+    if spec.kind == "scripted":
+        from spader_pipeline.agent.scripted import ScriptedPolicy
+
+        yield ScriptedPolicy(**spec.options)
+    elif spec.kind == "hf":
+        import torch
+
+        from spader_pipeline.agent.hf_backend import HFGenerator
+        from spader_pipeline.modeling.base_model import load_model_and_tokenizer
+
+        device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_model_and_tokenizer(spec.path, device=device)
+        kwargs = {
+            k: spec.options[k] for k in ("max_prompt_tokens", "chat_template_kwargs") if k in spec.options
+        }
+        yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
+    elif spec.kind == "openai":
+        from spader_pipeline.agent.openai_backend import OpenAIChatGenerator
+
+        yield OpenAIChatGenerator(
+            spec.base_url, spec.model, sampling, concurrency=spec.concurrency, **_client_options(spec)
+        )
+    elif spec.kind == "served":
+        from spader_pipeline.agent.openai_backend import OpenAIChatGenerator, served_model
+
+        extra = [str(a) for a in spec.options.get("server_args", [])]
+        with served_model(spec.path, engine=spec.engine, served_name=spec.name, extra_args=extra) as url:
+            yield OpenAIChatGenerator(
+                url, spec.name, sampling, concurrency=spec.concurrency, **_client_options(spec)
+            )
+    else:  # pragma: no cover - ModelSpec validates kinds
+        raise ValueError(spec.kind)
+
+
+def _client_options(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        k: spec.options[k]
+        for k in ("max_retries", "backoff", "timeout", "api_key", "extra_body")
+        if k in spec.options
+    }
+
+
+def fingerprint(*parts: Any) -> str:
+    """Short stable hash of the configuration that produced a set of results (resume key)."""
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def trajectory_record(
+    sample: Mapping[str, Any], trajectory: Trajectory, corpus_frequency: Sequence[int] | None
+) -> dict[str, Any]:
+    """The per-sample record: identity, history, prediction, steps and every metric."""
+    assistant = [s.text for s in trajectory.steps]
+    record: dict[str, Any] = {
+        "id": str(sample["id"]),
+        "question": str(sample["question"]),
+        "ground_truth": [list(e) for e in sample["ground_truth"]],
+        "data_source": sample.get("data_source"),
+        "status": "ok",
+        "finish_reason": trajectory.finish_reason,
+        "history": trajectory.messages,
+        "predicted": list(trajectory.predicted) if trajectory.predicted is not None else None,
+        "steps": [
+            {
+                "turn": s.turn,
+                "kind": s.kind,
+                "queries": list(s.queries),
+                "doc_ids": s.doc_ids,
+                "error": s.error,
+            }
+            for s in trajectory.steps
+        ],
+    }
+    record.update(
+        sample_metrics(
+            predicted=trajectory.predicted,
+            ground_truth=sample["ground_truth"],
+            assistant_turns=assistant,
+            num_searches=trajectory.num_searches,
+            num_queries=trajectory.num_queries,
+            num_invalid_turns=trajectory.num_invalid_turns,
+            retrieved_texts=trajectory.retrieved_texts,
+            corpus_frequency=corpus_frequency,
+        )
+    )
+    return record
+
+
+def failure_record(sample: Mapping[str, Any], error: str, attempts: int) -> dict[str, Any]:
+    return {
+        "id": str(sample["id"]),
+        "question": str(sample["question"]),
+        "ground_truth": [list(e) for e in sample["ground_truth"]],
+        "data_source": sample.get("data_source"),
+        "status": "failed",
+        "error": error,
+        "attempts": attempts,
+    }
+
+
+def read_work_file(path: Path) -> dict[str, dict[str, Any]]:
+    """Records already finished (status ok) in a work file; a torn last line is ignored."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("status") == "ok":
+            done[str(record["id"])] = record
+    return done
+
+
+async def evaluate_dataset(
+    samples: Sequence[Mapping[str, Any]],
+    generator: Generator,
+    search: SearchBackend,
+    config: RolloutConfig,
+    template: str,
+    *,
+    batch_size: int = 1,
+    concurrency: int = 4,
+    max_attempts: int = 3,
+    corpus_frequency: Mapping[str, Sequence[int]] | None = None,
+    work_file: Path | None = None,
+    progress: bool = True,
+    description: str = "evaluate",
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One record per sample, in input order (see the module docstring).
+
+    Samples are rolled out in groups of ``batch_size`` (one batched generation per round), with at
+    most ``concurrency`` groups in flight. A trajectory whose generator failed is retried alone up
+    to ``max_attempts`` times in total, then recorded as failed. Records already in ``work_file``
+    are reused, new ones appended to it.
+    """
+    done = read_work_file(work_file) if work_file else {}
+    todo = [s for s in samples if str(s["id"]) not in done]
+    if done:
+        logger.info(
+            "%s: resuming, %d of %d samples already done", description, len(samples) - len(todo), len(samples)
+        )
+    results: dict[str, dict[str, Any]] = dict(done)
+    frequencies = corpus_frequency or {}
+    semaphore = asyncio.Semaphore(max(1, concurrency))
+    bar = tqdm(
+        total=len(samples),
+        initial=len(samples) - len(todo),
+        desc=description,
+        disable=not progress,
+        leave=False,
+    )
+    handle = work_file.open("a", encoding="utf-8") if work_file else None
+
+    def finish(record: dict[str, Any]) -> None:
+        results[record["id"]] = record
+        if handle is not None and record["status"] == "ok":
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            handle.flush()
+        if on_record is not None:
+            on_record(record)
+        bar.update(1)
+
+    async def run_group(group: list[Mapping[str, Any]]) -> None:
+        attempts = {str(s["id"]): 0 for s in group}
+        pending = list(group)
+        while pending:
+            async with semaphore:
+                try:
+                    trajectories = await run_rollouts(pending, generator, search, config, template)
+                    errors = [t.error if t.finish_reason == "error" else None for t in trajectories]
+                except Exception as exc:  # noqa: BLE001 - counted and retried, never lost
+                    logger.warning("%s: rollout of %d samples raised %r", description, len(pending), exc)
+                    trajectories = [None] * len(pending)
+                    errors = [f"{exc.__class__.__name__}: {exc}"] * len(pending)
+            retry = []
+            for sample, trajectory, error in zip(pending, trajectories, errors, strict=True):
+                sid = str(sample["id"])
+                attempts[sid] += 1
+                if error is None:
+                    finish(trajectory_record(sample, trajectory, frequencies.get(sid)))
+                elif attempts[sid] < max_attempts:
+                    retry.append(sample)
+                else:
+                    logger.warning(
+                        "%s: sample %s failed %d times: %s", description, sid, attempts[sid], error
+                    )
+                    finish(failure_record(sample, error, attempts[sid]))
+            pending = retry
+
+    try:
+        groups = [todo[i : i + max(1, batch_size)] for i in range(0, len(todo), max(1, batch_size))]
+        await asyncio.gather(*(run_group(g) for g in groups))
+    finally:
+        bar.close()
+        if handle is not None:
+            handle.close()
+    return [results[str(s["id"])] for s in samples]
