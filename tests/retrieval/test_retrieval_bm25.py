@@ -111,3 +111,14 @@ def test_sparse_and_dense_aggregation_agree(bm25_index, query):
 
 def test_manifest_is_json(bm25_index):
     json.loads((bm25_index / "manifest.json").read_text())
+
+
+def test_top_matches_full_scoring(bm25_index):
+    retriever = BM25Retriever(bm25_index / "bm25")
+    for query in [*EXPECTED, "the river and the country", "Accra Accra Ghana", "zzz"]:
+        for k in (1, 3, 10, 50):
+            rows, scores = retriever.top(query, k)
+            ref_rows, ref_scores = top_k(*retriever.scores(query), k)
+            np.testing.assert_allclose(scores, ref_scores, rtol=1e-6)
+            assert set(rows.tolist()) == set(ref_rows.tolist()) or np.unique(ref_scores).size < ref_scores.size
+    assert not retriever._accumulator().any()  # the per-thread accumulator is left zeroed

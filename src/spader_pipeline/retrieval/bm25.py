@@ -1,6 +1,7 @@
 """BM25 over a streamed corpus with ``bm25s`` (Lù, 2024, arXiv 2407.03618) as the index store.
 
-Build: passages are tokenised chunk by chunk into vocabulary ids (the text itself is not kept);
+Build: passages are tokenised one by one into int32 vocabulary ids (the text itself is not kept;
+build memory is ~O(tokens), see docs/retrieval.md for when to switch to Lucene);
 ``bm25s.BM25.index`` turns the ids into the eager sparse score matrix (CSC: one column per term,
 entry = the BM25 weight of that term in that document), saved as ``.npy`` arrays.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,10 +65,10 @@ def build_bm25(passages: Iterable[Passage], out_dir: str | Path, params: BM25Par
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(params.stemmer, params.stopwords)
-    corpus_ids: list[list[int]] = []
+    corpus_ids: list[np.ndarray] = []  # int32 ids per passage: ~7x smaller than lists of Python ints
     n_tokens = 0
     for passage in passages:
-        ids = tokenizer.ids(passage_text(passage, params.index_title), grow=True)
+        ids = np.asarray(tokenizer.ids(passage_text(passage, params.index_title), grow=True), dtype=np.int32)
         n_tokens += len(ids)
         corpus_ids.append(ids)
     if not corpus_ids:
@@ -103,8 +105,9 @@ class BM25Retriever:
         self._indptr = model.scores["indptr"]  # [V + 1] column starts
         self.num_docs = int(model.scores["num_docs"])
         self.mmap = mmap
-        #: aggregate sparsely while the query's postings are below this share of the corpus
+        #: scores(): aggregate sparsely while the query's postings are below this share of the corpus
         self.sparse_fraction = 0.25
+        self._local = threading.local()  # one zeroed [N] float32 accumulator per search thread
 
     def scores(self, query: str) -> tuple[np.ndarray, np.ndarray]:
         """Rows that contain at least one query term and their BM25 scores: ``([M] int64, [M] float32)``.
@@ -133,9 +136,43 @@ class BM25Retriever:
         rows = np.flatnonzero(acc)
         return rows, acc[rows]
 
+    def _accumulator(self) -> np.ndarray:
+        acc = getattr(self._local, "acc", None)
+        if acc is None:
+            acc = self._local.acc = np.zeros(self.num_docs, dtype=np.float32)
+        return acc
+
+    def top(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The best ``k`` rows for ``query`` and their scores, best first; same ranking as
+        ``top_k(*self.scores(query), k)`` but O(postings): no pass over all N documents.
+
+        Term columns are added into a per-thread zeroed accumulator ``[N]``; the touched entries
+        are read back (a row appears once per query term it contains, so the best ``k * T``
+        entries hold the best ``k`` distinct rows) and reset to zero.
+        """
+        ids, counts = self.tokenizer.query_terms(query)
+        if ids.size == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        starts, ends = self._indptr[ids], self._indptr[ids + 1]
+        slices = [self._indices[s:e] for s, e in zip(starts, ends, strict=True)]
+        acc = self._accumulator()
+        for (s, e), rows_t, c in zip(zip(starts, ends, strict=True), slices, counts, strict=True):
+            acc[rows_t] += self._data[s:e] * c  # rows within one column are distinct
+        rows = np.concatenate(slices) if len(slices) > 1 else np.asarray(slices[0])
+        if rows.size == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        scores = acc[rows]
+        acc[rows] = 0.0
+        m = k * len(slices)
+        if rows.size > m:
+            keep = np.argpartition(-scores, m - 1)[:m]
+            rows, scores = rows[keep], scores[keep]
+        best: dict[int, float] = dict(zip(rows.tolist(), scores.tolist(), strict=True))  # dedupe (small)
+        return top_k(np.fromiter(best.keys(), np.int64, len(best)), np.fromiter(best.values(), np.float32, len(best)), k)
+
     def search(self, queries: Sequence[str], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per query: the best ``k`` rows and scores, best first (fewer when fewer docs match)."""
-        return [top_k(*self.scores(q), k) for q in queries]
+        return [self.top(q, k) for q in queries]
 
 
 def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

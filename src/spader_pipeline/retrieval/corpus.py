@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "docs.offsets.npy"
@@ -140,7 +141,7 @@ class DocStore:
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} outside 0..{len(self) - 1}")
         start, end = int(self._offsets[row]), int(self._offsets[row + 1])
-        return json.loads(self._map[start:end])
+        return orjson.loads(self._map[start:end])
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):

@@ -60,7 +60,10 @@ class ServiceSettings(BaseModel):
     default_style: ResponseStyle = Field(
         "search_r1", description="Response style for requests that carry no style-specific key."
     )
-    search_threads: int = Field(4, gt=0, description="Worker threads that run searches off the event loop.")
+    search_threads: int = Field(
+        1, gt=0, description="Worker threads that run searches off the event loop (BM25 in RAM is GIL-bound: 1 "
+        "is fastest; raise it for memory-mapped indexes on disk or GIL-releasing backends)."
+    )
     limit_concurrency: int | None = Field(
         1024, description="uvicorn: connections beyond this get 503 (which clients retry)."
     )

@@ -20,7 +20,9 @@ _WORD = re.compile(r"(?u)\b\w\w+\b")
 def _stemmer(language: str):
     import Stemmer  # PyStemmer
 
-    return Stemmer.Stemmer(language)
+    stemmer = Stemmer.Stemmer(language)
+    stemmer.maxCacheSize = 0  # PyStemmer's word cache costs more than it saves on open vocabularies (4x here)
+    return stemmer
 
 
 def _stopwords(name: str | None) -> frozenset[str]:
@@ -57,8 +59,13 @@ class Tokenizer:
     def query_terms(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Distinct known token ids of a query and how often each occurs (a bag of words, as
         Pyserini's default query generator builds it): ``(ids [T] int64, counts [T] float32)``."""
-        ids, counts = np.unique(np.asarray(self.ids(text), dtype=np.int64), return_counts=True)
-        return ids, counts.astype(np.float32)
+        bag: dict[int, int] = {}
+        vocab = self.vocab
+        for token in self.tokens(text):
+            i = vocab.get(token)
+            if i is not None:
+                bag[i] = bag.get(i, 0) + 1
+        return (np.fromiter(bag.keys(), np.int64, len(bag)), np.fromiter(bag.values(), np.float32, len(bag)))
 
     def batch_ids(self, texts: Sequence[str], *, grow: bool = False) -> list[list[int]]:
         return [self.ids(t, grow=grow) for t in texts]
