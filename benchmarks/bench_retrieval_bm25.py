@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from retrieval_common import embedded_passages, embedded_queries  # noqa: E402
+from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.retrieval.bm25 import passage_text  # noqa: E402
 from spader_pipeline.retrieval.index import build_index, load_retriever  # noqa: E402

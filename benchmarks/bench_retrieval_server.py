@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from retrieval_common import embedded_passages, embedded_queries  # noqa: E402
+from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.retrieval import running_service  # noqa: E402
 from spader_pipeline.retrieval.index import build_index  # noqa: E402

@@ -1,4 +1,5 @@
-"""Shared helpers of the retrieval benchmarks: the embedded Wikipedia summaries as a corpus."""
+"""Shared helpers of the retrieval benchmarks (imported by bench_retrieval_*.py): the embedded
+Wikipedia summaries as a corpus, and query sets."""
 
 from __future__ import annotations
 
@@ -47,3 +48,9 @@ def embedded_queries(passages: list[Passage], n: int, seed: int = 0) -> list[str
             start = rng.randrange(max(len(words) - 3, 1))
             queries.append(" ".join([p.title, *words[start : start + 3]]))
     return queries
+
+
+if __name__ == "__main__":  # `make bench` runs every bench_*.py: print what the corpus is
+    corpus = embedded_passages()
+    words = sum(len(p.contents.split()) for p in corpus)
+    print(f"embedded corpus: {len(corpus)} passages, {words} words ({summaries_path()})")
