@@ -14,4 +14,6 @@ or the ``verl.plugins`` entry point in ``pyproject.toml`` (verl imports both on 
 from . import estimators, reward_manager  # noqa: F401  (registration side effects)
 
 # --- agent/eval area: the search tool and the agent loop register here (their owner adds the imports) ---
+# isort: split
+from . import agent_loop, search_tool  # noqa: F401  (registers the `spader_search` agent loop)
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""The VERL search tool and agent loop on CPU: a real retrieval server on 127.0.0.1, a tiny real
+Qwen3 behind a fake ``server_manager.generate`` (VERL's GPU rollout server is the only stand-in).
+
+The key check: VERL's loop and the project's in-process HF rollout produce *identical* prompt ids,
+response ids, response masks and observation text for the same model and greedy decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from omegaconf import OmegaConf  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry  # noqa: E402
+from verl.workers.rollout.replica import TokenOutput  # noqa: E402
+
+from spader_pipeline.agent.hf_backend import HFGenerator  # noqa: E402
+from spader_pipeline.agent.protocol import format_error_observation  # noqa: E402
+from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts  # noqa: E402
+from spader_pipeline.retrieval import RetrievalClient, build_index_from_file, running_service  # noqa: E402
+from spader_pipeline.verl_plugin.agent_loop import AGENT_NAME, SearchAgentLoop  # noqa: E402
+from spader_pipeline.verl_plugin.search_tool import SearchTool  # noqa: E402
+
+DOCS = [
+    ("Ghana", "Country in West Africa. Accra is the capital of Ghana."),
+    ("Togo", "Country in West Africa. Lome is the capital of Togo."),
+    ("Kenya", "Country in East Africa. Nairobi is the capital of Kenya."),
+    ("Hamlet", "Play by William Shakespeare. A prince of Denmark."),
+]
+PROMPT = [
+    {
+        "role": "user",
+        "content": "Answer with <tool_call>[...]</tool_call> or <answer>[...]</answer>.\n\nQuestion: Which countries are in West Africa?",
+    }
+]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def search_url(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl-search")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": str(i), "title": t, "contents": c}) + "\n" for i, (t, c) in enumerate(DOCS))
+    )
+    build_index_from_file(corpus, root / "bm25", "bm25")
+    with running_service(root / "bm25") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
+    from spader_pipeline.modeling.tokenizer import train_tokenizer
+
+    texts = [c for _, c in DOCS] + [
+        PROMPT[0]["content"],
+        '<tool_call>["Ghana"]</tool_call><answer>["Togo"]</answer>',
+    ] * 3
+    tokenizer = train_tokenizer(texts, vocab_size=500, min_frequency=1)
+    spec = TinyQwen3Spec(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
+    return build_tiny_qwen3(tokenizer, spec, seed=1), tokenizer
+
+
+class FakeServer:
+    """Stands in for VERL's rollout server: greedy continuation of ``prompt_ids`` by the tiny model."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.calls = 0
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        self.calls += 1
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        ids = out[0, len(prompt_ids) :].tolist()
+        if self.tokenizer.eos_token_id in ids:
+            ids = ids[: ids.index(self.tokenizer.eos_token_id) + 1]
+        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids))
+
+
+def _tool(url, **config):
+    return SearchTool({"type": "native", "retrieval_service_url": url, "topk": 2, **config}, None)
+
+
+def _loop(lm, url, *, turns=3, response_length=600):
+    model, tokenizer = lm
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "prompt_length": 256,
+                    "response_length": response_length,
+                    "multi_turn": {"max_assistant_turns": turns, "max_tool_response_length": 11000},
+                }
+            },
+            "data": {"apply_chat_template_kwargs": {}},
+        }
+    )
+    return SearchAgentLoop(
+        trainer_config=DictConfigWrap(config),
+        server_manager=FakeServer(model, tokenizer),
+        tokenizer=tokenizer,
+        processor=None,
+        dataset_cls=None,
+        data_config=DictConfigWrap(config.data),
+        hf_model_type="qwen3",
+        tools=ToolListWrap([_tool(url)]),
+    )
+
+
+def test_tool_returns_the_shared_observation_format(search_url):
+    async def go():
+        tool = _tool(search_url)
+        instance, _ = await tool.create()
+        ok = await tool.execute(instance, {"query_list": ["West Africa country", ""]})
+        empty = await tool.execute(instance, {"query_list": []})
+        bad = await _tool("http://127.0.0.1:9", max_retries=0).execute(instance, {"query_list": ["x"]})
+        await tool.release(instance)
+        return ok, empty, bad
+
+    (ok, reward, metrics), (empty, _, empty_metrics), (bad, _, bad_metrics) = asyncio.run(go())
+    assert ok.text.startswith("<tool_response>\nResults for query 1:\nDoc 1 (Title: ")
+    assert "Results for query 2" not in ok.text  # the empty query was dropped
+    assert reward == 0.0 and metrics["num_queries"] == 1 and len(metrics["doc_ids"][0]) == 2
+    assert empty.text == format_error_observation("the tool call has no non-empty query")
+    assert "error" in empty_metrics
+    assert bad.text.startswith("<tool_response>\nError: the search service failed") and "error" in bad_metrics
+
+
+def test_agent_loop_is_registered():
+    import spader_pipeline.verl_plugin  # noqa: F401  (the package import registers it)
+
+    assert _agent_loop_registry[AGENT_NAME]["_target_"].endswith("agent_loop.SearchAgentLoop")
+
+
+def test_agent_loop_matches_the_project_rollout_token_for_token(lm, search_url):
+    model, tokenizer = lm
+    loop = _loop(lm, search_url)
+    output = asyncio.run(
+        loop.run({"temperature": 0.0}, raw_prompt=PROMPT, extra_info={"id": "q", "question": "x"})
+    )
+
+    async def ours():
+        gen = HFGenerator(
+            model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW), max_prompt_tokens=256
+        )
+        config = RolloutConfig(max_turns=3, max_response_tokens=600, topk=2)
+        async with RetrievalClient(search_url) as client:
+            [t] = await run_rollouts(
+                [{"id": "q", "question": "x", "messages": PROMPT}], gen, client, config, None
+            )
+        return t
+
+    t = asyncio.run(ours())
+    assert output.prompt_ids == t.prompt_ids
+    assert output.response_ids == t.response_ids
+    assert output.response_mask == t.response_mask
+    assert 0 in output.response_mask and 1 in output.response_mask
+    # log-probs: the server's for model tokens, 0.0 for observation tokens
+    assert len(output.response_logprobs) == len(output.response_ids)
+    assert all(
+        (lp == -0.5) == (m == 1) for lp, m in zip(output.response_logprobs, output.response_mask, strict=True)
+    )
+    assert output.num_turns == len(t.steps) + sum(s.observation is not None for s in t.steps) + 1
+    assert output.extra_fields["finish_reason"] == t.finish_reason
+    assert loop.server_manager.calls == len(t.steps)
+
+
+def test_agent_loop_respects_the_response_budget(lm, search_url):
+    loop = _loop(lm, search_url, turns=10, response_length=40)
+    output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
+    assert len(output.response_ids) == len(output.response_mask) <= 40
+
+
+def test_agent_loop_requires_the_search_tool(lm):
+    model, tokenizer = lm
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": 8, "multi_turn": {}}},
+            "data": {},
+        }
+    )
+    with pytest.raises(ValueError, match="SearchTool"):
+        SearchAgentLoop(
+            trainer_config=DictConfigWrap(config),
+            server_manager=None,
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(config.data),
+            hf_model_type="qwen3",
+            tools=ToolListWrap([]),
+        )
