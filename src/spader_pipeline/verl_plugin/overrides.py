@@ -1,0 +1,204 @@
+"""Kedro parameters → ``python -m verl.trainer.main_ppo`` command line (pure, no verl import).
+
+The Hydra overlays in ``conf/base/verl/`` hold the paper settings; ``build_overrides`` adds only what
+a run chooses (data, model path, cluster size, output directories, method hyper-parameters), so every
+GRPO-vs-SPADER difference stays visible in config (reference defect 8).
+
+Parameter dict (all keys optional except ``method``)::
+
+    method: spader            # grpo | spader | calibadv | tspo  → overlay conf/base/verl/<method>.yaml
+    model: qwen3_8b           # qwen3_8b | llama3_8b             → Hydra group spader_model
+    model_path: /models/x     # actor_rollout_ref.model.path (a local checkpoint)
+    train_files: ..., val_files: ...
+    n_gpus_per_node: 8, nnodes: 1
+    run_dir: /runs/x          # checkpoints/, eval/, rollouts/ under it
+    project_name, experiment_name, total_training_steps, logger: [console, mlflow]
+    tool_config_path, agent_loop_config_path
+    reward: {...}             # SpaderRewardConfig / reward-manager names (see REWARD_KEYS)
+    advantage: {...}          # estimator options (see ADVANTAGE_KEYS)
+    overrides: ["key=value"]  # appended last, verbatim
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ADVANTAGE_KEYS",
+    "METHODS",
+    "MODELS",
+    "REWARD_KEYS",
+    "build_overrides",
+    "main_ppo_argv",
+    "overlay_name",
+]
+
+METHODS = ("grpo", "spader", "calibadv", "tspo")
+MODELS = ("qwen3_8b", "llama3_8b")
+
+#: reward parameter → key under ``reward.reward_kwargs`` (accepts the native trainer's names too).
+REWARD_KEYS = {
+    "alpha": "alpha",
+    "beta": "beta",
+    "lam": "lambda_val",
+    "lambda_val": "lambda_val",
+    "tool_round_cost": "tool_round_cost",
+    "cost_free_steps": "cost_free_steps",
+    "cost_rampup_steps": "cost_rampup_steps",
+    "final_answer_weight": "final_answer_weight",
+    "format_penalty": "format_penalty",
+    "require_global_step": "require_global_step",
+}
+#: advantage parameter → list of target keys (``{m}`` = the method's ``algorithm.<method>`` block).
+ADVANTAGE_KEYS = {
+    "gamma": ["algorithm.gamma"],
+    "norm_adv_by_std_in_grpo": ["algorithm.norm_adv_by_std_in_grpo"],
+    "epsilon": ["algorithm.{m}.epsilon"],
+    "target_ratio": ["algorithm.calibadv.target_ratio"],
+    "soft_penalty": ["algorithm.calibadv.soft_penalty"],
+    "rebalance_answer": ["algorithm.calibadv.rebalance_answer"],
+    "silver_threshold": ["reward.reward_kwargs.silver_threshold"],
+    "think_similarity": ["reward.reward_kwargs.think_similarity"],
+    "max_repeated_docs": ["reward.reward_kwargs.max_repeated_docs"],
+    # the latent reward is written by the reward manager and read back by the estimator: keep both equal
+    "latent_reward": ["algorithm.tspo.latent_reward", "reward.reward_kwargs.latent_reward"],
+    "add_turn_term": ["algorithm.tspo.add_turn_term"],
+    "tspo_outcome": ["reward.reward_kwargs.tspo_outcome"],
+}
+_EXPLORATION_METHODS = {"spader"}
+_TOP_LEVEL = {
+    "method",
+    "model",
+    "model_path",
+    "train_files",
+    "val_files",
+    "n_gpus_per_node",
+    "nnodes",
+    "run_dir",
+    "project_name",
+    "experiment_name",
+    "total_training_steps",
+    "logger",
+    "tool_config_path",
+    "agent_loop_config_path",
+    "reward",
+    "advantage",
+    "overrides",
+}
+
+
+def _value(v: Any) -> str:
+    """Render a Python value in Hydra's override grammar."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"non-finite value {v!r} cannot be passed to verl")
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, Path):
+        v = str(v)
+    if isinstance(v, str):
+        if v and all(c.isalnum() or c in "/._-:+@~" for c in v):
+            return v
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    raise TypeError(f"cannot render {type(v).__name__} as a Hydra value: {v!r}")
+
+
+def overlay_name(params: Mapping[str, Any]) -> str:
+    """Config name in ``conf/base/verl``: the method overlay (the model is a Hydra group override)."""
+    method = params.get("method")
+    if method not in METHODS:
+        raise ValueError(f"params['method'] must be one of {METHODS}, got {method!r}")
+    return str(method)
+
+
+def build_overrides(params: Mapping[str, Any]) -> list[str]:
+    """Turn a Kedro parameter dict into ``main_ppo`` Hydra overrides (see module docstring).
+
+    Raises ``ValueError`` on unknown keys or values, so a typo never silently falls back to a default.
+    """
+    unknown = sorted(set(params) - _TOP_LEVEL)
+    if unknown:
+        raise ValueError(f"unknown verl parameters {unknown}; known: {sorted(_TOP_LEVEL)}")
+    method = overlay_name(params)
+    out: list[str] = []
+    model = params.get("model")
+    if model is not None:
+        if model not in MODELS:
+            raise ValueError(f"params['model'] must be one of {MODELS}, got {model!r}")
+        out.append(f"spader_model={model}")
+    simple = {
+        "model_path": "actor_rollout_ref.model.path",
+        "train_files": "data.train_files",
+        "val_files": "data.val_files",
+        "n_gpus_per_node": "trainer.n_gpus_per_node",
+        "nnodes": "trainer.nnodes",
+        "project_name": "trainer.project_name",
+        "experiment_name": "trainer.experiment_name",
+        "total_training_steps": "trainer.total_training_steps",
+        "logger": "trainer.logger",
+        "tool_config_path": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+        "agent_loop_config_path": "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+    }
+    for key, target in simple.items():
+        if params.get(key) is not None:
+            out.append(f"{target}={_value(params[key])}")
+    run_dir = params.get("run_dir")
+    if run_dir is not None:
+        run_dir = str(run_dir).rstrip("/")
+        out += [
+            f"trainer.default_local_dir={_value(run_dir + '/checkpoints')}",
+            f"trainer.validation_data_dir={_value(run_dir + '/eval')}",
+            f"trainer.rollout_data_dir={_value(run_dir + '/rollouts')}",
+        ]
+
+    reward = dict(params.get("reward") or {})
+    exploration = reward.pop("enable_exploration", None)
+    if exploration is not None and bool(exploration) != (method in _EXPLORATION_METHODS):
+        raise ValueError(
+            f"reward.enable_exploration={exploration} contradicts method {method!r} "
+            f"(exploration is part of {sorted(_EXPLORATION_METHODS)} only)"
+        )
+    bad = sorted(set(reward) - set(REWARD_KEYS))
+    if bad:
+        raise ValueError(f"unknown reward parameters {bad}; known: {sorted(REWARD_KEYS)}")
+    for key, value in reward.items():
+        out.append(f"++reward.reward_kwargs.{REWARD_KEYS[key]}={_value(value)}")
+
+    advantage = dict(params.get("advantage") or {})
+    bad = sorted(set(advantage) - set(ADVANTAGE_KEYS))
+    if bad:
+        raise ValueError(f"unknown advantage parameters {bad}; known: {sorted(ADVANTAGE_KEYS)}")
+    for key, value in advantage.items():
+        for target in ADVANTAGE_KEYS[key]:
+            out.append(f"++{target.format(m=method)}={_value(value)}")
+
+    extra = params.get("overrides") or []
+    if isinstance(extra, str) or not isinstance(extra, Sequence):
+        raise ValueError("params['overrides'] must be a list of 'key=value' strings")
+    out += [str(x) for x in extra]
+    return out
+
+
+def main_ppo_argv(params: Mapping[str, Any], config_dir: str | Path, python: str | None = None) -> list[str]:
+    """Full argv: ``python -m verl.trainer.main_ppo --config-path <abs dir> --config-name <method> ...``."""
+    return [
+        python or sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(Path(config_dir).resolve()),
+        "--config-name",
+        overlay_name(params),
+        *build_overrides(params),
+    ]
