@@ -102,6 +102,7 @@ def main() -> None:
             proc = server_process(base_url)
             asyncio.run(load(base_url, queries, 8, 1000, args.style))  # warm-up
             rss_before = proc.memory_info().rss
+            cpu_before = sum(proc.cpu_times()[:2])
             runs: dict[int, list[dict]] = {c: [] for c in levels}
             total = 0
             for _ in range(args.repeats):
@@ -109,6 +110,7 @@ def main() -> None:
                     runs[c].append(asyncio.run(load(base_url, queries, c, args.requests, args.style)))
                     total += args.requests
             rss_after = proc.memory_info().rss
+            cpu_per_request_us = (sum(proc.cpu_times()[:2]) - cpu_before) / total * 1e6
 
     print(f"served BM25 over loopback, {args.style} single-query requests, {args.requests} requests per level "
           f"per run, median of {args.repeats} runs; 2-core CPU shared with the load generator and other agents")
@@ -121,6 +123,8 @@ def main() -> None:
               f"   errors {errs}")
     print(f"  total requests {total}, errors {errors}; server RSS {rss_before / 2**20:.1f} MiB -> "
           f"{rss_after / 2**20:.1f} MiB ({(rss_after - rss_before) / 2**20:+.1f} MiB)")
+    print(f"  server CPU time per request: {cpu_per_request_us:.0f} us (user+system; a load-independent cost: "
+          f"one free core would serve ~{1e6 / cpu_per_request_us:.0f} req/s)")
 
 
 if __name__ == "__main__":

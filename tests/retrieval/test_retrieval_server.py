@@ -247,3 +247,12 @@ def test_client_gives_up_after_bounded_retries_on_connection_errors():
     client = RetrievalClient(f"http://127.0.0.1:{free_port()}", timeout=2, max_retries=2, backoff=0.01)
     with pytest.raises(RetrievalError, match=r"failed after 3 attempt\(s\); last error: ConnectError"):
         client.search_sync(["q"])
+
+
+def test_in_process_respond_equals_the_served_answer(server, bm25_index):
+    from spader_pipeline.retrieval import load_retriever
+
+    queries = ["river", "country in West Africa", "bird"]
+    local = load_retriever(bm25_index).respond(queries, topk=5, max_chars=2500)
+    served = RetrievalClient(server).search_sync(queries, topk=5, max_chars=2500)
+    assert local == served and local.truncation_warning is not None

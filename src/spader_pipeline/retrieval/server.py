@@ -79,8 +79,11 @@ def create_app(searcher: Searcher, settings: ServiceSettings | None = None) -> F
 
 def serve(searcher: Searcher, settings: ServiceSettings) -> None:
     """Run the app under uvicorn until interrupted (binds ``settings.host``, 127.0.0.1 by default)."""
+    import gc
+
     import uvicorn
 
+    gc.freeze()  # the loaded index is long-lived: keep it out of the collector's scans (fewer pauses)
     uvicorn.run(
         create_app(searcher, settings), host=settings.host, port=settings.port, log_level=settings.log_level,
         limit_concurrency=settings.limit_concurrency, access_log=False, timeout_keep_alive=30,

@@ -10,7 +10,7 @@ import numpy as np
 
 from spader_pipeline.retrieval.bm25 import passage_text
 from spader_pipeline.retrieval.corpus import DocStore, Passage
-from spader_pipeline.retrieval.schemas import Document, QueryResult
+from spader_pipeline.retrieval.schemas import Document, QueryResult, SearchResponse
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,18 @@ class Searcher:
         """In-process search (contract C): one :class:`QueryResult` per query, in order."""
         hits = self.search_hits(queries, topk, initial_k=initial_k, use_reranker=use_reranker)
         return [QueryResult(query=q, documents=[Document(**h) for h in hs]) for q, hs in zip(queries, hits, strict=True)]
+
+    def respond(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None,
+                initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
+        """Exactly what :meth:`RetrievalClient.search` returns for the same arguments, computed in
+        process: same ranking, same character budget (``max_chars`` None or <= 0: none), same warning."""
+        from spader_pipeline.retrieval.client import _parse
+        from spader_pipeline.retrieval.wire import RetrieveRequest, render_response
+
+        request = RetrieveRequest(queries=tuple(queries), topk=topk, initial_k=initial_k or 50, style="spader",
+                                  return_scores=True, max_chars=max_chars, use_reranker=use_reranker)
+        hits = self.search_hits(request.queries, topk, initial_k=request.initial_k, use_reranker=use_reranker)
+        return _parse(render_response(request, hits))
 
     def close(self) -> None:
         self.docs.close()
