@@ -70,3 +70,15 @@ def test_cli_build_writes_a_servable_index(tmp_path, corpus_path, capsys):
 def test_cli_rejects_unknown_method(corpus_path, tmp_path):
     with pytest.raises(SystemExit):
         main(["build", "--corpus", str(corpus_path), "--out", str(tmp_path), "--method", "splade"])
+
+
+def test_lucene_backend_is_selectable_and_explains_what_it_needs(tmp_path, corpus_path):
+    import importlib.util
+    import shutil
+
+    from spader_pipeline.retrieval.index import build_index_from_file
+
+    if importlib.util.find_spec("pyserini") is not None and shutil.which("java"):
+        pytest.skip("pyserini and Java are installed: the backend would really build")
+    with pytest.raises(RuntimeError, match="lucene backend needs"):
+        build_index_from_file(corpus_path, tmp_path, "lucene", show_progress=False)

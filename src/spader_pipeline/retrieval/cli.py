@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="index a JSON-lines corpus {id, title, contents}")
     build.add_argument("--corpus", required=True, help="JSON-lines corpus file")
     build.add_argument("--out", required=True, help="index folder to write")
-    build.add_argument("--method", choices=("bm25", "dense"), default="bm25")
+    build.add_argument("--method", choices=("bm25", "dense", "lucene"), default="bm25",
+                       help="lucene needs pyserini and Java 21 (not installed by default)")
     build.add_argument("--params", help="YAML/JSON file with bm25:/dense:/rerank: blocks")
     build.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override one parameter, e.g. bm25.k1=1.2 or dense.index_type=HNSW32")

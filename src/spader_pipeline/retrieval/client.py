@@ -80,7 +80,7 @@ class RetrievalClient:
     """
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64, trust_env: bool = False) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.base_url, self.url = _endpoint(base_url)
@@ -88,6 +88,7 @@ class RetrievalClient:
         self.max_retries = max_retries
         self.backoff = backoff
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._trust_env = trust_env  # False: HTTP(S)_PROXY variables never reroute the (local) service
         self._async: httpx.AsyncClient | None = None
         self._sync: httpx.Client | None = None
 
@@ -101,7 +102,7 @@ class RetrievalClient:
                      initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
         payload = _payload(queries, topk, max_chars, initial_k, use_reranker)
         if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits)
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
         last = ""
         for attempt in range(self.max_retries + 1):
             try:
@@ -123,7 +124,7 @@ class RetrievalClient:
         """Blocking twin of :meth:`search` (own pooled ``httpx.Client``)."""
         payload = _payload(queries, topk, max_chars, initial_k, use_reranker)
         if self._sync is None:
-            self._sync = httpx.Client(timeout=self.timeout, limits=self._limits)
+            self._sync = httpx.Client(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
         last = ""
         for attempt in range(self.max_retries + 1):
             try:
@@ -142,7 +143,7 @@ class RetrievalClient:
 
     async def health(self) -> dict[str, Any]:
         if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits)
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
         response = await self._async.get(self.base_url + "/health")
         response.raise_for_status()
         return response.json()
@@ -186,7 +187,7 @@ def wait_healthy(base_url: str, timeout: float, process: subprocess.Popen | None
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"retrieval server exited with code {process.returncode} before it was healthy")
         try:
-            response = httpx.get(base_url + "/health", timeout=2.0)
+            response = httpx.get(base_url + "/health", timeout=2.0, trust_env=False)
             if response.status_code == 200:
                 return response.json()
             last = f"HTTP {response.status_code}"

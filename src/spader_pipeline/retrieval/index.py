@@ -5,7 +5,7 @@ Index folder layout::
     <out>/manifest.json      method, parameters, corpus hash, sizes, build time
     <out>/docs.jsonl         the passages, compact, one per line (row = line number)
     <out>/docs.offsets.npy   int64 [N+1] byte offsets into docs.jsonl (memory-mapped)
-    <out>/bm25/ | <out>/dense/   the method's own files
+    <out>/bm25/ | <out>/dense/ | <out>/lucene/   the method's own files
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any
 from spader_pipeline.retrieval.bm25 import BM25Params, BM25Retriever, build_bm25
 from spader_pipeline.retrieval.corpus import DocStore, DocStoreWriter, Passage, iter_corpus
 from spader_pipeline.retrieval.dense import DenseParams, DenseRetriever, build_dense
+from spader_pipeline.retrieval.lucene import LuceneParams, LuceneRetriever, build_lucene
 from spader_pipeline.retrieval.rerank import CrossEncoderReranker, RerankParams
 from spader_pipeline.retrieval.service import Searcher
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
-METHODS = ("bm25", "dense")
+METHODS = ("bm25", "dense", "lucene")  # lucene: needs pyserini + Java (lucene.py)
 
 
 def _tee(passages: Iterable[Passage], store: DocStoreWriter) -> Iterator[Passage]:
@@ -59,9 +60,12 @@ def build_index(passages: Iterable[Passage], out_dir: str | os.PathLike, method:
         if method == "bm25":
             bm25 = BM25Params.from_dict(params.get("bm25"))
             figures = build_bm25(_tee(passages, store), out / "bm25", bm25, show_progress=show_progress)
-        else:
+        elif method == "dense":
             dense = DenseParams.from_dict(params.get("dense"))
             figures = build_dense(_tee(passages, store), out / "dense", dense, show_progress=show_progress)
+        else:
+            lucene = LuceneParams.from_dict(params.get("lucene"))
+            figures = build_lucene(_tee(passages, store), out / "lucene", lucene, show_progress=show_progress)
     finally:
         store.close()
     seconds = time.perf_counter() - started
@@ -111,6 +115,8 @@ def load_retriever(index_dir: str | os.PathLike, *, mmap: bool | None = None,
         retriever = BM25Retriever(index_dir / "bm25", mmap=use_mmap)
     elif method == "dense":
         retriever = DenseRetriever(index_dir / "dense", mmap=mmap, **dense_overrides)
+    elif method == "lucene":
+        retriever = LuceneRetriever(index_dir / "lucene")
     else:
         raise ValueError(f"index {index_dir} has unknown method {method!r}")
     rerank_params = RerankParams.from_dict({**manifest.get("rerank", {}), **(rerank or {})})
