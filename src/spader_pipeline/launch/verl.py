@@ -1,0 +1,245 @@
+"""Launch VERL training (``python -m verl.trainer.main_ppo``) from a Kedro node.
+
+What the launch does, in order:
+
+1. starts the retrieval service on the index (``spader-retrieval serve``) unless a URL is given,
+   and writes a run-specific copy of the search-tool config pointing at it;
+2. composes the command with the algorithms package's
+   :func:`~spader_pipeline.verl_plugin.overrides.main_ppo_argv` (the method's Hydra overlay in
+   ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
+3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
+   reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
+   ``MLFLOW_RUN_ID`` of the Kedro run (VERL's MLflow tracker joins it), ``RAY_ADDRESS`` for an
+   existing cluster;
+4. streams VERL's output to the log and to ``<run_dir>/verl.log``; a non-zero exit raises
+   :class:`VerlLaunchError` carrying the last lines, so the node (and the Kedro run) fails with them.
+
+Only :func:`launch_verl_training` needs a GPU; :func:`build_launch` is pure and tested on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_MODULE = "spader_pipeline.verl_plugin"
+DEFAULT_CONFIG_DIR = Path("conf/base/verl")
+
+
+class VerlLaunchError(RuntimeError):
+    """VERL exited with an error; the message ends with the tail of its log."""
+
+
+@dataclass
+class Launch:
+    """A composed VERL command: argv, extra environment and where its log goes."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    run_dir: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def verl_parameters(
+    init_manifest: Mapping[str, Any],
+    method: Mapping[str, Any],
+    training: Mapping[str, Any],
+    run_dir: str | Path,
+    *,
+    tool_config_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """The parameter dict of :func:`~spader_pipeline.verl_plugin.overrides.build_overrides` for one method.
+
+    ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
+    ``training.native.reward`` the shared reward settings (the same ones the native trainer uses).
+    """
+    verl = dict(training.get("verl") or {})
+    reward = {**dict((training.get("native") or {}).get("reward") or {}), **dict(method.get("reward") or {})}
+    params: dict[str, Any] = {
+        "method": method["method"],
+        "model_path": str(Path(init_manifest["path"]).resolve()),
+        "train_files": str(Path(verl.get("train_files", "data/05_model_input/verl/train.parquet")).resolve()),
+        "val_files": str(Path(verl.get("val_files", "data/05_model_input/verl/validation.parquet")).resolve()),
+        "n_gpus_per_node": int(verl.get("n_gpus_per_node", 8)),
+        "nnodes": int(verl.get("nnodes", 1)),
+        "run_dir": str(Path(run_dir).resolve()),
+        "experiment_name": f"train_{method['method']}",
+        "logger": list(verl.get("logger", ["console", "mlflow"])),
+        "reward": reward,
+        "advantage": dict(method.get("advantage") or {}),
+        "overrides": list(verl.get("overrides") or []),
+    }
+    for key in ("model", "project_name", "total_training_steps"):
+        if verl.get(key) is not None:
+            params[key] = verl[key]
+    if tool_config_path is not None:
+        params["tool_config_path"] = str(Path(tool_config_path).resolve())
+    params["agent_loop_config_path"] = str((Path(verl.get("config_dir", DEFAULT_CONFIG_DIR)) / "agent_loops.yaml").resolve())
+    return params
+
+
+def verl_environment(
+    *, tracking_uri: str | None, run_id: str | None, ray_address: str | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment of the VERL process (``base`` defaults to this process's environment)."""
+    env = dict(os.environ if base is None else base)
+    modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    if PLUGIN_MODULE not in modules:
+        modules.append(PLUGIN_MODULE)
+    env["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
+    if tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    if run_id:
+        env["MLFLOW_RUN_ID"] = run_id
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def write_tool_config(template: str | Path, url: str, out: str | Path) -> Path:
+    """Copy the search-tool config with ``retrieval_service_url`` set to ``url``."""
+    config = yaml.safe_load(Path(template).read_text())
+    for tool in config.get("tools", []):
+        tool.setdefault("config", {})["retrieval_service_url"] = url
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def build_launch(
+    init_manifest: Mapping[str, Any],
+    method: Mapping[str, Any],
+    training: Mapping[str, Any],
+    run_dir: str | Path,
+    *,
+    retrieval_url: str,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    python: str | None = None,
+) -> Launch:
+    """Compose the VERL launch for one method (pure apart from writing the tool config copy)."""
+    from spader_pipeline.verl_plugin.overrides import main_ppo_argv
+
+    verl = dict(training.get("verl") or {})
+    config_dir = Path(verl.get("config_dir", DEFAULT_CONFIG_DIR))
+    run_dir = Path(run_dir)
+    tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url, run_dir / "search_tool.yaml")
+    params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config)
+    ray_address = verl.get("ray_address")
+    if ray_address:
+        params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
+    argv = main_ppo_argv(params, config_dir, python=python)
+    env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address)
+    return Launch(argv, env, run_dir / "verl.log", run_dir, extra={"params": params})
+
+
+def run_streaming(
+    argv: Sequence[str], env: Mapping[str, str], log_path: str | Path, *, tail_lines: int = 80, timeout: float | None = None,
+    cwd: str | Path | None = None,
+) -> None:
+    """Run ``argv``, streaming each output line to the logger and ``log_path``.
+
+    Raises :class:`VerlLaunchError` with the last ``tail_lines`` lines when the process fails or
+    exceeds ``timeout`` seconds (the process group is stopped).
+    """
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    started = time.monotonic()
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, start_new_session=True)
+        timer = None
+        timed_out = threading.Event()
+        if timeout:
+            def _stop() -> None:
+                timed_out.set()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 15)
+            timer = threading.Timer(timeout, _stop)
+            timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                tail.append(line)
+                log_file.write(line + "\n")
+                logger.info("[verl] %s", line)
+            code = proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+    if timed_out.is_set():
+        raise VerlLaunchError(f"VERL exceeded {timeout} s and was stopped; last lines of {log_path}:\n" + "\n".join(tail))
+    if code != 0:
+        raise VerlLaunchError(
+            f"VERL exited with code {code} after {time.monotonic() - started:.0f} s; last lines of {log_path}:\n"
+            + "\n".join(tail)
+        )
+
+
+@contextlib.contextmanager
+def _retrieval(verl: Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[str]:
+    if verl.get("retrieval_url"):
+        yield str(verl["retrieval_url"])
+    elif verl.get("start_retrieval_service", True):
+        from spader_pipeline.retrieval import running_service
+
+        with running_service(index_manifest["index_dir"]) as url:
+            yield url
+    else:
+        raise ValueError("training.verl needs retrieval_url or start_retrieval_service: true")
+
+
+def launch_verl_training(
+    init_manifest: Mapping[str, Any],
+    index_manifest: Mapping[str, Any],
+    method: Mapping[str, Any],
+    training: Mapping[str, Any],
+    run_dir: str | Path,
+) -> dict[str, Any]:
+    """Run one VERL training to completion (GPU); return a manifest of its checkpoints.
+
+    VERL logs into the active MLflow run (the Kedro run) when there is one.
+    """
+    import mlflow
+
+    verl = dict(training.get("verl") or {})
+    active = mlflow.active_run()
+    with _retrieval(verl, index_manifest) as url:
+        launch = build_launch(
+            init_manifest, method, training, run_dir, retrieval_url=url,
+            tracking_uri=mlflow.get_tracking_uri() if active else None,
+            run_id=active.info.run_id if active else None,
+        )
+        logger.info("launching VERL: %s", " ".join(launch.argv))
+        run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=int(verl.get("log_tail_lines", 80)),
+                      timeout=verl.get("timeout"))
+    checkpoints = Path(run_dir) / "checkpoints"
+    steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[-1]))
+    if not steps:
+        raise VerlLaunchError(f"VERL finished but wrote no checkpoint under {checkpoints}")
+    return {"backend": "verl", "method": method["method"], "checkpoint": str(steps[-1].resolve()),
+            "actor_dir": str((steps[-1] / "actor").resolve()), "path": None,
+            "run_dir": str(Path(run_dir).resolve()), "argv": launch.argv, "python": sys.executable}

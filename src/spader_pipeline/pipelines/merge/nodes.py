@@ -1,0 +1,22 @@
+"""Nodes of the ``merge`` pipeline."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from spader_pipeline.launch.merge import merge_fsdp_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def merge_policy(policy_manifest: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """An HF directory for a trained policy: merged from VERL's FSDP actor, or passed through (native)."""
+    if policy_manifest.get("backend") != "verl":
+        logger.info("%s: native checkpoint is already a Hugging Face directory", policy_manifest.get("method"))
+        return {**policy_manifest, "merged": False}
+    target = Path(params.get("output_dir", "data/06_models/merged")) / f"train_{policy_manifest['method']}"
+    path = merge_fsdp_checkpoint(policy_manifest["actor_dir"], target, timeout=params.get("timeout"))
+    return {**policy_manifest, "path": str(path.resolve()), "merged": True}

@@ -1,0 +1,108 @@
+"""The VERL launcher on CPU: generated command and environment, composition with ``--cfg job``,
+plugin registration with the launcher's environment, failure → error with the log tail.
+A real launch needs GPUs and is marked ``gpu``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from kedro.config import OmegaConfigLoader
+
+from spader_pipeline.launch.verl import (
+    PLUGIN_MODULE,
+    VerlLaunchError,
+    build_launch,
+    run_streaming,
+    verl_environment,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def params():
+    loader = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="base")
+    return loader["parameters"]
+
+
+@pytest.fixture
+def launch(params, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
+    training = {**params["training"], "verl": {**params["training"]["verl"], "ray_address": "10.0.0.1:6379"}}
+    return build_launch({"path": str(tmp_path / "warm")}, params["train_spader"]["method"], training, tmp_path / "run",
+                        retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db", run_id="abc123")
+
+
+def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path):
+    argv = launch.argv
+    assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
+    assert f"actor_rollout_ref.model.path={tmp_path / 'warm'}" in argv
+    assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.gamma=0.9" in argv
+    assert "++reward.reward_kwargs.cost_free_steps=10" in argv  # shared training.native.reward reaches VERL
+    assert "++ray_kwargs.ray_init.address=10.0.0.1:6379" in argv
+    tool_cfg = next(a.split("=", 1)[1] for a in argv if a.startswith("actor_rollout_ref.rollout.multi_turn.tool_config_path="))
+    tools = yaml.safe_load(Path(tool_cfg).read_text())["tools"]
+    assert tools[0]["config"]["retrieval_service_url"] == "http://127.0.0.1:8123"
+    assert launch.env["MLFLOW_RUN_ID"] == "abc123" and launch.env["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/x.db"
+    assert PLUGIN_MODULE in launch.env["VERL_USE_EXTERNAL_MODULES"].split(",")
+    assert launch.env["RAY_ADDRESS"] == "10.0.0.1:6379"
+
+
+def test_environment_keeps_other_external_modules():
+    env = verl_environment(tracking_uri=None, run_id=None, base={"VERL_USE_EXTERNAL_MODULES": "other.mod"})
+    assert env["VERL_USE_EXTERNAL_MODULES"] == f"other.mod,{PLUGIN_MODULE}" and "MLFLOW_RUN_ID" not in env
+
+
+@pytest.mark.slow
+def test_generated_command_composes_with_cfg_job(launch, tmp_path):
+    proc = subprocess.run([*launch.argv, "--cfg", "job"], capture_output=True, text=True, timeout=300,
+                          env=launch.env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["algorithm"]["adv_estimator"] == "spa"
+    assert cfg["actor_rollout_ref"]["model"]["path"] == str(tmp_path / "warm")
+    assert cfg["reward"]["reward_kwargs"]["cost_free_steps"] == 10
+    assert cfg["trainer"]["default_local_dir"] == str(tmp_path / "run" / "checkpoints")
+    assert cfg["ray_kwargs"]["ray_init"]["address"] == "10.0.0.1:6379"
+    assert "mlflow" in cfg["trainer"]["logger"]
+
+
+@pytest.mark.slow
+def test_plugin_registers_with_the_launch_environment(launch):
+    code = ("import verl\nfrom verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
+            "print(get_adv_estimator_fn('spa').__module__)\n")
+    env = {**launch.env, "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "spader_pipeline.verl_plugin" in proc.stdout
+
+
+def test_failure_becomes_an_error_with_the_log_tail(tmp_path):
+    script = "import sys\nfor i in range(200): print('line', i)\nsys.exit(3)"
+    with pytest.raises(VerlLaunchError, match=r"code 3[\s\S]*line 199") as info:
+        run_streaming([sys.executable, "-c", script], dict(os.environ), tmp_path / "verl.log", tail_lines=5)
+    assert "line 190" not in str(info.value)
+    assert (tmp_path / "verl.log").read_text().count("\n") == 200
+
+
+def test_timeout_stops_the_process_group(tmp_path):
+    with pytest.raises(VerlLaunchError, match="exceeded"):
+        run_streaming([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"],
+                      dict(os.environ), tmp_path / "verl.log", timeout=2)
+
+
+@pytest.mark.gpu
+def test_real_verl_launch_two_steps(params, tmp_path):  # pragma: no cover - needs GPUs, vLLM/SGLang
+    from spader_pipeline.launch.verl import launch_verl_training
+
+    training = {**params["training"], "verl": {**params["training"]["verl"], "n_gpus_per_node": 1,
+                                               "overrides": ["trainer.total_training_steps=2", "trainer.save_freq=2"]}}
+    manifest = launch_verl_training({"path": os.environ["SPADER_TEST_MODEL"]},
+                                    {"index_dir": os.environ["SPADER_TEST_INDEX"]},
+                                    params["train_spader"]["method"], training, tmp_path)
+    assert Path(manifest["actor_dir"]).is_dir()
