@@ -183,3 +183,42 @@ def test_find_entities_batched_matches_per_item():
         np.testing.assert_array_equal(o, EntityMatcher(gt).found_in(t))
     with pytest.raises(ValueError):
         find_entities_batched(gts, texts[:2])
+
+
+def _spec_normalize(text):
+    """Literal spec §3.1 recipe (regex path only), to check the fast path against."""
+    import string as _s
+
+    if text is None:
+        return ""
+    s = str(text).lower()
+    for a, b in (
+        ("''", '"'),
+        ("``", '"'),
+        ("\u2019", "'"),
+        ("\u2018", "'"),
+        ("\u201d", '"'),
+        ("\u201c", '"'),
+    ):
+        s = s.replace(a, b)
+    s = "".join(ch for ch in s if ch not in set(_s.punctuation) | {"\u2014", "\u2013", "\u2010"})
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            ["a", "an", "the", "The", "A-", "x", "ab", "1", " ", "  ", "\n", "\t", ".", "©", "é", "_", "\x1c"]
+        ),
+        max_size=20,
+    ).map("".join)
+)
+def test_normalize_fast_path_equals_spec_recipe(text):
+    assert normalize_answer(text) == _spec_normalize(text)
+
+
+@given(st.text())
+def test_normalize_equals_spec_recipe_on_any_text(text):
+    assert normalize_answer(text) == _spec_normalize(text)

@@ -27,8 +27,10 @@ __all__ = [
     "EntityMatcher",
     "GroundTruth",
     "find_entities_batched",
+    "ground_truth_key",
     "normalize_answer",
     "normalize_ground_truth",
+    "normalize_ground_truths",
     "score_answers",
 ]
 
@@ -40,8 +42,13 @@ _QUOTE_FOLD = {"\u2019": "'", "\u2018": "'", "\u201d": '"', "\u201c": '"'}
 _DELETED = set(string.punctuation) | {"\u2014", "\u2013", "\u2010"}  # + em dash, en dash, hyphen
 # Quote folding happens before punctuation deletion and only produces punctuation, so a single
 # translate table that deletes both the folded quotes and the punctuation is equivalent.
-_TRANSLATE = str.maketrans({ch: None for ch in _DELETED | set(_QUOTE_FOLD)})
+# ASCII whitespace becomes a plain space (regex \b and str.split treat them alike).
+_TRANSLATE = str.maketrans(
+    {**{ch: None for ch in _DELETED | set(_QUOTE_FOLD)}, **dict.fromkeys("\t\n\r\x0b\x0c", " ")}
+)
 _ARTICLES = re.compile(r"\b(?:a|an|the)\b")
+# Text made only of [a-z0-9 ] has word boundaries exactly at spaces: articles are whole tokens there.
+_NOT_SIMPLE = re.compile(r"[^a-z0-9 ]")
 # Segment separator for batched matching: survives normalisation (not punctuation, not whitespace,
 # not a word character) and can never be part of a normalised alias.
 _SEP = "\x00"
@@ -63,6 +70,15 @@ def normalize_answer(text: object) -> str:
         return ""
     s = text if isinstance(text, str) else str(text)
     s = s.lower().translate(_TRANSLATE)
+    if _NOT_SIMPLE.search(s) is None:
+        # Fast path, same result as the regex below: drop whole-token articles, collapse spaces.
+        s = f" {s} "
+        while "  " in s:
+            s = s.replace("  ", " ")
+        for article in (" a ", " an ", " the "):
+            while article in s:
+                s = s.replace(article, " ")
+        return s.strip()
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
 
@@ -109,6 +125,30 @@ def _as_alias_list(entity: object) -> list[object]:
     if isinstance(entity, (str, bytes)) or not isinstance(entity, Iterable):
         return [entity]
     return list(entity)
+
+
+def ground_truth_key(ground_truth: object) -> object:
+    """A hashable key equal for equal raw ground truths (rollouts of one prompt share it)."""
+    if isinstance(ground_truth, GroundTruth):
+        return ground_truth.aliases
+    if ground_truth is None or isinstance(ground_truth, (str, bytes)):
+        return ("raw", ground_truth)
+    return tuple(
+        tuple(a if isinstance(a, str) else (type(a).__name__, repr(a)) for a in _as_alias_list(e))
+        for e in ground_truth
+    )
+
+
+def normalize_ground_truths(ground_truths: Sequence[object]) -> list[GroundTruth]:
+    """:func:`normalize_ground_truth` for a batch, normalising each distinct ground truth once."""
+    cache: dict[object, GroundTruth] = {}
+    out = []
+    for gt in ground_truths:
+        key = ground_truth_key(gt)
+        if key not in cache:
+            cache[key] = normalize_ground_truth(gt)
+        out.append(cache[key])
+    return out
 
 
 def normalize_ground_truth(ground_truth: Sequence[Sequence[str]] | GroundTruth | None) -> GroundTruth:
@@ -311,10 +351,9 @@ def find_entities_batched(
     matchers: dict[object, EntityMatcher] = {}
     groups: dict[object, list[int]] = {}
     for k, gt in enumerate(ground_truths):
-        norm = normalize_ground_truth(gt)
-        key = norm.aliases
+        key = ground_truth_key(gt)
         if key not in matchers:
-            matchers[key] = EntityMatcher(norm)
+            matchers[key] = EntityMatcher(gt)
         groups.setdefault(key, []).append(k)
     out: list[np.ndarray] = [np.zeros((0, 0), dtype=bool)] * len(texts)
     for key, items in groups.items():

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .advantages._groups import group_index
-from .matching import GroundTruth, find_entities_batched, normalize_ground_truth
+from .matching import GroundTruth, find_entities_batched, normalize_ground_truths
 from .steps import StepLayout, scatter_to_anchors, segment_steps
 
 __all__ = [
@@ -127,7 +127,7 @@ def discover_entities(
         ``found`` bool ``[B, S, E]`` (``E`` = most entities of any trajectory; padded entities are False)
         and ``num_gt`` long ``[B]`` (distinct normalised entities).
     """
-    gts = [normalize_ground_truth(g) for g in ground_truths]
+    gts = normalize_ground_truths(ground_truths)
     bsz = len(gts)
     width = num_steps if num_steps is not None else max((len(s) for s in step_documents), default=0)
     num_gt = torch.tensor([len(g) for g in gts], dtype=torch.long)

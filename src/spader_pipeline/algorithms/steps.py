@@ -10,6 +10,7 @@ and the last run is the answer step. The reference walks every token with ``tens
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -21,23 +22,51 @@ class StepLayout:
     """Step segmentation of a batch of responses.
 
     Attributes:
-        step_index: long ``[B, T]``, the step each model token belongs to, ``-1`` elsewhere.
+        token_mask: bool ``[B, T]``, model tokens.
         starts: long ``[B, S]``, first token of each step (``0`` on padded steps).
         anchors: long ``[B, S]``, last token of each step (``0`` on padded steps).
         step_mask: bool ``[B, S]``, ``True`` for real steps (always a prefix of each row).
         num_steps: long ``[B]``, number of steps ``K_i``.
+        run_row, run_step, run_length: long ``[R]``, row, step number and length of each of the ``R``
+            steps of the batch, in row-major token order.
     ``S = max_i K_i`` (or ``max_steps`` if given and larger).
     """
 
-    step_index: torch.Tensor
+    token_mask: torch.Tensor
     starts: torch.Tensor
     anchors: torch.Tensor
     step_mask: torch.Tensor
     num_steps: torch.Tensor
+    run_row: torch.Tensor
+    run_step: torch.Tensor
+    run_length: torch.Tensor
 
     @property
     def max_steps(self) -> int:
         return int(self.anchors.shape[1])
+
+    @cached_property
+    def token_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat_positions, run_ids)``, long ``[N]`` each, for the ``N`` model tokens of the batch.
+
+        Built from the runs alone (``O(N)``, no pass over ``[B, T]``); cached.
+        """
+        length = self.token_mask.shape[1]
+        run_ids = torch.repeat_interleave(
+            torch.arange(self.run_row.numel(), device=self.run_row.device), self.run_length
+        )
+        first_token = torch.cumsum(self.run_length, 0) - self.run_length  # offset of each run in the N tokens
+        run_start = self.run_row * length + self.starts[self.run_row, self.run_step]
+        within = torch.arange(run_ids.numel(), device=run_ids.device) - first_token[run_ids]
+        return run_start[run_ids] + within, run_ids
+
+    @property
+    def step_index(self) -> torch.Tensor:
+        """long ``[B, T]``: the step each model token belongs to, ``-1`` elsewhere."""
+        positions, runs = self.token_runs
+        out = torch.full(self.token_mask.shape, -1, dtype=torch.long, device=self.token_mask.device)
+        out.view(-1)[positions] = self.run_step[runs]
+        return out
 
     @property
     def last_anchor(self) -> torch.Tensor:
@@ -57,32 +86,33 @@ def segment_steps(response_mask: torch.Tensor, max_steps: int | None = None) -> 
         max_steps: minimum width ``S`` of the step axis (e.g. to align with another tensor).
 
     Returns:
-        :class:`StepLayout`. Cost: O(B·T) tensor ops plus one ``nonzero`` per batch.
+        :class:`StepLayout`. Cost: a few elementwise passes over ``[B, T]`` and two ``nonzero`` calls.
     """
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must be [B, T], got shape {tuple(response_mask.shape)}")
     m = response_mask != 0
-    bsz, _ = m.shape
+    bsz, length = m.shape
     device = m.device
-    prev = torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)
-    nxt = torch.nn.functional.pad(m[:, 1:], (0, 1), value=False)
-    is_start = m & ~prev
-    is_end = m & ~nxt
-    run_id = is_start.long().cumsum(dim=1) - 1  # step number of each token within its row
-    step_index = torch.where(m, run_id, torch.full_like(run_id, -1))
-    num_steps = is_start.sum(dim=1)
+    # Transitions of the zero-padded mask alternate start, end, start, end... within every row, and
+    # every row has an even number of them, so even/odd positions of the flat list are starts/ends.
+    padded = torch.zeros((bsz, length + 2), dtype=torch.bool, device=device)
+    padded[:, 1:-1] = m
+    flips = (padded[:, 1:] != padded[:, :-1]).view(-1).nonzero().squeeze(1)
+    rows = torch.div(flips, length + 1, rounding_mode="floor")
+    cols = flips - rows * (length + 1)
+    run_row, start_t, end_excl = rows[0::2], cols[0::2], cols[1::2]
+    num_steps = torch.bincount(run_row, minlength=bsz)
+    first_run = torch.cumsum(num_steps, 0) - num_steps
+    run_step = torch.arange(run_row.numel(), device=device) - first_run[run_row]
     width = int(num_steps.max().item()) if bsz else 0
     if max_steps is not None:
         width = max(width, int(max_steps))
     starts = torch.zeros((bsz, width), dtype=torch.long, device=device)
     anchors = torch.zeros((bsz, width), dtype=torch.long, device=device)
-    if width:
-        b, t = is_start.nonzero(as_tuple=True)
-        starts[b, run_id[b, t]] = t
-        b, t = is_end.nonzero(as_tuple=True)
-        anchors[b, run_id[b, t]] = t
+    starts[run_row, run_step] = start_t
+    anchors[run_row, run_step] = end_excl - 1
     step_mask = torch.arange(width, device=device).unsqueeze(0) < num_steps.unsqueeze(1)
-    return StepLayout(step_index, starts, anchors, step_mask, num_steps)
+    return StepLayout(m, starts, anchors, step_mask, num_steps, run_row, run_step, end_excl - start_t)
 
 
 def gather_steps(token_values: torch.Tensor, layout: StepLayout) -> torch.Tensor:
@@ -96,20 +126,20 @@ def gather_steps(token_values: torch.Tensor, layout: StepLayout) -> torch.Tensor
 def scatter_to_anchors(step_values: torch.Tensor, layout: StepLayout, length: int) -> torch.Tensor:
     """``[B, S]`` → ``[B, T]``: each real step's value placed on its anchor token, zeros elsewhere."""
     out = step_values.new_zeros((step_values.shape[0], length))
-    if layout.max_steps == 0:
-        return out
-    s = min(step_values.shape[1], layout.max_steps)
-    vals = step_values[:, :s] * layout.step_mask[:, :s].to(step_values.dtype)
-    out.scatter_add_(1, layout.anchors[:, :s], vals)
+    keep = layout.run_step < step_values.shape[1]
+    rows, steps = layout.run_row[keep], layout.run_step[keep]
+    out[rows, layout.anchors[rows, steps]] = step_values[rows, steps]
     return out
 
 
 def spread_over_steps(step_values: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     """``[B, S]`` → ``[B, T]``: each model token gets its step's value; other tokens get 0."""
-    idx = layout.step_index.clamp(min=0)
-    if layout.max_steps == 0:
-        return step_values.new_zeros(idx.shape)
-    if step_values.shape[1] < layout.max_steps:
+    if layout.max_steps and step_values.shape[1] < layout.max_steps:
         raise ValueError(f"step_values has {step_values.shape[1]} steps, the layout {layout.max_steps}")
-    out = step_values.gather(1, idx.clamp(max=step_values.shape[1] - 1))
-    return torch.where(layout.step_index >= 0, out, torch.zeros_like(out))
+    out = step_values.new_zeros(layout.token_mask.shape)
+    if layout.run_row.numel() == 0:
+        return out
+    positions, runs = layout.token_runs
+    per_run = step_values[layout.run_row, layout.run_step]
+    out.view(-1)[positions] = per_run[runs]
+    return out

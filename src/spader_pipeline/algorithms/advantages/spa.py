@@ -29,18 +29,20 @@ __all__ = ["discounted_step_returns", "spa_advantage", "spa_step_advantage"]
 def discounted_step_returns(
     step_rewards: torch.Tensor, step_mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """``[B, S]`` step rewards → ``[B, S]`` returns-to-go, zero on padded steps.
+    """``[B, S]`` step rewards → ``[B, S]`` returns-to-go ``G_t = Σ_{k≥t} γ^{k−t} r_k``, zero on padded steps.
 
-    Same recursion as the reference: ``run = r_t + γ·run; G_t = run; run ← run·m_t`` (from the last step).
+    Equals the reference recursion ``run = r_t + γ·run; G_t = run; run ← run·m_t`` because real steps
+    form a prefix of each row: one ``[B, S] @ [S, S]`` product instead of a loop over steps.
     """
-    returns = torch.zeros_like(step_rewards)
-    run = torch.zeros_like(step_rewards[:, 0]) if step_rewards.shape[1] else None
     m = step_mask.to(step_rewards.dtype)
-    for t in range(step_rewards.shape[1] - 1, -1, -1):
-        run = step_rewards[:, t] + gamma * run
-        returns[:, t] = run
-        run = run * m[:, t]
-    return returns * m
+    width = step_rewards.shape[1]
+    k = torch.arange(width, device=step_rewards.device)
+    power = (k.unsqueeze(1) - k.unsqueeze(0)).to(torch.float64)  # [k, t] = k − t
+    discount = torch.where(
+        power >= 0, torch.pow(torch.tensor(float(gamma), dtype=torch.float64), power.clamp(min=0)), 0.0
+    )
+    returns = (step_rewards.double() * m.double()) @ discount
+    return returns.to(step_rewards.dtype) * m
 
 
 def spa_step_advantage(
