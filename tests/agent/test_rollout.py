@@ -97,6 +97,16 @@ def test_tool_call_in_last_turn_is_not_executed(retrieval_url):
     assert t.num_searches == 1
 
 
+def test_too_many_queries_are_capped_and_the_observation_says_so(retrieval_url):
+    turns = ['<tool_call>["Ghana", "Togo", "Mali"]</tool_call>', '<answer>["Ghana"]</answer>']
+    config = RolloutConfig(max_queries_per_call=2, topk=1, max_observation_chars=2000)
+    [t] = asyncio.run(_roll(QUESTIONS[:1], Replay(turns), retrieval_url, config))
+    step = t.steps[0]
+    assert step.queries == ("Ghana", "Togo") and len(step.doc_ids) == 2
+    assert "Only the first 2 of 3 queries were run." in step.observation
+    assert "Results for query 3" not in step.observation
+
+
 def test_search_failure_becomes_an_error_observation():
     # nothing listens on this port: the client gives up and the agent reads an error, nothing raises
     turns = ['<tool_call>["Ghana"]</tool_call>', '<answer>["Ghana"]</answer>']

@@ -209,3 +209,52 @@ def test_agent_loop_requires_the_search_tool(lm):
             hf_model_type="qwen3",
             tools=ToolListWrap([]),
         )
+
+
+class ScriptedServer:
+    """A 'model' that searches once, then answers: token ids of fixed turns, ending in <|im_end|>."""
+
+    TURNS = (
+        '<think>look</think><tool_call>["West Africa country"]</tool_call>',
+        '<answer>["Ghana", "Togo"]</answer>',
+    )
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        text = self.TURNS[min(self.calls, 1)]
+        self.calls += 1
+        return TokenOutput(
+            token_ids=self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        )
+
+
+def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_url):
+    from spader_pipeline.agent.rollout import GeneratedTurn, Generator
+
+    _, tokenizer = lm
+    loop = _loop(lm, search_url)
+    loop.server_manager = ScriptedServer(tokenizer)
+    output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
+    assert output.extra_fields["finish_reason"] == "answer"
+    assert output.extra_fields["search_queries"] == [["West Africa country"], []]
+    observed = [i for i, m in zip(output.response_ids, output.response_mask, strict=True) if m == 0]
+
+    class Replay(Generator):
+        async def generate(self, states):
+            return [GeneratedTurn(text=ScriptedServer.TURNS[len(s.steps)]) for s in states]
+
+    async def ours():
+        async with RetrievalClient(search_url) as client:
+            return await run_rollouts([{"messages": PROMPT}], Replay(), client, RolloutConfig(topk=2), None)
+
+    [t] = asyncio.run(ours())
+    observation = t.messages[2]["content"]
+    assert observation.startswith("<tool_response>\nResults for query 1:\nDoc 1 (Title: ")
+    expected = tokenizer.encode("\n", add_special_tokens=False) + list(
+        tokenizer.apply_chat_template(
+            [t.messages[2]], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    assert observed == expected
