@@ -13,6 +13,7 @@ from spader_pipeline.retrieval.budget import (
     apply_budget,
     entry_cost,
     render,
+    rendered_length,
     spader_body,
     truncation_warning,
 )
@@ -78,6 +79,19 @@ def test_entry_costs_are_exact(queries, docs):
     skeleton = len(render(spader_body(queries, [[] for _ in queries], None)))
     predicted = skeleton + sum(entry_cost(e, first=(r == 0)) for c in candidates for r, e in enumerate(c))
     assert predicted == len(render(spader_body(queries, candidates, None)))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=4),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=json_values)
+def test_rendered_length_equals_the_real_rendering(value):
+    assert rendered_length(value) == len(json.dumps(value, indent=2, ensure_ascii=False))
 
 
 def _docs(n_queries, per_query, size):

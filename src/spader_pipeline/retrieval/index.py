@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.retrieval.bm25 import BM25Params, BM25Retriever, build_bm25
-from spader_pipeline.retrieval.corpus import DocStore, DocStoreWriter, Passage, iter_corpus
+from spader_pipeline.retrieval.corpus import (
+    DOCS_FILE,
+    OFFSETS_FILE,
+    DocStore,
+    DocStoreWriter,
+    Passage,
+    iter_corpus,
+)
 from spader_pipeline.retrieval.dense import DenseParams, DenseRetriever, build_dense
 from spader_pipeline.retrieval.lucene import LuceneParams, LuceneRetriever, build_lucene
 from spader_pipeline.retrieval.rerank import CrossEncoderReranker, RerankParams
@@ -77,7 +84,7 @@ def build_index(passages: Iterable[Passage], out_dir: str | os.PathLike, method:
         "corpus": {"path": corpus_path, "sha256": store.sha256, "num_passages": len(store)},
         "sizes": {
             **{k: v for k, v in figures.items() if isinstance(v, int | float | str)},
-            "docstore_bytes": dir_bytes(out) - dir_bytes(out / method),
+            "docstore_bytes": sum((out / name).stat().st_size for name in (DOCS_FILE, OFFSETS_FILE)),
             "index_bytes": dir_bytes(out / method),
         },
         "build_seconds": round(seconds, 3),
