@@ -36,6 +36,10 @@ class NativeTrainerConfig:
     # ---- schedule ----------------------------------------------------------------------------
     total_steps: int = 100
     """optimizer steps of the run (each step = one rollout batch)"""
+    max_seconds: float | None = None
+    """wall-clock budget: the run ends (and saves its final model) after the first step that
+    passes it, even before ``total_steps``; ``None`` = no budget. With a budget the number of steps
+    depends on the machine, so leave it ``None`` where runs must be step-for-step reproducible"""
     prompts_per_step: int = 4
     """distinct questions per step"""
     group_size: int = 8
@@ -110,6 +114,8 @@ class NativeTrainerConfig:
             raise ValueError(
                 f"group_size={self.group_size}: group-relative advantages need at least 2 rollouts per prompt"
             )
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError("max_seconds must be > 0 or null")
         if self.prompts_per_step < 1 or self.total_steps < 0:
             raise ValueError("prompts_per_step must be >= 1 and total_steps >= 0")
         batch = self.prompts_per_step * self.group_size

@@ -29,10 +29,12 @@ definitions in docs/training.md):
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -151,7 +153,12 @@ def train_native(
     torch.manual_seed(config.seed)
     device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
     device = "cpu" if device == "auto" else device
+    fingerprint = _fingerprint(config, model_path)
     resume = latest_checkpoint(run_dir) if config.resume else None
+    if resume and load_trainer_state(resume[1])["extra"].get("fingerprint") != fingerprint:
+        logger.warning("checkpoints in %s belong to another configuration or start model; starting afresh", run_dir)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        resume = None
     start_path = resume[1] if resume else model_path
     model, tokenizer = load_model_and_tokenizer(start_path, device=device)
     reference = None
@@ -163,7 +170,7 @@ def train_native(
     )
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    history = _read_history(run_dir)
+    history = _read_history(run_dir) if resume else []
     start_step = 0
     if resume:
         state = load_trainer_state(resume[1])
@@ -200,7 +207,9 @@ def train_native(
     pad_id = tokenizer.pad_token_id
 
     step = start_step
-    while step < config.total_steps:
+    run_started = time.perf_counter()
+    out_of_time = False
+    while step < config.total_steps and not out_of_time:
         step += 1
         t_step = time.perf_counter()
 
@@ -298,14 +307,17 @@ def train_native(
             config.total_steps, metrics["reward/mean"], metrics["answer/f1"], metrics["retrieval/recall"],
             metrics["perf/step_seconds"],
         )
-        if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.total_steps:
+        out_of_time = config.max_seconds is not None and time.perf_counter() - run_started > config.max_seconds
+        if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.total_steps or out_of_time:
             save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler,
-                            extra={"method": config.method}, keep=config.keep_checkpoints)
+                            extra={"method": config.method, "fingerprint": fingerprint}, keep=config.keep_checkpoints)
         if stop_after is not None and step >= stop_after:
             break
 
     final_dir = run_dir / "final"
-    if step >= config.total_steps:
+    if out_of_time:
+        logger.info("%s: time budget of %.0f s reached after step %d", config.method, config.max_seconds, step)
+    if step >= config.total_steps or out_of_time:
         model.save_pretrained(final_dir)
         tokenizer.save_pretrained(final_dir)
     return TrainResult(final_dir, step, history, resume[0] if resume else None)
@@ -314,6 +326,17 @@ def train_native(
 # ----------------------------------------------------------------------------------------------
 # PLUMBING helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _fingerprint(config: NativeTrainerConfig, model_path: str | Path) -> str:
+    """Identity of a run for resume: the settings that shape its trajectory and the start weights."""
+    settings = {k: v for k, v in config.to_dict().items()
+                if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
+                             "log_samples_every", "num_samples_logged", "device")}
+    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+    blob = json.dumps([settings, str(Path(model_path).resolve()), stamp], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int, seed: int) -> list[Mapping[str, Any]]:

@@ -1,0 +1,168 @@
+"""The comparison report: how each RL method trained, and how the models do on held-out questions.
+
+Inputs are the evaluate pipeline's ``eval_table`` (one row per model × dataset) and each method's
+``train_<method>.training_history`` (one row per RL step, metric names of
+:mod:`spader_pipeline.native.trainer`). Outputs: two PNG figures, a markdown page and flat metrics
+(logged to MLflow by the project hook); the figures and page are also MLflow artifacts.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from spader_pipeline import tracking  # noqa: E402
+
+CURVES = (
+    ("reward/mean", "reward (return)"),
+    ("answer/f1", "answer F1"),
+    ("answer/recall", "answer recall"),
+    ("retrieval/recall", "retrieval recall (gold in retrieved text)"),
+)
+FINAL_COLUMNS = ("recall", "precision", "f1", "seen_recall")
+
+
+def smooth(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average (shorter at the start), so noisy per-step curves stay readable."""
+    x = np.asarray(values, dtype=float)
+    if window <= 1 or x.size == 0:
+        return x
+    csum = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, x.size + 1)
+    lo = np.maximum(0, idx - window)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def _curves_figure(histories: Mapping[str, list[dict]], window: int):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        for method, rows in histories.items():
+            rows = [r for r in rows if key in r]
+            if rows:
+                ax.plot([r["step"] for r in rows], smooth([r[key] for r in rows], window), label=method)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("RL step")
+    axes[0, 0].legend()
+    fig.suptitle(f"Training curves on the training questions (moving average over {window} steps)")
+    fig.tight_layout()
+    return fig
+
+
+def _final_table(eval_table: pd.DataFrame, params: Mapping[str, Any]) -> pd.DataFrame:
+    frame = eval_table.copy()
+    datasets = params.get("datasets")
+    if datasets:
+        frame = frame[frame["dataset"].isin(datasets)]
+    models = params.get("models")
+    if models:
+        frame = frame[frame["model"].isin(models)]
+        frame["_order"] = frame["model"].map({m: i for i, m in enumerate(models)})
+        frame = frame.sort_values(["dataset", "_order"]).drop(columns="_order")
+    long_tail = [c for c in frame.columns if c.startswith("long_tail_recall/")]
+    columns = ["model", "dataset", "num_samples", "num_failed", *[c for c in FINAL_COLUMNS if c in frame], *long_tail]
+    return frame[[c for c in columns if c in frame.columns]].reset_index(drop=True)
+
+
+def _final_figure(table: pd.DataFrame):
+    datasets = list(dict.fromkeys(table["dataset"])) or ["(none)"]
+    metrics = [c for c in (*FINAL_COLUMNS, *[c for c in table.columns if c.startswith("long_tail_recall/")]) if c in table]
+    fig, axes = plt.subplots(len(datasets), 1, figsize=(max(8, 1.2 * len(metrics) + 4), 3.6 * len(datasets)), squeeze=False)
+    for ax, dataset in zip(axes[:, 0], datasets, strict=True):
+        rows = table[table["dataset"] == dataset]
+        width = 0.8 / max(len(rows), 1)
+        for i, (_, row) in enumerate(rows.iterrows()):
+            values = [float(row[m]) if pd.notna(row[m]) else 0.0 for m in metrics]
+            ax.bar(np.arange(len(metrics)) + i * width, values, width, label=row["model"])
+        ax.set_xticks(np.arange(len(metrics)) + 0.4 - width / 2)
+        ax.set_xticklabels([m.replace("long_tail_recall/", "tail ") for m in metrics], rotation=20)
+        ax.set_title(f"held-out: {dataset}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "–" if math.isnan(value) else f"{value:.3f}"
+    return str(value)
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    if frame.empty:
+        return "_(no rows)_\n"
+    header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
+    body = "".join("| " + " | ".join(_fmt(v) for v in row) + " |\n" for row in frame.itertuples(index=False))
+    return header + body
+
+
+def _training_summary(histories: Mapping[str, list[dict]], window: int) -> pd.DataFrame:
+    rows = []
+    for method, history in histories.items():
+        if not history:
+            continue
+        head, tail = history[:window], history[-window:]
+        row: dict[str, Any] = {"method": method, "steps": int(history[-1]["step"]),
+                               "minutes": sum(h.get("perf/step_seconds", 0.0) for h in history) / 60}
+        for key, _ in CURVES:
+            row[f"{key} first{window}"] = float(np.mean([h[key] for h in head if key in h]))
+            row[f"{key} last{window}"] = float(np.mean([h[key] for h in tail if key in h]))
+        row["adv/zero_groups"] = float(np.mean([h.get("adv/zero_groups", math.nan) for h in history]))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def build_report(
+    eval_table: pd.DataFrame,
+    warm_start_metrics: Mapping[str, float],
+    params: Mapping[str, Any],
+    **histories: list[dict],
+):
+    """Figures, markdown and flat metrics comparing the methods (see the module docstring)."""
+    window = int(params.get("smoothing_window", 10))
+    histories = {name.removeprefix("history_"): rows or [] for name, rows in histories.items()}
+    curves = _curves_figure(histories, window)
+    table = _final_table(eval_table, params)
+    final = _final_figure(table)
+    summary = _training_summary(histories, window)
+
+    lines = [
+        f"# {params.get('title', 'GRPO vs SPADER')}\n",
+        "Held-out evaluation (evaluate pipeline; `seen_recall` = gold entities present in retrieved text, "
+        "`long_tail_recall/<bucket>` = recall of gold entities by corpus frequency):\n",
+        _markdown_table(table),
+        f"\nTraining (means over the first and last {window} RL steps, on training questions):\n",
+        _markdown_table(summary),
+    ]
+    if warm_start_metrics:
+        lines += ["\nWarm start:\n", _markdown_table(pd.DataFrame([dict(warm_start_metrics)]))]
+    markdown = "\n".join(lines)
+
+    metrics: dict[str, float] = {}
+    for row in table.to_dict(orient="records"):
+        for key in (*FINAL_COLUMNS, *[c for c in row if c.startswith("long_tail_recall/")]):
+            if key in row and row[key] is not None and not (isinstance(row[key], float) and math.isnan(row[key])):
+                metrics[f"{row['model']}/{row['dataset']}/{key}"] = float(row[key])
+    for row in summary.to_dict(orient="records"):
+        for key, value in row.items():
+            if key != "method" and isinstance(value, int | float) and math.isfinite(value):
+                metrics[f"{row['method']}/{key.replace(' ', '_')}"] = float(value)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fig in (("training_curves.png", curves), ("final_comparison.png", final)):
+            fig.savefig(Path(tmp) / name, dpi=110)
+        (Path(tmp) / "report.md").write_text(markdown)
+        tracking.log_artifact(tmp, artifact_path="report")
+    return curves, final, markdown, metrics

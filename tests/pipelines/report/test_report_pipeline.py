@@ -1,0 +1,64 @@
+"""The report pipeline through KedroSession on synthetic evaluation rows and training histories."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from kedro.framework.session import KedroSession
+
+from spader_pipeline.pipelines.report.nodes import build_report, smooth
+
+
+def _eval_table():
+    rows = []
+    for model, r in (("warm_start", 0.05), ("grpo", 0.06), ("spader", 0.09)):
+        rows.append({"model": model, "dataset": "embedded_test", "num_samples": 50, "num_failed": 0, "recall": r,
+                     "precision": r * 2, "f1": r * 1.3, "seen_recall": r * 4, "long_tail_recall/1": math.nan,
+                     "long_tail_recall/2-4": r / 2, "exact_match": 0.0})
+    return pd.DataFrame(rows)
+
+
+def _history(slope):
+    return [{"step": s, "reward/mean": slope * s, "answer/f1": 0.01 * s, "answer/recall": 0.02, "retrieval/recall": 0.2,
+             "perf/step_seconds": 3.0, "adv/zero_groups": 0.5} for s in range(1, 31)]
+
+
+def test_smooth_is_a_trailing_mean():
+    assert np.allclose(smooth([1, 2, 3, 4], 2), [1, 1.5, 2.5, 3.5])
+
+
+def test_build_report_compares_models_and_methods():
+    curves, final, markdown, metrics = build_report(
+        _eval_table(), {"demonstrations": 100.0}, {"smoothing_window": 5, "models": ["warm_start", "grpo", "spader"]},
+        history_grpo=_history(0.01), history_spader=_history(0.02),
+    )
+    assert len(curves.axes) == 4 and final.axes
+    assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
+    assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
+    assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
+    assert metrics["spader/reward/mean_last5"] == pytest.approx(0.02 * 28)
+    assert metrics["grpo/steps"] == 30
+
+
+@pytest.mark.e2e
+def test_report_session_run_writes_reporting_files_and_mlflow_artifacts(kedro_project):
+    with KedroSession.create(project_path=kedro_project, env="test") as session:
+        catalog = session.load_context().catalog
+        catalog.save("eval_table", _eval_table())
+        catalog.save("warm_start_metrics", {"demonstrations": 10.0})
+        catalog.save("train_grpo.training_history", _history(0.01))
+        catalog.save("train_spader.training_history", _history(0.02))
+    with KedroSession.create(project_path=kedro_project, env="test") as session:
+        session.run(pipeline_names=["report"])
+    report = (kedro_project / "data/08_reporting/report.md").read_text()
+    assert "GRPO vs SPADER" in report or "SPADER" in report
+    assert list((kedro_project / "data/08_reporting/report_training_curves.png").iterdir())
+    run = mlflow.search_runs(experiment_names=["spader-pipeline-test"], output_format="list",
+                             order_by=["start_time DESC"])[0]
+    assert run.data.metrics["report/spader/embedded_test/recall"] == pytest.approx(0.09)
+    names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "report")}
+    assert names == {"report/training_curves.png", "report/final_comparison.png", "report/report.md"}
