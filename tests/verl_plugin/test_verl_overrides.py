@@ -156,17 +156,22 @@ def test_main_ppo_cfg_job_on_cpu(name, tmp_path):
     )
 
 
+def test_entry_point_is_declared_and_loads():
+    """verl's own loop on `import verl` is ``for ep in entry_points(group="verl.plugins"): ep.load()``."""
+    from importlib.metadata import entry_points
+
+    import spader_pipeline.verl_plugin as plugin
+
+    (ep,) = [ep for ep in entry_points(group="verl.plugins") if ep.name == "spader"]
+    assert ep.value == "spader_pipeline.verl_plugin" and ep.load() is plugin
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["entry_point", "external_modules"])
-def test_plugin_registers_in_a_fresh_process(via):
+def test_plugin_registers_in_a_fresh_process_via_external_modules():
     """What every Ray worker does: ``import verl`` alone must register our estimators and manager."""
-    env = dict(os.environ)
-    if via == "entry_point":
-        env["VERL_USE_EXTERNAL_PLUGINS"] = "spader"
-        env.pop("VERL_USE_EXTERNAL_MODULES", None)
-    else:
-        env["VERL_USE_EXTERNAL_PLUGINS"] = "none"
-        env["VERL_USE_EXTERNAL_MODULES"] = "spader_pipeline.verl_plugin"
+    env = dict(
+        os.environ, VERL_USE_EXTERNAL_PLUGINS="none", VERL_USE_EXTERNAL_MODULES="spader_pipeline.verl_plugin"
+    )
     code = (
         "import verl\n"
         "from verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
