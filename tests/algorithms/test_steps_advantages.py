@@ -241,3 +241,25 @@ def test_tspo_composition_rules():
     assert adv2[0, 0].item() == pytest.approx((traj[0] + turn[0]).item(), abs=1e-5)
     assert adv2[0, 6].item() == pytest.approx(traj[0].item(), abs=1e-5)
     assert adv2[2, 0].item() == pytest.approx(traj[2].item(), abs=1e-5)  # no k*: no turn term
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), group_size=st.integers(1, 6), n_groups=st.integers(1, 3))
+def test_calibadv_and_tspo_reduce_to_grpo(seed, group_size, n_groups):
+    """Without step scores and rebalancing CalibAdv is GRPO; TSPO on mixed groups without the turn term too."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, length = group_size * n_groups, 16
+    m = (torch.rand(bsz, length, generator=g) < 0.6).long()
+    outcome = torch.randint(0, 3, (bsz,), generator=g).float() / 2
+    index = [f"u{i // group_size}" for i in range(bsz)]
+    r = torch.zeros(bsz, length)
+    r[:, -1] = outcome
+    grpo, _ = grpo_outcome_advantage(r, m, index)
+    cal, _ = calibadv_advantage(outcome, m, index, None, rebalance_answer=False)
+    np.testing.assert_allclose(cal, grpo, atol=1e-5)
+    k_star = torch.randint(-1, 3, (bsz,), generator=g)
+    tspo, _ = tspo_advantage(outcome, k_star, m, index, add_turn_term=False)
+    mixed = torch.tensor(
+        [len({outcome[j].item() for j in range(bsz) if index[j] == index[i]}) > 1 for i in range(bsz)]
+    )
+    np.testing.assert_allclose(tspo[mixed], grpo[mixed], atol=1e-5)
