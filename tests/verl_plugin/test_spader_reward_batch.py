@@ -167,13 +167,20 @@ def _run_manager(tok, data: DataProto, reward_kwargs: dict) -> list[dict]:
         manager = SpaderRewardManager(config, tok)
         return [await manager.run_single(data[i : i + 1]) for i in range(len(data))]
 
-    outputs = asyncio.run(main())
-    SpaderRewardManager.configure(config)
-    return outputs
+    return asyncio.run(main())
 
 
-def _streamed_output(data: DataProto, outputs: list[dict]) -> DataProto:
+SPADER_KWARGS = {"mode": "spader", "format_penalty": 1.0}
+
+
+def _configure(reward_kwargs: dict) -> None:
+    """Class-level settings used by the batch assembly (the manager does this from the trainer config)."""
+    SpaderRewardManager.configure(OmegaConf.create({"reward": {"reward_kwargs": reward_kwargs}}))
+
+
+def _streamed_output(data: DataProto, outputs: list[dict], reward_kwargs: dict = SPADER_KWARGS) -> DataProto:
     """What verl's streaming path hands over: scalars on the last valid token, extras per sample."""
+    _configure(reward_kwargs)
     bsz = len(data)
     prompt_len = data.batch["prompts"].shape[1]
     last = data.batch["attention_mask"][:, prompt_len:].sum(dim=1) - 1
@@ -223,7 +230,7 @@ def _expected(trajs: list[Traj], global_step: int, response_mask: torch.Tensor, 
 def spader_batch():
     trajs = _make_trajectories()
     tok, data = _build_batch(trajs, global_step=250)
-    outputs = _run_manager(tok, data, {"mode": "spader", "format_penalty": 1.0})
+    outputs = _run_manager(tok, data, SPADER_KWARGS)
     return trajs, tok, data, outputs
 
 
@@ -289,7 +296,7 @@ def test_text_split_fallback_agrees_when_mask_missing(spader_batch):
         tensors={k: data.batch[k] for k in ("prompts", "responses", "attention_mask")},
         non_tensors={k: data.non_tensor_batch[k] for k in ("uid", "reward_model")},
     )
-    again = _run_manager(tok, nomask, {"mode": "spader", "format_penalty": 1.0})
+    again = _run_manager(tok, nomask, SPADER_KWARGS)
     for a, b in zip(outputs, again, strict=True):
         assert json.loads(a["reward_extra_info"][PAYLOAD_KEY]) == json.loads(
             b["reward_extra_info"][PAYLOAD_KEY]
@@ -311,8 +318,9 @@ def test_core_grpo_equals_verl_grpo():
 def test_calibadv_and_tspo_layouts_through_verl(mode):
     trajs = _make_trajectories(seed=3)
     tok, data = _build_batch(trajs, global_step=10)
-    outputs = _run_manager(tok, data, {"mode": mode, "silver_threshold": 0.3})
-    out = _streamed_output(data, outputs)
+    kwargs = {"mode": mode, "silver_threshold": 0.3}
+    outputs = _run_manager(tok, data, kwargs)
+    out = _streamed_output(data, outputs, kwargs)
     rewards = out.batch["rm_scores"]
     data.batch["token_level_rewards"] = rewards
     algo = OmegaConf.create({"gamma": 1.0, "adv_estimator": mode, "norm_adv_by_std_in_grpo": True})
@@ -321,3 +329,49 @@ def test_calibadv_and_tspo_layouts_through_verl(mode):
     assert torch.isfinite(adv).all()
     assert adv[data.batch["response_mask"] == 0].abs().sum() == 0
     assert adv.abs().sum() > 0
+
+
+def test_group_reward_agent_loop_manager_wraps_generation(spader_batch, monkeypatch):
+    """The manager's generate_sequences (sync call, as the trainer does) re-assembles rm_scores.
+
+    Only verl's rollout (``AgentLoopManager.generate_sequences``, GPU servers) is replaced by a stub
+    returning what the streaming reward path produces.
+    """
+    from verl.experimental.agent_loop import AgentLoopManager
+    from verl.utils.ray_utils import auto_await
+
+    from spader_pipeline.verl_plugin.batch_reward import GroupRewardAgentLoopManager
+
+    trajs, _, data, outputs = spader_batch
+    prompt_len = data.batch["prompts"].shape[1]
+    last = data.batch["attention_mask"][:, prompt_len:].sum(dim=1) - 1
+    rm = torch.zeros(data.batch["responses"].shape)
+    rm[torch.arange(len(data)), last] = torch.tensor(
+        [o["reward_score"] for o in outputs], dtype=torch.float32
+    )
+    extra = {
+        k: np.array([o["reward_extra_info"][k] for o in outputs], dtype=object)
+        for k in outputs[0]["reward_extra_info"]
+    }
+    generated = DataProto.from_dict(
+        tensors={k: data.batch[k] for k in ("prompts", "responses", "response_mask", "attention_mask")}
+        | {"rm_scores": rm},
+        non_tensors=extra,
+    )
+
+    @auto_await
+    async def fake_generate(self, prompts):
+        return generated
+
+    monkeypatch.setattr(AgentLoopManager, "generate_sequences", fake_generate)
+    _configure(SPADER_KWARGS)
+    manager = object.__new__(GroupRewardAgentLoopManager)  # no Ray workers needed for the wrapper
+    manager.reward_cls = SpaderRewardManager
+    prompts = DataProto.from_dict(
+        tensors={"input_ids": data.batch["prompts"]},
+        non_tensors={"uid": data.non_tensor_batch["uid"]},
+        meta_info={"global_steps": 250},
+    )
+    out = manager.generate_sequences(prompts)
+    expected = _expected(trajs, 250, data.batch["response_mask"], format_penalty=1.0)
+    np.testing.assert_allclose(out.batch["rm_scores"], expected, atol=1e-5)
