@@ -224,3 +224,38 @@ def test_run_rollouts_sync_works_from_plain_code(retrieval_url):
     client = RetrievalClient(retrieval_url)
     [t] = run_rollouts_sync(QUESTIONS[:1], ScriptedPolicy(), client, RolloutConfig(), TEMPLATE)
     assert t.finish_reason == "answer"
+
+
+def test_hf_kv_cache_reuse_gives_the_same_turns(tiny_lm):
+    """Continuing from the KV cache (variable-length observations, trajectories dropping out)
+    samples exactly what re-encoding the whole context samples."""
+    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.rollout import RolloutState
+
+    model, tokenizer = tiny_lm
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=9)
+    cached, fresh = (
+        HFGenerator(model, tokenizer, sampling),
+        HFGenerator(model, tokenizer, sampling, reuse_kv_cache=False),
+    )
+    prompts = [tokenizer.encode(q["question"]) for q in QUESTIONS] + [tokenizer.encode("Ghana")]
+    states = {
+        name: [
+            RolloutState(sample={}, messages=[], token_ids=list(p), uid=f"t{i}")
+            for i, p in enumerate(prompts)
+        ]
+        for name in ("cached", "fresh")
+    }
+    observation = tokenizer.encode("Doc 1 (Title: Ghana) Country in West Africa. Accra is the capital.")
+    for round_ in range(4):
+        turns = {
+            "cached": asyncio.run(cached.generate(states["cached"])),
+            "fresh": asyncio.run(fresh.generate(states["fresh"])),
+        }
+        assert [t.token_ids for t in turns["cached"]] == [t.token_ids for t in turns["fresh"]]
+        for name in states:
+            for i, (state, turn) in enumerate(zip(states[name], turns[name], strict=True)):
+                state.token_ids += list(turn.token_ids) + observation[: 3 + 7 * i + round_]
+            if round_ == 1:  # trajectories finish: the batch shrinks to a subset
+                states[name] = [states[name][0], states[name][2], states[name][3]]
+    assert cached.kv_reuses == 3 and fresh.kv_reuses == 0

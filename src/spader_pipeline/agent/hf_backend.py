@@ -32,6 +32,9 @@ class HFGenerator(Generator):
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (VERL's
             ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
         micro_batch_size: most sequences per ``generate`` call (memory bound).
+        reuse_kv_cache: keep the KV cache between the turns of a batch, so each turn only encodes
+            the new tokens (observation) instead of the whole context again. Outputs are the same
+            as without it (up to floating-point reassociation).
     """
 
     token_level = True
@@ -45,11 +48,15 @@ class HFGenerator(Generator):
         max_prompt_tokens: int = 1024,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         micro_batch_size: int = 32,
+        reuse_kv_cache: bool = True,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
         self.micro_batch_size = micro_batch_size
+        self.reuse_kv_cache = reuse_kv_cache
+        self._kv: dict[str, Any] | None = None
+        self.kv_reuses = 0  # generate calls that continued from the cache (for tests and reporting)
         builder = make_token_builder(
             tokenizer, getattr(model.config, "model_type", None), chat_template_kwargs
         )
@@ -86,47 +93,107 @@ class HFGenerator(Generator):
             out.extend(self._generate_batch(states[i : i + self.micro_batch_size]))
         return out
 
-    @torch.no_grad()
-    def _generate_batch(self, states: list[RolloutState]) -> list[GeneratedTurn]:
-        budgets = [
-            max(1, min(self.sampling.max_new_tokens, s.max_response_tokens - s.response_length))
-            for s in states
-        ]
-        device = next(self.model.parameters()).device
-        width = max(len(s.token_ids) for s in states)
-        input_ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(states), width), dtype=torch.long)
-        for row, state in enumerate(states):  # left padding
-            n = len(state.token_ids)
-            input_ids[row, width - n :] = torch.tensor(state.token_ids, dtype=torch.long)
-            attention[row, width - n :] = 1
+    def _sampling_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
-            "max_new_tokens": max(budgets),
+            "max_new_tokens": max_new_tokens,
             "pad_token_id": self.pad_id,
             "eos_token_id": sorted(self.eos_ids),
+            "return_dict_in_generate": True,
         }
         if self.sampling.temperature > 0:
             kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p)
             kwargs["top_k"] = self.sampling.top_k if self.sampling.top_k > 0 else None
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    def _inputs(self, states: list[RolloutState]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Physical input ids and attention mask for ``states`` (+ the KV cache to continue from).
+
+        Fresh batch: every context left-padded. Continuing batch (same trajectories as the last
+        call, or a subset in the same order): the cached physical rows are kept as they are and only
+        each row's new tokens (last sampled token + observation) are appended, left-padded; padding
+        inside a row is masked out, and position ids follow the mask, so the cache stays valid.
+        """
+        kv = self._kv
+        if kv is not None and self.reuse_kv_cache and len(states) <= self.micro_batch_size:
+            index = {uid: row for row, uid in enumerate(kv["uids"])}
+            rows = [index.get(s.uid) for s in states]
+            if None not in rows and rows == sorted(rows):
+                cached = kv["cache"].get_seq_length()
+                physical, mask = kv["ids"][rows, :cached], kv["mask"][rows, :cached]
+                new: list[list[int]] = []
+                for row, state in enumerate(states):
+                    logical = physical[row][mask[row] == 1].tolist()
+                    if state.token_ids[: len(logical)] != logical or len(state.token_ids) == len(logical):
+                        new = []
+                        break
+                    new.append(state.token_ids[len(logical) :])
+                if new:
+                    if rows != list(range(len(kv["uids"]))):
+                        kv["cache"].batch_select_indices(torch.tensor(rows, device=self._device()))
+                    width = max(len(n) for n in new)
+                    ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
+                    att = torch.zeros((len(states), width), dtype=torch.long)
+                    for row, extra in enumerate(new):
+                        ids[row, width - len(extra) :] = torch.tensor(extra, dtype=torch.long)
+                        att[row, width - len(extra) :] = 1
+                    self.kv_reuses += 1
+                    return torch.cat([physical, ids], 1), torch.cat([mask, att], 1), kv["cache"]
+        self._kv = None
+        width = max(len(s.token_ids) for s in states)
+        ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
+        att = torch.zeros((len(states), width), dtype=torch.long)
+        for row, state in enumerate(states):  # left padding
+            n = len(state.token_ids)
+            ids[row, width - n :] = torch.tensor(state.token_ids, dtype=torch.long)
+            att[row, width - n :] = 1
+        return ids, att, None
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def _generate_batch(self, states: list[RolloutState]) -> list[GeneratedTurn]:
+        budgets = [
+            max(1, min(self.sampling.max_new_tokens, s.max_response_tokens - s.response_length))
+            for s in states
+        ]
+        device = self._device()
+        input_ids, attention, cache = self._inputs(states)
+        width = input_ids.shape[1]
         if self._generator is not None:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator)))
-        sequences = self.model.generate(
+        kwargs = self._sampling_kwargs(max(budgets))
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        out = self.model.generate(
             input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
         )
-        new_tokens = sequences[:, width:].tolist()
+        sequences = out.sequences.cpu()
+        generated_mask = torch.zeros((len(states), sequences.shape[1] - width), dtype=torch.long)
         turns = []
-        for ids, budget in zip(new_tokens, budgets, strict=True):
-            ids = ids[:budget]
+        for row, budget in enumerate(budgets):
+            ids = sequences[row, width:].tolist()[:budget]
             for pos, tok in enumerate(ids):
                 if tok in self.eos_ids:
                     ids = ids[: pos + 1]
                     break
+            generated_mask[row, : len(ids)] = 1
             self.generated_tokens += len(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             turns.append(GeneratedTurn(text=text, token_ids=tuple(ids)))
+        if self.reuse_kv_cache and len(states) <= self.micro_batch_size and out.past_key_values is not None:
+            self._kv = {
+                "uids": [s.uid for s in states],
+                "ids": sequences,
+                "mask": torch.cat([attention, generated_mask], 1),
+                "cache": out.past_key_values,
+            }
         return turns
+
+    async def aclose(self) -> None:
+        self._kv = None  # free the KV cache
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -241,6 +242,8 @@ class RolloutState:
     predicted: tuple[str, ...] | None = None
     error: str | None = None
     max_response_tokens: int = 4096
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """unique per trajectory (generators may key caches on it)"""
 
     @property
     def done(self) -> bool:
