@@ -138,6 +138,7 @@ def make_payload(
         "exact_match": record.score.exact_match,
         "format_ok": record.format_ok,
         "final": settings.final_term(record),
+        "split": record.split,
     }
     if settings.mode == "calibadv":
         payload["docs"] = [list(s.document_keys) for s in record.steps]
@@ -264,13 +265,23 @@ def assemble_token_rewards(
     n_ent = max((int(p["num_gt"]) for p in payloads), default=0)
     found = torch.zeros((bsz, width, n_ent), dtype=torch.bool)
     queries = torch.zeros((bsz, width))
+    unaligned = 0
     for i, p in enumerate(payloads):
+        if p.get("split") == "text" and len(p["found"]) != int(layout.num_steps[i]):
+            # Steps split from decoded text do not match the model-token runs (e.g. a model turn that
+            # forges a <tool_response> block): no step credit or cost can be placed safely.
+            unaligned += 1
+            continue
         for s, ents in enumerate(p["found"][:width]):
             if ents:
                 found[i, s, ents] = True
         q = p["queries"][:width]
         queries[i, : len(q)] = torch.tensor(q, dtype=torch.float32)
     num_gt = torch.tensor([int(p["num_gt"]) for p in payloads])
+    if unaligned:
+        logger.warning(
+            "spader reward: %d of %d samples had text-split steps not matching the mask", unaligned, bsz
+        )
 
     if settings.mode in ("spader", "outcome"):
         if settings.mode == "spader" and global_step is None:

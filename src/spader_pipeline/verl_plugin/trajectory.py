@@ -65,6 +65,7 @@ class TrajectoryRecord:
     answers: tuple[str, ...] | None
     score: AnswerScore
     format_ok: bool
+    split: str = "mask"  # "mask": steps from response_mask; "text": from <tool_response> blocks
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,4 +133,5 @@ def read_trajectory(
     final = parse_turn(steps[-1].text) if steps else None
     format_ok = final is not None and final.kind == "answer"
     answers = final.answers if format_ok else None
-    return TrajectoryRecord(tuple(steps), answers, score_answers(answers, ground_truth), format_ok)
+    split = "mask" if response_mask is not None else "text"
+    return TrajectoryRecord(tuple(steps), answers, score_answers(answers, ground_truth), format_ok, split)
