@@ -131,7 +131,11 @@ class HFGenerator(Generator):
                     new.append(state.token_ids[len(logical) :])
                 if new:
                     if rows != list(range(len(kv["uids"]))):
-                        kv["cache"].batch_select_indices(torch.tensor(rows, device=self._device()))
+                        try:
+                            kv["cache"].batch_select_indices(torch.tensor(rows, device=self._device()))
+                        except (AttributeError, NotImplementedError, RuntimeError):
+                            self._kv = None
+                            return self._inputs(states)
                     width = max(len(n) for n in new)
                     ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
                     att = torch.zeros((len(states), width), dtype=torch.long)
@@ -167,9 +171,17 @@ class HFGenerator(Generator):
         kwargs = self._sampling_kwargs(max(budgets))
         if cache is not None:
             kwargs["past_key_values"] = cache
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
-        )
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
+            )
+        except Exception:
+            if cache is None:
+                raise
+            # A model/cache type that cannot continue this way: re-encode, and stop trying.
+            logger.warning("KV-cache continuation failed; re-encoding contexts from now on", exc_info=True)
+            self.reuse_kv_cache, self._kv = False, None
+            return self._generate_batch(states)
         sequences = out.sequences.cpu()
         generated_mask = torch.zeros((len(states), sequences.shape[1] - width), dtype=torch.long)
         turns = []
