@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spader_pipeline.modeling.warm_start import (
     SFTExample,
     WarmStartConfig,
-    examples_from_dialogues,
     example_from_tokens,
+    examples_from_dialogues,
     length_buckets,
     masked_lm_loss,
     train_sft,
