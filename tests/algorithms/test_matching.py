@@ -222,3 +222,13 @@ def test_normalize_fast_path_equals_spec_recipe(text):
 @given(st.text())
 def test_normalize_equals_spec_recipe_on_any_text(text):
     assert normalize_answer(text) == _spec_normalize(text)
+
+
+def test_ground_truth_key_and_batch_normalisation():
+    a = [["The Beatles", "Beatles"], ["Queen"]]
+    b = np.array([["The Beatles", "Beatles"], ["Queen"]], dtype=object)
+    assert matching.ground_truth_key(a) == matching.ground_truth_key([list(x) for x in a])
+    assert matching.ground_truth_key([[None]]) != matching.ground_truth_key([["None"]])
+    gts = matching.normalize_ground_truths([a, [list(x) for x in a], [["x"]]])
+    assert gts[0] is gts[1] and gts[2].aliases == (("x",),)
+    assert EntityMatcher(b).found_in(["the beatles and queen"]).tolist() == [[True, True]]
