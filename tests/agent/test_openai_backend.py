@@ -132,11 +132,27 @@ def test_server_command_lines():
 
 
 @pytest.mark.gpu
-def test_served_model_end_to_end(tmp_path):  # pragma: no cover - needs a GPU and vLLM
-    from spader_pipeline.agent.openai_backend import served_model
+def test_served_tiny_checkpoint_end_to_end(tmp_path, retrieval_url):  # pragma: no cover - GPU + vLLM only
+    """merge → evaluate without manual steps: serve a saved checkpoint with vLLM, roll out, stop it."""
+    pytest.importorskip("vllm")
+    from conftest import corpus_records
 
-    model_dir = pytest.importorskip("os").environ.get("SPADER_GPU_TEST_MODEL")
-    if not model_dir:
-        pytest.skip("set SPADER_GPU_TEST_MODEL to a merged HF checkpoint")
-    with served_model(model_dir, served_name="m", log_path=tmp_path / "vllm.log") as url:
+    from spader_pipeline.agent.openai_backend import served_model
+    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_base_model
+
+    texts = [r["contents"] for r in corpus_records()] * 3
+    model_dir = build_base_model(
+        texts,
+        tmp_path / "model",
+        spec=TinyQwen3Spec(hidden_size=64, num_hidden_layers=2),
+        vocab_size=600,
+        min_frequency=1,
+    )
+    args = ["--max-model-len", "2048", "--enforce-eager", "--gpu-memory-utilization", "0.3"]
+    with served_model(model_dir, served_name="tiny", extra_args=args, log_path=tmp_path / "vllm.log") as url:
         assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        trajectories, gen = asyncio.run(_roll(url, retrieval_url, "tiny", QUESTIONS))
+    assert all(t.finish_reason != "error" for t in trajectories), [t.error for t in trajectories]
+    assert gen.usage["completion_tokens"] > 0
+    with pytest.raises(httpx.TransportError):  # the server is gone
+        httpx.get(url.removesuffix("/v1") + "/health", timeout=2)
