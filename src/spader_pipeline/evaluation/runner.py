@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import shutil
@@ -82,6 +83,8 @@ class ModelSpec:
                 return "serving a checkpoint with vLLM/SGLang needs a GPU"
             if self.engine == "vllm" and shutil.which("vllm") is None:
                 return "the vllm executable is not installed"
+            if self.engine == "sglang" and importlib.util.find_spec("sglang") is None:
+                return "sglang is not installed"
         return None
 
     def describe(self) -> dict[str, Any]:
