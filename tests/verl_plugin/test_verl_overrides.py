@@ -138,7 +138,7 @@ def test_method_options_compose():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["spader_llama3_8b"])
+@pytest.mark.parametrize("name", ["spader_llama3_8b", "tspo"])
 def test_main_ppo_cfg_job_on_cpu(name, tmp_path):
     """The real CLI: ``python -m verl.trainer.main_ppo ... --cfg job`` composes our overlay (~10 s)."""
     params = {"method": name.split("_")[0], "run_dir": str(tmp_path), "experiment_name": "cfg-test"}
