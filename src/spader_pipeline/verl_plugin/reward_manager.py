@@ -265,12 +265,12 @@ def assemble_token_rewards(
     n_ent = max((int(p["num_gt"]) for p in payloads), default=0)
     found = torch.zeros((bsz, width, n_ent), dtype=torch.bool)
     queries = torch.zeros((bsz, width))
-    unaligned = 0
+    unaligned: set[int] = set()
     for i, p in enumerate(payloads):
         if p.get("split") == "text" and len(p["found"]) != int(layout.num_steps[i]):
             # Steps split from decoded text do not match the model-token runs (e.g. a model turn that
             # forges a <tool_response> block): no step credit or cost can be placed safely.
-            unaligned += 1
+            unaligned.add(i)
             continue
         for s, ents in enumerate(p["found"][:width]):
             if ents:
@@ -280,7 +280,7 @@ def assemble_token_rewards(
     num_gt = torch.tensor([int(p["num_gt"]) for p in payloads])
     if unaligned:
         logger.warning(
-            "spader reward: %d of %d samples had text-split steps not matching the mask", unaligned, bsz
+            "spader reward: %d of %d samples had text-split steps not matching the mask", len(unaligned), bsz
         )
 
     if settings.mode in ("spader", "outcome"):
@@ -313,7 +313,9 @@ def assemble_token_rewards(
     if settings.mode == "calibadv":
         outcome = torch.where(ok, f1, torch.zeros_like(f1))  # CalibAdv: F1 × strict format
         docs = [
-            [list(d) for d in p.get("docs", [])][: max(int(layout.num_steps[i]) - 1, 0)]
+            []
+            if i in unaligned
+            else [list(d) for d in p.get("docs", [])][: max(int(layout.num_steps[i]) - 1, 0)]
             for i, p in enumerate(payloads)
         ]
         thinks = [list(p.get("thinks", [])) for p in payloads]
