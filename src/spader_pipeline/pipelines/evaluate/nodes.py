@@ -113,14 +113,25 @@ def _template(spec: ModelSpec, params: Mapping[str, Any], prompt: Mapping[str, A
     return name, templates[name]
 
 
-def _evaluate(spec, generator, samples, frequencies, url, rollout, template, params, dataset) -> list[dict]:
+def _evaluate(
+    spec, generator, samples, frequencies, url, rollout, template, params, dataset, index
+) -> list[dict]:
     runner = params.get("runner", {})
     retrieval = params.get("retrieval", {})
     work_file = None
     if runner.get("resume", True):
         work_dir = Path(runner.get("work_dir", "data/07_model_output/eval_work"))
         work_dir.mkdir(parents=True, exist_ok=True)
-        key = fingerprint(spec.describe(), asdict(rollout), template, dataset)
+        # Resume only reuses results of the same model, limits, prompt, questions and index.
+        key = fingerprint(
+            spec.describe(),
+            asdict(rollout),
+            template,
+            dataset,
+            samples,
+            index,
+            params.get("retrieval", {}).get("url"),
+        )
         work_file = work_dir / f"{spec.name}__{dataset}__{key}.jsonl"
     hf = spec.kind == "hf"
 
@@ -236,6 +247,7 @@ def run_evaluations(
                             template,
                             params,
                             dataset,
+                            index_manifest,
                         )
                         ok = [r for r in records if r["status"] == "ok"]
                         failed = len(records) - len(ok)
