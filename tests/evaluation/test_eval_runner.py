@@ -84,6 +84,9 @@ def test_transient_failures_are_retried(search):
     assert all(r["status"] == "ok" for r in records)
     assert records[0]["predicted"] == ["Ghana", "Togo"] and records[0]["f1"] == 1.0
     assert records[1]["history"][0]["content"].startswith("Q: Which plays")
+    # per-step metadata: the gold entities each step's retrieved documents contain
+    assert set(records[0]["steps"][0]["entities_found"]) == {"Ghana", "Togo"}
+    assert records[0]["steps"][-1]["entities_found"] == [] and records[0]["steps"][-1]["kind"] == "answer"
 
 
 def test_persistent_failures_are_counted_not_dropped(search, tmp_path):

@@ -204,6 +204,18 @@ class Trajectory:
     def retrieved_texts(self) -> list[str]:
         return [t for s in self.steps for t in s.retrieved_texts]
 
+    def entities_found(self, ground_truth: Sequence[Sequence[str]]) -> list[tuple[int, ...]]:
+        """Per step, the gold entities (normalised order) whose alias occurs in that step's retrieved
+        documents (alias-aware, whole words; ``algorithms.matching.EntityMatcher``)."""
+        from spader_pipeline.algorithms.matching import EntityMatcher
+
+        matcher = EntityMatcher(ground_truth)
+        found = []
+        for step in self.steps:
+            hits = matcher.found_in(step.retrieved_texts).any(axis=0) if step.retrieved_texts else ()
+            found.append(tuple(int(i) for i, hit in enumerate(hits) if hit))
+        return found
+
     def to_record(self) -> dict[str, Any]:
         """JSON-serialisable form (token ids included when present)."""
         record = asdict(self)

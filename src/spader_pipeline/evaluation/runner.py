@@ -34,6 +34,7 @@ from spader_pipeline.agent.rollout import (
     Trajectory,
     run_rollouts,
 )
+from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.evaluation.metrics import sample_metrics
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ def trajectory_record(
 ) -> dict[str, Any]:
     """The per-sample record: identity, history, prediction, steps and every metric."""
     assistant = [s.text for s in trajectory.steps]
+    canonical = normalize_ground_truth(sample["ground_truth"]).canonical
+    found = trajectory.entities_found(sample["ground_truth"])
     record: dict[str, Any] = {
         "id": str(sample["id"]),
         "question": str(sample["question"]),
@@ -168,9 +171,10 @@ def trajectory_record(
                 "kind": s.kind,
                 "queries": list(s.queries),
                 "doc_ids": s.doc_ids,
+                "entities_found": [canonical[i] for i in hits],
                 "error": s.error,
             }
-            for s in trajectory.steps
+            for s, hits in zip(trajectory.steps, found, strict=True)
         ],
     }
     record.update(
