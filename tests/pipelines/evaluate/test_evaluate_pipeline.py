@@ -40,6 +40,18 @@ def _write_inputs(root):
     (root / "data/05_model_input/eval/embedded_test.jsonl").write_text(
         "".join(json.dumps(x) + "\n" for x in lines)
     )
+    # a tiny untrained checkpoint where the `base` entry looks for it (in-process HF backend)
+    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_base_model
+
+    spec = TinyQwen3Spec(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
+    texts = [r["contents"] for r in rows] * 3
+    build_base_model(texts, root / "data/06_models/base_model", spec=spec, vocab_size=500, min_frequency=1)
 
 
 def _latest(path):
@@ -48,7 +60,7 @@ def _latest(path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_evaluate_session_run_with_scripted_policy(kedro_project, caplog):
+def test_evaluate_session_run_scripted_and_hf(kedro_project, caplog):
     _write_inputs(kedro_project)
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["index_build", "evaluate"])
@@ -56,7 +68,10 @@ def test_evaluate_session_run_with_scripted_policy(kedro_project, caplog):
     samples = pd.read_json(
         _latest(kedro_project / "data/07_model_output/eval_samples.jsonl"), lines=True, dtype={"id": str}
     )
-    assert len(samples) == 4 and set(samples["model"]) == {"scripted"} and set(samples["status"]) == {"ok"}
+    assert len(samples) == 8 and set(samples["status"]) == {"ok"}
+    base = samples[samples["model"] == "base"]
+    assert len(base) == 4 and (base["format_error"] == 1.0).all()  # untrained: never a valid answer
+    samples = samples[samples["model"] == "scripted"]
     assert {
         "id",
         "question",
@@ -71,11 +86,12 @@ def test_evaluate_session_run_with_scripted_policy(kedro_project, caplog):
     assert sorted(row["predicted"]) == sorted(GROUPS["Country in West Africa"])
     table = pd.read_csv(_latest(kedro_project / "data/08_reporting/eval_table.csv"))
     assert list(table[["model", "dataset"]].itertuples(index=False, name=None)) == [
-        ("scripted", "embedded_test")
+        ("scripted", "embedded_test"),
+        ("base", "embedded_test"),
     ]
     assert table.loc[0, "f1"] == 1.0 and table.loc[0, "num_failed"] == 0
     assert _latest(kedro_project / "data/08_reporting/eval_comparison.png").stat().st_size > 1000
-    assert "skipping model base" in caplog.text  # no checkpoint in this project: skipped, logged
+    assert "skipping model qwen3-8b-spader" in caplog.text  # no endpoint configured: skipped, logged
 
     # one parent run for the kedro run, one nested run per evaluation, with artifacts
     runs = mlflow.search_runs(
@@ -91,9 +107,10 @@ def test_evaluate_session_run_with_scripted_policy(kedro_project, caplog):
     assert artifacts == {"plots", "samples"}
 
     # rerun: every sample comes from the work file (resume), results identical
-    work = list((kedro_project / "data/07_model_output/eval_work").iterdir())
-    assert len(work) == 1 and len(work[0].read_text().splitlines()) == 4
+    work = sorted((kedro_project / "data/07_model_output/eval_work").iterdir())
+    assert [w.name.split("__")[0] for w in work] == ["base", "scripted"]
+    assert all(len(w.read_text().splitlines()) == 4 for w in work)
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["evaluate"])
-    assert len(work[0].read_text().splitlines()) == 4
-    assert "resuming, 4 of 4 samples already done" in caplog.text
+    assert all(len(w.read_text().splitlines()) == 4 for w in work)
+    assert caplog.text.count("resuming, 4 of 4 samples already done") == 2
