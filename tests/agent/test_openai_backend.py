@@ -41,6 +41,9 @@ def _stub_app(log: list[dict]) -> FastAPI:
             return JSONResponse({"error": "warming up"}, status_code=503)
         if body["model"] == "broken":
             return JSONResponse({"error": "bad request"}, status_code=400)
+        if body["model"] == "short-context" and len(messages) > 1:
+            message = "This model's maximum context length is 64 tokens. However, you requested 90 tokens."
+            return JSONResponse({"object": "error", "message": message}, status_code=400)
         message: dict = {"role": "assistant", "content": "<think>searching</think>"}
         if len(messages) == 1:
             question = messages[0]["content"].rsplit("Question:", 1)[-1].strip()
@@ -115,6 +118,13 @@ def test_chat_backend_failure_is_reported_not_raised(stub_server, retrieval_url)
     url, _ = stub_server
     [t], _ = asyncio.run(_roll(url, retrieval_url, "broken", QUESTIONS[:1]))
     assert t.finish_reason == "error" and "400" in t.error
+
+
+def test_context_overflow_ends_the_trajectory_without_failing_it(stub_server, retrieval_url):
+    url, _ = stub_server
+    [t], _ = asyncio.run(_roll(url, retrieval_url, "short-context", QUESTIONS[:1]))
+    assert t.finish_reason == "token_budget" and t.error is None
+    assert t.num_searches == 1 and t.predicted is None
 
 
 def test_chat_backend_gives_up_after_retries(retrieval_url):

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -34,6 +35,13 @@ from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState
 logger = logging.getLogger(__name__)
 
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+_CONTEXT_ERROR = re.compile(
+    r"context length|context window|maximum context|too many tokens|prompt is too long", re.I
+)
+
+
+class ContextLengthExceeded(RuntimeError):
+    """The server refused the request because the conversation no longer fits the model."""
 
 
 class OpenAIChatGenerator(Generator):
@@ -125,6 +133,8 @@ class OpenAIChatGenerator(Generator):
                 return self._content(response.json())
             except (httpx.TransportError, httpx.HTTPStatusError) as exc:
                 status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+                if status == 400 and _CONTEXT_ERROR.search(exc.response.text):
+                    raise ContextLengthExceeded(exc.response.text[:300]) from exc
                 if attempt >= self.max_retries or (status is not None and status not in _RETRY_STATUS):
                     raise
                 self.usage["retries"] += 1
@@ -158,6 +168,9 @@ class OpenAIChatGenerator(Generator):
         async def one(state: RolloutState) -> GeneratedTurn:
             try:
                 return GeneratedTurn(text=await self.complete(state.messages))
+            except ContextLengthExceeded as exc:
+                logger.info("conversation no longer fits the served model: %s", exc)
+                return GeneratedTurn(text="", out_of_context=True)
             except Exception as exc:  # noqa: BLE001 - reported per trajectory, retried by the caller
                 return GeneratedTurn(text="", error=f"{exc.__class__.__name__}: {exc}")
 

@@ -268,12 +268,18 @@ class RolloutState:
 
 @dataclass(frozen=True)
 class GeneratedTurn:
-    """One assistant turn: its text, and for token-level backends the generated ids."""
+    """One assistant turn: its text, and for token-level backends the generated ids.
+
+    ``error`` marks a failed generation (the trajectory ends with ``finish_reason="error"`` and
+    the caller may retry the sample); ``out_of_context`` marks a context that no longer fits the
+    model (the trajectory ends with ``"token_budget"``, scored on what it has).
+    """
 
     text: str
     token_ids: tuple[int, ...] | None = None
     logprobs: tuple[float, ...] | None = None
     error: str | None = None
+    out_of_context: bool = False
 
 
 class Generator:
@@ -428,6 +434,9 @@ async def _advance(
         raise RuntimeError(f"generator returned {len(turns)} turns for {len(states)} trajectories")
     pending: list[tuple[RolloutState, Step]] = []
     for state, turn in zip(states, turns, strict=True):
+        if turn.out_of_context:
+            _finish(state, "token_budget")
+            continue
         if turn.error is not None:
             state.error = turn.error
             _finish(state, "error")
