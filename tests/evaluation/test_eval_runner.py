@@ -108,6 +108,30 @@ def test_persistent_failures_are_counted_not_dropped(search, tmp_path):
     assert {json.loads(line)["id"] for line in work.read_text().splitlines()[:3]} == {"a", "b", "c"}
 
 
+class FlakySearch:
+    """The real in-process searcher, except that its first ``failures`` calls raise."""
+
+    def __init__(self, inner, failures):
+        self.inner, self.left = inner, failures
+
+    async def search(self, queries, topk=5, max_chars=None):
+        if self.left > 0:
+            self.left -= 1
+            raise ConnectionError("retrieval service down")
+        return await self.inner.search(queries, topk, max_chars)
+
+
+def test_search_outages_are_failed_attempts_not_scores(search):
+    records = _run(FlakySearch(search, failures=1), ScriptedPolicy(), max_attempts=2)
+    assert [r["status"] for r in records] == ["ok", "ok", "ok"]  # the affected sample was rerun
+    assert records[0]["f1"] == 1.0
+    down = _run(FlakySearch(search, failures=10**6), ScriptedPolicy(), max_attempts=2)
+    assert {r["status"] for r in down} == {"failed"}
+    assert "search failed: ConnectionError" in down[0]["error"]
+    lenient = _run(FlakySearch(search, failures=10**6), ScriptedPolicy(), retry_on_search_error=False)
+    assert {r["status"] for r in lenient} == {"ok"} and all(r["f1"] == 0.0 for r in lenient)
+
+
 def test_model_specs_and_availability(tmp_path):
     spec = ModelSpec.from_mapping({"name": "s", "kind": "scripted", "follow_up": False})
     assert spec.options == {"follow_up": False} and spec.unavailable_reason() is None

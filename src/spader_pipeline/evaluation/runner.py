@@ -204,6 +204,17 @@ def failure_record(sample: Mapping[str, Any], error: str, attempts: int) -> dict
     }
 
 
+def _attempt_error(trajectory: Trajectory, search_errors_fail: bool) -> str | None:
+    """Why this rollout does not count as a valid evaluation of the sample (None when it does)."""
+    if trajectory.finish_reason == "error":
+        return trajectory.error or "generation failed"
+    if search_errors_fail:
+        failed = [s.error for s in trajectory.steps if s.error and s.error.startswith("search failed")]
+        if failed:
+            return failed[0]
+    return None
+
+
 def read_work_file(path: Path) -> dict[str, dict[str, Any]]:
     """Records already finished (status ok) in a work file; a torn last line is ignored."""
     done: dict[str, dict[str, Any]] = {}
@@ -234,13 +245,16 @@ async def evaluate_dataset(
     progress: bool = True,
     description: str = "evaluate",
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    retry_on_search_error: bool = True,
 ) -> list[dict[str, Any]]:
     """One record per sample, in input order (see the module docstring).
 
     Samples are rolled out in groups of ``batch_size`` (one batched generation per round), with at
     most ``concurrency`` groups in flight. A trajectory whose generator failed is retried alone up
-    to ``max_attempts`` times in total, then recorded as failed. Records already in ``work_file``
-    are reused, new ones appended to it.
+    to ``max_attempts`` times in total, then recorded as failed. With ``retry_on_search_error`` a
+    trajectory during which the search service failed counts as a failed attempt too: its score
+    would measure the infrastructure, not the agent. Records already in ``work_file`` are reused,
+    new ones appended to it.
     """
     done = read_work_file(work_file) if work_file else {}
     todo = [s for s in samples if str(s["id"]) not in done]
@@ -276,7 +290,7 @@ async def evaluate_dataset(
             async with semaphore:
                 try:
                     trajectories = await run_rollouts(pending, generator, search, config, template)
-                    errors = [t.error if t.finish_reason == "error" else None for t in trajectories]
+                    errors = [_attempt_error(t, retry_on_search_error) for t in trajectories]
                 except Exception as exc:  # noqa: BLE001 - counted and retried, never lost
                     logger.warning("%s: rollout of %d samples raised %r", description, len(pending), exc)
                     trajectories = [None] * len(pending)

@@ -151,6 +151,7 @@ def _evaluate(
                     batch_size=spec.batch_size if hf else 1,
                     concurrency=1 if hf else spec.concurrency,
                     max_attempts=runner.get("max_attempts", 3),
+                    retry_on_search_error=runner.get("retry_on_search_error", True),
                     corpus_frequency=frequencies,
                     work_file=work_file,
                     progress=runner.get("progress", True),
