@@ -116,6 +116,13 @@ def test_search_failure_becomes_an_error_observation():
     assert t.steps[0].observation.startswith("<tool_response>\nError: the search service failed")
 
 
+def test_a_refused_query_is_the_agents_error_not_an_outage(retrieval_url):
+    turns = ['<tool_call>["' + "x" * 5000 + '"]</tool_call>', '<answer>["Ghana"]</answer>']
+    [t] = asyncio.run(_roll(QUESTIONS[:1], Replay(turns), retrieval_url))
+    assert t.steps[0].error.startswith("query rejected") and t.finish_reason == "answer"
+    assert "rejected these queries (4" in t.steps[0].observation
+
+
 def test_generator_error_ends_the_trajectory(retrieval_url):
     [t] = asyncio.run(_roll(QUESTIONS[:1], Replay([RuntimeError()]), retrieval_url))
     assert t.finish_reason == "error" and t.error == "boom" and t.steps == []

@@ -395,6 +395,12 @@ async def observe_search(
     try:
         response = await search.search(queries, topk=config.topk, max_chars=config.max_chars)
     except Exception as exc:  # noqa: BLE001 - a failed search is an observation, not a crash
+        status = getattr(exc, "status", None)
+        if isinstance(status, int) and 400 <= status < 500:  # the request itself was refused
+            text = format_error_observation(
+                f"the search service rejected these queries ({status}); change them"
+            )
+            return SearchOutcome(text, tuple(queries), error=f"query rejected: {exc}")
         logger.warning("search failed for %r: %s", queries, exc)
         text = format_error_observation(f"the search service failed ({exc.__class__.__name__}); try again")
         return SearchOutcome(text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}")
