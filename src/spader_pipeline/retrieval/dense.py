@@ -65,6 +65,7 @@ class DenseParams:
     ivf_nprobe: int = 16  #: IVF: cells visited at query time
     mmap: bool = False  #: memory-map a Flat index at load time
     faiss_gpu: bool = False  #: move the index to GPU(s) at load time (faiss-gpu only)
+    num_threads: int | None = None  #: torch/faiss CPU threads (1 keeps single-query latency low on busy CPUs)
 
     @classmethod
     def from_dict(cls, values: dict | None) -> DenseParams:
@@ -83,6 +84,12 @@ def load_encoder(params: DenseParams):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
+    if params.num_threads:
+        import faiss
+        import torch
+
+        torch.set_num_threads(params.num_threads)
+        faiss.omp_set_num_threads(params.num_threads)
     path = params.resolved_model_path()
     if not Path(path).exists():
         raise FileNotFoundError(f"encoder folder {path} does not exist (models are never downloaded)")
@@ -195,7 +202,8 @@ def load_embeddings(index_dir: str | Path) -> np.ndarray:
 
 class DenseRetriever:
     """Encode queries and search the faiss index. ``overrides`` adjust query-time settings
-    (``device``, ``hnsw_ef_search``, ``ivf_nprobe``, ``mmap``, ``faiss_gpu``, ``model_path``)."""
+    (``device``, ``hnsw_ef_search``, ``ivf_nprobe``, ``mmap``, ``faiss_gpu``, ``model_path``,
+    ``num_threads``)."""
 
     name = "dense"
 
