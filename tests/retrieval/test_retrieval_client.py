@@ -111,3 +111,44 @@ def test_parse_request_defaults_follow_the_reference():
     with pytest.raises(RequestError) as info:
         parse_request(b"x" * (settings.max_body_bytes + 1), settings)
     assert info.value.status == 413
+
+
+def test_a_slow_search_does_not_block_the_event_loop(bm25_index):
+    """While one search is stuck in the worker thread, /health (and the event loop) still answer."""
+    import httpx
+
+    from spader_pipeline.retrieval import create_app, load_retriever
+
+    started, release = threading.Event(), threading.Event()
+    searcher = load_retriever(bm25_index)
+    fast_search = searcher.retriever.search
+
+    def held_search(queries, k):
+        started.set()
+        release.wait(timeout=30)
+        return fast_search(queries, k)
+
+    searcher.retriever.search = held_search
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(searcher), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            pending = asyncio.create_task(client.post("/retrieve", json={"queries": ["Accra"], "return_scores": True}))
+            await asyncio.to_thread(started.wait, 10)
+            health = await client.get("/health")
+            assert health.status_code == 200 and not pending.done()
+            release.set()
+            return await pending
+
+    try:
+        response = asyncio.run(scenario())
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert response.json()["result"][0][0]["document"]["title"] == "Ghana"
