@@ -121,6 +121,7 @@ BAD_JSON_BODIES = {
     "json-list": (b'["a", "b"]', 422, "JSON object"),
     "json-string": (b'"queries"', 422, "JSON object"),
     "empty-body": (b"", 400, "not valid JSON"),
+    "nested-too-deep": (b'{"queries": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "not valid JSON"),
 }
 
 

@@ -99,6 +99,9 @@ def parse_request(raw: bytes, settings: ServiceSettings) -> RetrieveRequest:
         raise RequestError(422, f"request body must be a JSON object, got {type(payload).__name__}")
     if "queries" not in payload:
         raise RequestError(422, "missing required field 'queries' (a non-empty list of strings)")
+    queries = payload["queries"]
+    if isinstance(queries, list) and len(queries) > settings.max_queries:  # before validating each one
+        raise RequestError(422, f"too many queries: {len(queries)} > {settings.max_queries}")
     try:
         body = _Body.model_validate(payload)
     except ValidationError as err:
