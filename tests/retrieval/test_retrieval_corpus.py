@@ -26,6 +26,13 @@ def test_iter_corpus_streams_and_normalises(tmp_path):
         ("a", "T", "x"), ("7", "", "no title"), ("3", "From meta", "QAMPARI style")]
 
 
+def test_dataframe_rows_with_missing_titles():
+    from spader_pipeline.retrieval.corpus import iter_records
+
+    frame = pd.DataFrame({"id": ["1", "2"], "title": ["A", None], "contents": ["x", "y"]})
+    assert [p.title for p in iter_records(frame.to_dict("records"))] == ["A", ""]
+
+
 def test_bad_lines_raise_with_location_or_are_skipped(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"id": "a", "contents": "ok"}\n{broken\n{"id": "b", "contents": 5}\n', encoding="utf-8")

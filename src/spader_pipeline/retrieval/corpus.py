@@ -47,8 +47,10 @@ def passage_from_record(record: Mapping[str, Any], row: int) -> Passage:
     title = record.get("title")
     if title is None and isinstance(record.get("meta"), Mapping):  # QAMPARI chunk format
         title = record["meta"].get("title")
+    if title is None or (isinstance(title, float) and title != title):  # missing, or NaN from pandas
+        title = ""
     doc_id = record.get("id", row)
-    return Passage(id=str(doc_id), title="" if title is None else str(title), contents=contents)
+    return Passage(id=str(doc_id), title=str(title), contents=contents)
 
 
 def iter_corpus(path: str | os.PathLike, *, skip_bad: bool = False) -> Iterator[Passage]:
