@@ -121,6 +121,9 @@ class SearchAgentLoop(AgentLoopBase):
                 "num_preempted": generator.num_preempted,
             },
             extra_fields={
+                # The reward manager splits steps on this mask (its fallback, splitting on
+                # <tool_response> blocks in decoded text, misreads a model-written fake block).
+                "response_mask": list(trajectory.response_mask[:length]),
                 "finish_reason": trajectory.finish_reason,
                 "search_queries": [list(s.queries) for s in trajectory.steps],
                 "retrieved_doc_ids": [s.doc_ids for s in trajectory.steps],
