@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from conftest import GROUPS, QUESTIONS
+from agent_toy_data import GROUPS, QUESTIONS
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -145,7 +145,7 @@ def test_server_command_lines():
 def test_served_tiny_checkpoint_end_to_end(tmp_path, retrieval_url):  # pragma: no cover - GPU + vLLM only
     """merge → evaluate without manual steps: serve a saved checkpoint with vLLM, roll out, stop it."""
     pytest.importorskip("vllm")
-    from conftest import corpus_records
+    from agent_toy_data import corpus_records
 
     from spader_pipeline.agent.openai_backend import served_model
     from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_base_model

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import GROUPS, QUESTIONS
+from agent_toy_data import GROUPS, QUESTIONS
 
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.agent.protocol import FORMAT_HINT, format_error_observation

@@ -306,15 +306,22 @@ class Generator:
 
 
 class LocalSearch:
-    """Adapter: an in-process searcher (``load_retriever(index_dir)``, whose ``search(queries, topk)``
-    returns one result per query) as an async backend. ``max_chars`` is not applied by the searcher;
-    the observation cap (``RolloutConfig.max_observation_chars``) still bounds the text.
+    """Adapter: an in-process searcher (``load_retriever(index_dir)``) as an async backend.
+
+    A retrieval ``Searcher`` answers through its ``respond`` method, which applies the same
+    ranking *and* character budget (``max_chars``) as the HTTP service, so in-process training
+    sees exactly the observations an evaluation against the service sees. Any other object with
+    ``search(queries, topk)`` also works (no budget; ``RolloutConfig.max_observation_chars`` still
+    bounds the text).
     """
 
     def __init__(self, retriever: Any) -> None:
         self.retriever = retriever
 
     async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> Any:
+        respond = getattr(self.retriever, "respond", None)
+        if respond is not None:
+            return await asyncio.to_thread(respond, list(queries), topk, max_chars)
         return await asyncio.to_thread(self.retriever.search, list(queries), topk)
 
 
