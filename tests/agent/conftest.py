@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from agent_toy_data import GROUPS, QUESTIONS, corpus_records  # noqa: F401  (re-exported for fixtures)
 
 
