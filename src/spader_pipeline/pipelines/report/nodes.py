@@ -96,7 +96,9 @@ def _final_figure(table: pd.DataFrame):
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return "–" if math.isnan(value) else f"{value:.3f}"
+        if math.isnan(value):
+            return "–"
+        return str(int(value)) if value.is_integer() and abs(value) >= 1 else f"{value:.3f}"
     return str(value)
 
 
