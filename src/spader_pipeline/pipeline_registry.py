@@ -12,7 +12,13 @@ def register_pipelines() -> dict[str, Pipeline]:
     pipelines = find_pipelines(raise_errors=True)
     default = Pipeline([])
     for name in DEFAULT_CHAIN:
-        if name in pipelines:
+        if name == "evaluate" and "training" in pipelines:
+            # Nothing else orders evaluation after training: make it wait for the checkpoints.
+            from spader_pipeline.pipelines.evaluate.pipeline import create_pipeline as evaluate_pipeline
+
+            trained = sorted(d for d in pipelines["training"].all_outputs() if d.endswith("manifest"))
+            default += evaluate_pipeline(after=trained)
+        elif name in pipelines:
             default += pipelines[name]
     pipelines["__default__"] = default
     return pipelines

@@ -141,3 +141,21 @@ def test_model_specs_and_availability(tmp_path):
     with pytest.raises(ValueError, match="kind must be one of"):
         ModelSpec.from_mapping({"name": "x", "kind": "magic"})
     assert fingerprint({"a": 1}, "t") == fingerprint({"a": 1}, "t") != fingerprint({"a": 2}, "t")
+
+
+def test_checkpoint_identity_changes_when_weights_are_rewritten(tmp_path):
+    """Resume must not reuse a previous checkpoint's results after retraining into the same folder."""
+    import os
+
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"old weights")
+    spec = ModelSpec.from_mapping({"name": "spader", "kind": "hf", "path": str(tmp_path)})
+    before = spec.checkpoint_identity()
+    assert [name for name, _, _ in before] == ["model.safetensors"]
+    weights.write_bytes(b"new weights!")
+    os.utime(weights, ns=(before[0][2] + 10**9, before[0][2] + 10**9))
+    after = spec.checkpoint_identity()
+    assert after != before
+    assert fingerprint(spec.describe(), before) != fingerprint(spec.describe(), after)
+    assert ModelSpec.from_mapping({"name": "s", "kind": "scripted"}).checkpoint_identity() == []

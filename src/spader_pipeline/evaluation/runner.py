@@ -88,6 +88,19 @@ class ModelSpec:
                 return "sglang is not installed"
         return None
 
+    def checkpoint_identity(self) -> list[tuple[str, int, int]]:
+        """``(file, size, mtime_ns)`` of a local checkpoint's weight files (empty for endpoints).
+
+        Part of the resume key: a model retrained into the same folder must not reuse the cached
+        results of its previous weights.
+        """
+        if self.kind not in ("hf", "served") or not self.path or not Path(self.path).is_dir():
+            return []
+        weights = sorted(
+            p for p in Path(self.path).iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
+        )
+        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+
     def describe(self) -> dict[str, Any]:
         """Parameters logged with the evaluation (model, decoding)."""
         out = {"model": self.name, "kind": self.kind, "path": self.path, "endpoint_model": self.model}

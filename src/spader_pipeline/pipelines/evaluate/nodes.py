@@ -122,9 +122,10 @@ def _evaluate(
     if runner.get("resume", True):
         work_dir = Path(runner.get("work_dir", "data/07_model_output/eval_work"))
         work_dir.mkdir(parents=True, exist_ok=True)
-        # Resume only reuses results of the same model, limits, prompt, questions and index.
+        # Resume only reuses results of the same model (and weights), limits, prompt, questions and index.
         key = fingerprint(
             spec.describe(),
+            spec.checkpoint_identity(),
             asdict(rollout),
             template,
             dataset,
@@ -207,6 +208,12 @@ def _log_evaluation(spec, dataset, template_name, rollout, records, agg, edges) 
         fig.savefig(png, dpi=100)
         plt.close(fig)
         tracking.log_artifact(png, "plots")
+
+
+def run_evaluations_after(selected, frequencies, index_manifest, params, prompt, *upstream):
+    """:func:`run_evaluations`, scheduled after the datasets in ``upstream`` exist (e.g. the trained
+    checkpoints' manifests in the default run); their values are not used."""
+    return run_evaluations(selected, frequencies, index_manifest, params, prompt)
 
 
 def run_evaluations(

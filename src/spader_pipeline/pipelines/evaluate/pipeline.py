@@ -1,9 +1,13 @@
+from collections.abc import Sequence
+
 from kedro.pipeline import Pipeline, node, pipeline
 
 from . import nodes
 
 
-def create_pipeline(**kwargs) -> Pipeline:
+def create_pipeline(after: Sequence[str] = (), **kwargs) -> Pipeline:
+    """The evaluate pipeline. ``after``: datasets that must exist before models are evaluated (the
+    default run passes the trained checkpoints' manifests, so evaluation waits for training)."""
     return pipeline(
         [
             node(
@@ -19,13 +23,14 @@ def create_pipeline(**kwargs) -> Pipeline:
                 name="count_entity_frequencies",
             ),
             node(
-                nodes.run_evaluations,
+                nodes.run_evaluations_after if after else nodes.run_evaluations,
                 [
                     "eval_selected",
                     "eval_entity_frequencies",
                     "index_manifest",
                     "params:evaluate",
                     "params:prompt",
+                    *after,
                 ],
                 ["eval_samples", "eval_table", "evaluation_metrics"],
                 name="run_evaluations",
