@@ -73,6 +73,16 @@ def _refusal(response: httpx.Response) -> RetrievalError:
                           response.status_code)
 
 
+def _accept(response: httpx.Response) -> SearchResponse | str:
+    """The parsed answer of a 200, the reason to retry for a retryable status (5xx), or raise the
+    service's refusal (4xx) — shared by the async and blocking request loops."""
+    if response.status_code == 200:
+        return _parse(response.json())
+    if response.status_code not in RETRY_STATUSES:
+        raise _refusal(response)
+    return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
 class RetrievalClient:
     """Talks to ``POST {base_url}/retrieve``. Use as ``async with RetrievalClient(url) as c: ...``.
 
@@ -110,11 +120,10 @@ class RetrievalClient:
             except httpx.TransportError as err:  # connection refused/reset, timeouts
                 last = f"{type(err).__name__}: {err}"
             else:
-                if response.status_code == 200:
-                    return _parse(response.json())
-                if response.status_code not in RETRY_STATUSES:
-                    raise _refusal(response)
-                last = f"HTTP {response.status_code}: {response.text[:200]}"
+                outcome = _accept(response)
+                if isinstance(outcome, SearchResponse):
+                    return outcome
+                last = outcome
             if attempt < self.max_retries:
                 await asyncio.sleep(self._delay(attempt))
         raise self._give_up(self.max_retries + 1, last)
@@ -132,11 +141,10 @@ class RetrievalClient:
             except httpx.TransportError as err:
                 last = f"{type(err).__name__}: {err}"
             else:
-                if response.status_code == 200:
-                    return _parse(response.json())
-                if response.status_code not in RETRY_STATUSES:
-                    raise _refusal(response)
-                last = f"HTTP {response.status_code}: {response.text[:200]}"
+                outcome = _accept(response)
+                if isinstance(outcome, SearchResponse):
+                    return outcome
+                last = outcome
             if attempt < self.max_retries:
                 time.sleep(self._delay(attempt))
         raise self._give_up(self.max_retries + 1, last)
