@@ -11,8 +11,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from spader_pipeline.local_servers import free_port
 from spader_pipeline.retrieval import RetrievalClient, RetrievalError
-from spader_pipeline.retrieval.client import free_port
 from spader_pipeline.retrieval.schemas import ServiceSettings
 from spader_pipeline.retrieval.wire import RequestError, detect_style, parse_request
 

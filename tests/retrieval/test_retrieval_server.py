@@ -11,8 +11,8 @@ import httpx
 import pytest
 from retrieval_cases import EXPECTED
 
+from spader_pipeline.local_servers import free_port
 from spader_pipeline.retrieval import RetrievalClient, RetrievalError, running_service
-from spader_pipeline.retrieval.client import free_port
 
 LIMITS = ["--set", "max_queries=8", "--set", "max_topk=20", "--set", "max_body_bytes=65536",
           "--set", "max_query_chars=500"]

@@ -19,10 +19,7 @@ import logging
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ import httpx
 
 from spader_pipeline.agent.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
+from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +185,6 @@ class OpenAIChatGenerator(Generator):
 # --------------------------------------------------------------------------------------------------
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def server_command(
     engine: str, model_path: str | Path, port: int, served_name: str, extra_args: Sequence[str] = ()
 ) -> list[str]:
@@ -228,34 +220,6 @@ def server_command(
     return cmd + list(extra_args)
 
 
-def wait_for_health(base_url: str, process: subprocess.Popen | None, timeout: float) -> None:
-    """Poll ``{base_url}/health`` until it answers 200; fail early if ``process`` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(
-                f"inference server exited with code {process.returncode} before becoming healthy"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(1.0)
-    raise TimeoutError(f"inference server at {base_url} not healthy after {timeout:.0f}s")
-
-
-def _stop(process: subprocess.Popen, grace: float = 20.0) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
-
-
 @contextlib.contextmanager
 def served_model(
     model_path: str | Path,
@@ -278,9 +242,9 @@ def served_model(
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         root = f"http://127.0.0.1:{port}"
-        wait_for_health(root, process, startup_timeout)
+        wait_healthy(root, startup_timeout, process, name="inference server", interval=1.0)
         yield f"{root}/v1"
     finally:
-        _stop(process)
+        stop_process_group(process, grace=20.0)
         if log is not subprocess.DEVNULL:
             log.close()

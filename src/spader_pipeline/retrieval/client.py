@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
 from spader_pipeline.retrieval.schemas import Document, QueryResult, SearchResponse
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
@@ -180,44 +179,6 @@ class RetrievalClient:
         self.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(base_url: str, timeout: float, process: subprocess.Popen | None = None) -> dict[str, Any]:
-    """Poll ``GET /health`` until it answers 200 (or ``process`` exits, or ``timeout`` passes)."""
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"retrieval server exited with code {process.returncode} before it was healthy")
-        try:
-            response = httpx.get(base_url + "/health", timeout=2.0, trust_env=False)
-            if response.status_code == 200:
-                return response.json()
-            last = f"HTTP {response.status_code}"
-        except httpx.TransportError as err:
-            last = f"{type(err).__name__}"
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url}/health not healthy after {timeout:.0f}s ({last})")
-
-
-def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)  # the server runs in its own process group
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
-
-
 @contextlib.contextmanager
 def running_service(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None, *,
                     startup_timeout: float = 180.0, extra_args: Sequence[str] = (),
@@ -238,10 +199,10 @@ def running_service(index_dir: str | os.PathLike, host: str = "127.0.0.1", port:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         try:
-            wait_healthy(base_url, startup_timeout, process)
+            wait_healthy(base_url, startup_timeout, process, name="retrieval server")
         except (RuntimeError, TimeoutError) as err:
             tail = log_file.read_text(encoding="utf-8", errors="replace")[-3000:]
             raise RuntimeError(f"{err}\n--- server log ({log_file}) ---\n{tail}") from None
         yield base_url
     finally:
-        _stop(process)
+        stop_process_group(process)
