@@ -4,7 +4,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spader_pipeline.pipelines.training.nodes import _merge, _summary, samples_from_verl, train_policy, warm_start
+from spader_pipeline.pipelines.training.nodes import (
+    _merge,
+    _summary,
+    samples_from_verl,
+    train_policy,
+    warm_start,
+)
 
 
 def _verl_frame(n=5):
