@@ -60,11 +60,20 @@ def _is_entity_list(value: Any) -> bool:
     )
 
 
+def _surface_forms(entity: Any) -> list[str]:
+    """An entity's non-blank string surface forms (none when the entity is not a list)."""
+    if not isinstance(entity, list):
+        return []
+    return [form for form in entity if isinstance(form, str) and form.strip()]
+
+
 def _check_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Derived, flat columns that expectations can test (one row per input row, same order)."""
     records = []
     for row in rows:
         truth = row.get("ground_truth")
+        entities = truth if isinstance(truth, list) else []
+        forms = [_surface_forms(entity) for entity in entities]
         well_formed = _is_entity_list(truth)
         question = row.get("question")
         records.append(
@@ -72,17 +81,10 @@ def _check_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
                 "id": row.get("id") if isinstance(row.get("id"), str) and row.get("id") else None,
                 "question_chars": len(question.strip()) if isinstance(question, str) else 0,
                 "ground_truth_ok": well_formed,
-                "num_entities": len(truth) if isinstance(truth, list) else 0,
-                "empty_entities": sum(
-                    1 for entity in truth if not (isinstance(entity, list) and any(
-                        isinstance(form, str) and form.strip() for form in entity))
-                )
-                if isinstance(truth, list)
-                else 0,
+                "num_entities": len(entities),
+                "empty_entities": sum(1 for f in forms if not f),
                 "unmatchable_entities": sum(
-                    1 for entity in truth if isinstance(entity, list) and any(
-                        isinstance(form, str) and form.strip() for form in entity)
-                    and not any(normalize_answer(form) for form in entity)
+                    1 for f in forms if f and not any(normalize_answer(form) for form in f)
                 )
                 if well_formed
                 else 0,
