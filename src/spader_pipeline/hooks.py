@@ -1,10 +1,18 @@
-"""Kedro hooks: every ``kedro run`` is one MLflow run.
+"""Kedro hooks: every ``kedro run`` is one MLflow run; every method's training run is one too.
 
-- ``before_pipeline_run`` opens the run in the configured experiment, tags it with the pipeline
-  name, Kedro environment and git commit, and logs the run's parameters.
-- ``after_node_run`` logs every node output whose dataset name ends in ``metrics`` (a dict of
-  numbers) as MLflow metrics under the node's namespace; nodes stay free of MLflow code.
+- ``before_pipeline_run`` opens the run in the configured experiment (created with
+  ``mlflow.experimentKind=custom_model_development``, the UI's model-training view), tags it with
+  the pipeline name, Kedro environment and git commit, and logs the parameters the pipeline reads.
+  When the pipeline is a single method's training (``kedro run --pipeline train_spader``), that run
+  *is* the method's run: the training node adopts it (:func:`spader_pipeline.tracking.method_run`)
+  instead of nesting a child under it.
+- Training nodes (Kedro tag ``mlflow_method_run``) log into their own method run; every other
+  node's outputs whose dataset name ends in ``metrics`` (a dict of numbers) are logged here as
+  metrics of the ``kedro run`` run under the node's namespace.
 - ``after_pipeline_run`` ends the run as FINISHED; ``on_pipeline_error`` ends it as FAILED.
+
+Training and evaluation nodes open their own nested runs through :mod:`spader_pipeline.tracking`
+(one per method, one per model × dataset); all other nodes hold no MLflow code.
 
 Configuration lives in ``conf/<env>/mlflow.yml`` (``tracking_uri``, ``experiment``, ``enabled``);
 ``MLFLOW_TRACKING_URI`` in the environment overrides the configured URI.
@@ -22,6 +30,14 @@ from kedro.framework.hooks import hook_impl
 from spader_pipeline import tracking
 
 logger = logging.getLogger(__name__)
+
+
+def lone_method_node(pipeline) -> Any | None:
+    """The training node when ``pipeline`` is exactly one method's training run, else ``None``."""
+    nodes = list(pipeline.nodes)
+    if len(nodes) == 1 and tracking.METHOD_RUN_TAG in nodes[0].tags:
+        return nodes[0]
+    return None
 
 
 class MlflowTrackingHooks:
@@ -52,44 +68,49 @@ class MlflowTrackingHooks:
         uri = tracking.resolve_tracking_uri(self._config.get("tracking_uri"), self._project_path)
         mlflow.set_tracking_uri(uri)
         experiment = self._config.get("experiment", "spader-pipeline")
-        if mlflow.get_experiment_by_name(experiment) is None:
-            artifacts = (self._project_path / self._config.get("artifact_dir", tracking.DEFAULT_ARTIFACT_DIR)).resolve()
-            artifacts.mkdir(parents=True, exist_ok=True)
-            mlflow.create_experiment(experiment, artifact_location=artifacts.as_uri())
-        mlflow.set_experiment(experiment)
+        artifacts = self._project_path / self._config.get("artifact_dir", tracking.DEFAULT_ARTIFACT_DIR)
+        mlflow.set_experiment(experiment_id=tracking.ensure_experiment(experiment, artifacts))
         names = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
         pipeline_name = ",".join(name for name in names if name) or "__default__"
-        mlflow.start_run(
-            run_name=f"{pipeline_name}",
-            tags={
-                "kedro.pipeline": pipeline_name,
-                "kedro.env": self._env,
-                "kedro.session_id": str(run_params.get("session_id", "")),
-                "git.commit": tracking.git_commit(self._project_path),
-            },
-        )
+        tags = {
+            "kedro.pipeline": pipeline_name,
+            "kedro.env": self._env,
+            "kedro.session_id": str(run_params.get("session_id", "")),
+            "git.commit": tracking.git_commit(self._project_path),
+        }
+        lone = lone_method_node(pipeline)
+        if lone is not None:
+            tags[tracking.ADOPT_TAG] = "true"  # the training node makes this run its method run
+        mlflow.start_run(run_name=pipeline_name, tags=tags)
         self._started = True
-        tracking.log_params(self._used_params(pipeline))
+        tracking.log_params(self._used_params(pipeline, skip_namespace=lone.namespace if lone else None))
         logger.info("MLflow run %s (tracking %s)", mlflow.active_run().info.run_id, uri)
 
-    def _used_params(self, pipeline) -> dict[str, Any]:
-        """The parameter blocks this pipeline reads (``params:a.b`` inputs), keyed by their path."""
+    def _used_params(self, pipeline, skip_namespace: str | None = None) -> dict[str, Any]:
+        """The parameter blocks this pipeline reads (``params:a.b`` inputs), keyed by their path.
+
+        ``skip_namespace``: leave out that namespace's blocks (the method run logs its method block
+        under namespace-free names, so two methods' runs share parameter keys).
+        """
         used: dict[str, Any] = {}
         for name in sorted(pipeline.inputs()):
             if name == "parameters":
                 return dict(self._params)
             if not name.startswith("params:"):
                 continue
+            path = name.removeprefix("params:")
+            if skip_namespace and path.startswith(skip_namespace + "."):
+                continue
             value: Any = self._params
-            for part in name.removeprefix("params:").split("."):
+            for part in path.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
-            used[name.removeprefix("params:")] = value
+            used[path] = value
         return used
 
     @hook_impl
     def after_node_run(self, node, outputs: dict[str, Any]) -> None:
-        if not tracking.active():
-            return
+        if not tracking.active() or tracking.METHOD_RUN_TAG in node.tags:
+            return  # training nodes log into their own method run
         for name, value in outputs.items():
             short = name.rsplit(".", 1)[-1]
             if short.endswith("metrics") and isinstance(value, dict):

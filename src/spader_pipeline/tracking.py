@@ -1,8 +1,14 @@
 """MLflow helpers shared by the Kedro hook, nodes and trainers.
 
 Every ``kedro run`` is one MLflow run, opened by :class:`spader_pipeline.hooks.MlflowTrackingHooks`.
-Code that runs inside a node logs into that run through the functions here, which are no-ops when
-no run is active (plain unit tests, library use). Metric keys use ``/`` namespaces
+Each training run of a method is a run of its own (:func:`method_run`): nested under the
+``kedro run`` run in a chain, or the ``kedro run`` run itself when the method's pipeline runs
+alone — so GRPO and SPADER runs can be ticked and compared in the MLflow UI, with the same metric
+keys for every method. Evaluations are nested runs linked to the training run of their checkpoint
+(:func:`training_link_tags`).
+
+Code that runs inside a node logs into the active run through the functions here, which are no-ops
+when no run is active (plain unit tests, library use). Metric keys use ``/`` namespaces
 (``data_prep/rows_in``); every key is documented in ``docs/metrics.md``.
 """
 
@@ -12,7 +18,8 @@ import logging
 import math
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 DEFAULT_ARTIFACT_DIR = "mlruns/artifacts"
+
+#: The experiment tag that makes the MLflow UI open a training project in its model-training view
+#: (runs table, metric charts) rather than the GenAI traces view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+#: Kedro node tag: the node is one training run of a method, tracked as a run of its own.
+METHOD_RUN_TAG = "mlflow_method_run"
+#: Run tag the hook sets when the ``kedro run`` run is itself the method run (pipeline run alone).
+ADOPT_TAG = "spader.method_run_pending"
 
 
 def resolve_tracking_uri(uri: str | None, project_path: Path) -> str:
@@ -108,3 +125,99 @@ def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifacts(str(path), artifact_path)
     elif path.exists():
         mlflow.log_artifact(str(path), artifact_path)
+
+
+def ensure_experiment(name: str, artifact_location: Path | None = None) -> str:
+    """Create (or find) the experiment ``name``, tagged as a model-training experiment; return its id.
+
+    An existing experiment that lacks :data:`EXPERIMENT_KIND_TAG` (created by an older version, or by
+    VERL's own tracker) gets it, so the UI opens it on the runs table.
+    """
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        kwargs: dict[str, Any] = {"tags": {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}}
+        if artifact_location is not None:
+            artifact_location.mkdir(parents=True, exist_ok=True)
+            kwargs["artifact_location"] = artifact_location.resolve().as_uri()
+        return client.create_experiment(name, **kwargs)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return experiment.experiment_id
+
+
+def active_run_id() -> str | None:
+    """The id of the active run (``None`` without one)."""
+    run = mlflow.active_run()
+    return run.info.run_id if run is not None else None
+
+
+def run_url(run_id: str, experiment_id: str) -> str:
+    """The run's page, relative to the MLflow UI root (a link in run descriptions)."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}"
+
+
+@contextmanager
+def method_run(name: str, tags: Mapping[str, Any], params: Mapping[str, Any]) -> Iterator[str | None]:
+    """The MLflow run of one training run of a method; yields its id (``None`` without tracking).
+
+    Nested under the active (``kedro run``) run, or — when the hook marked the active run as this
+    pipeline's method run (the method's pipeline ran alone) — that run itself, renamed and tagged.
+    Without an active run nothing is logged. ``params`` are flattened with ``.``; the run ends
+    ``FINISHED``, or ``FAILED`` with the error as a tag when the body raises.
+    """
+    parent = mlflow.active_run()
+    if parent is None:
+        yield None
+        return
+    tags = {k: str(v) for k, v in tags.items() if v is not None}
+    if mlflow.get_run(parent.info.run_id).data.tags.get(ADOPT_TAG) == "true":
+        client = mlflow.MlflowClient()
+        client.delete_tag(parent.info.run_id, ADOPT_TAG)
+        mlflow.set_tags({**tags, "mlflow.runName": name})
+        log_params(params)
+        yield parent.info.run_id  # the hook ends it with the kedro run
+        return
+    run = mlflow.start_run(run_name=name, nested=True, tags=tags)
+    try:
+        log_params(params)
+        yield run.info.run_id
+    except BaseException as error:
+        mlflow.set_tag("error", f"{type(error).__name__}: {error}"[:5000])
+        mlflow.end_run(status="FAILED")
+        raise
+    mlflow.end_run(status="FINISHED")
+
+
+def register_checkpoint(path: str | Path, *, name: str, params: Mapping[str, Any] | None = None) -> str | None:
+    """Record a trained checkpoint as an MLflow model of the active (training) run; return its id.
+
+    The weights stay where they are (multi-GB checkpoints are not copied into the artifact store):
+    the model is an *external* MLflow model whose source run is the training run and whose tag
+    ``checkpoint.path`` points at the folder. Evaluations log their metrics against this model id,
+    so the model page lists how it scored, and each score links back to its run.
+    """
+    run = mlflow.active_run()
+    if run is None:
+        return None
+    model = mlflow.create_external_model(
+        name=name,
+        source_run_id=run.info.run_id,
+        tags={"checkpoint.path": str(Path(path).resolve())},
+        params={k: str(v)[:6000] for k, v in flatten(params or {}).items()},
+        model_type="checkpoint",
+    )
+    mlflow.set_tag("checkpoint.path", str(Path(path).resolve()))
+    mlflow.set_tag("checkpoint.model_id", model.model_id)
+    return model.model_id
+
+
+def training_link_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """Tags that link an evaluation to the training run of its checkpoint (from a model manifest)."""
+    out = {
+        "method": manifest.get("method"),
+        "training_run_id": manifest.get("mlflow_run_id"),
+        "checkpoint.path": manifest.get("path"),
+        "checkpoint.model_id": manifest.get("mlflow_model_id"),
+    }
+    return {k: str(v) for k, v in out.items() if v}

@@ -40,15 +40,34 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
         history = json.loads((kedro_project / f"data/07_model_output/train_{method}/training_history.json").read_text())
         assert [h["step"] for h in history] == [1, 2]
 
-    run = mlflow.search_runs(experiment_names=["spader-pipeline-test"], output_format="list",
-                             order_by=["start_time DESC"])[0]
-    assert run.info.status == "FINISHED"
+    # MLflow (issue 13): one run per method's training, nested under the kedro run, with the same
+    # metric keys for every method and the method block as parameters that differ between them.
+    experiment = mlflow.get_experiment_by_name("spader-pipeline-test")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = mlflow.search_runs(experiment_ids=[experiment.experiment_id], output_format="list",
+                              order_by=["start_time DESC"])
+    parent = next(r for r in runs if r.data.tags.get("kedro.pipeline") == "data_prep,index_build,base_model,training")
+    assert parent.info.status == "FINISHED"
+    children = {r.data.tags["method"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id and "method" in r.data.tags}
+    assert set(children) == {"grpo", "spader"}
     client = mlflow.MlflowClient()
-    for method in ("grpo", "spader"):
-        for key in ("reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "perf/step_seconds"):
-            steps = [m.step for m in client.get_metric_history(run.info.run_id, f"train_{method}/{key}")]
+    for method, run in children.items():
+        assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
+        assert (run.data.tags["backend"], run.data.tags["seed"], run.data.tags["base_model"]) == ("native", "0", "base_model")
+        for key in ("reward/mean", "answer/recall", "answer/f1", "retrieval/recall", "reward/discovery_mean",
+                    "adv/std", "loss/kl", "perf/step_seconds"):
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert steps == [1, 2], (method, key)
-        assert run.data.metrics[f"train_{method}/training/steps"] == 2
-    assert "warm_start/demonstrations" in run.data.metrics
-    samples = client.list_artifacts(run.info.run_id, "train_spader/samples")
+        assert run.data.metrics["steps"] == 2
+        manifest = json.loads((kedro_project / f"data/06_models/train_{method}/policy_manifest.json").read_text())
+        assert manifest["mlflow_run_id"] == run.info.run_id
+        assert mlflow.get_logged_model(manifest["mlflow_model_id"]).source_run_id == run.info.run_id
+    grpo, spader = children["grpo"].data.params, children["spader"].data.params
+    differing = {k for k in grpo.keys() | spader.keys() if grpo.get(k) != spader.get(k)}
+    assert {"method", "reward.enable_exploration", "reward.alpha", "advantage.gamma"} <= differing
+    assert grpo["reward.tool_round_cost"] == spader["reward.tool_round_cost"]  # shared settings: equal
+    assert not any(k.startswith("train_") for k in parent.data.metrics)  # no method-prefixed metric names
+    assert "warm_start/demonstrations" in parent.data.metrics
+    samples = client.list_artifacts(children["spader"].info.run_id, "samples")
     assert [a.path.rsplit("/", 1)[-1] for a in samples] == ["step_000001.json", "step_000002.json"]

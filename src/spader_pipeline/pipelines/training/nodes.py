@@ -168,6 +168,26 @@ def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, An
     return out
 
 
+def method_run_identity(
+    init_manifest: Mapping[str, Any], method: Mapping[str, Any], training: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Name, tags and parameters of a method's MLflow run.
+
+    The parameters are what defines the method — its ``train_<method>.method`` block over the shared
+    reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``advantage.gamma``…),
+    so MLflow's compare view of two methods' runs shows exactly their differences.
+    """
+    name = method["method"]
+    backend = training.get("backend", "native")
+    shared = training.get("native") or {}
+    seed = int(_merge(shared, method).get("seed", 0))
+    base = init_manifest.get("base") or init_manifest["path"]
+    tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
+            "init_model": init_manifest["path"]}
+    params = {"backend": backend, "seed": seed, **_merge({"reward": shared.get("reward") or {}}, method)}
+    return f"{name} seed{seed}", tags, params
+
+
 def train_policy(
     init_manifest: Mapping[str, Any],
     verl_train: pd.DataFrame,
@@ -177,25 +197,42 @@ def train_policy(
     prompt: Mapping[str, Any],
 ) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
     """Train one method from ``init_manifest``; return the policy manifest, the per-step history
-    and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch."""
-    name = method["method"]
+    and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
+
+    The training is one MLflow run of its own (:func:`spader_pipeline.tracking.method_run`) with the
+    same metric keys for every method; VERL joins it through ``MLFLOW_RUN_ID``. The manifest
+    records the run id (and the checkpoint's MLflow model id), which evaluation links back to.
+    """
     backend = training.get("backend", "native")
+    if backend not in ("native", "verl"):
+        raise ValueError(f"training.backend={backend!r}: use native or verl")
+    run_name, tags, params = method_run_identity(init_manifest, method, training)
+    with tracking.method_run(run_name, tags, params) as run_id:
+        manifest, history = _train(init_manifest, verl_train, index_manifest, method, training, prompt)
+        manifest["mlflow_run_id"] = run_id
+        if manifest.get("path"):
+            manifest["mlflow_model_id"] = tracking.register_checkpoint(manifest["path"], name=method["method"],
+                                                                       params=params)
+        summary = _summary(history) if backend == "native" else {}
+        tracking.log_metrics(summary)
+    return manifest, history, summary
+
+
+def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
+    """The training itself: (manifest, per-step history); metrics go to the active (method) run."""
+    name = method["method"]
     run_dir = Path(training.get("output_dir", "data/06_models")) / f"train_{name}"
     template = _template(prompt, training.get("prompt_template"))
-    if backend == "verl":
+    if training.get("backend", "native") == "verl":
         from spader_pipeline.launch.verl import launch_verl_training
 
-        manifest = launch_verl_training(init_manifest, index_manifest, method, training, run_dir)
-        return manifest, [], {"backend_verl": 1.0}
-    if backend != "native":
-        raise ValueError(f"training.backend={backend!r}: use native or verl")
+        return launch_verl_training(init_manifest, index_manifest, method, training, run_dir), []
 
     from spader_pipeline.native import NativeTrainerConfig, train_native
 
     settings = _merge(training.get("native", {}), method)
     config = NativeTrainerConfig.from_mapping(settings)
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
-    prefix = f"train_{name}"
     with search_backend(training.get("search", {}), index_manifest) as search:
         result = train_native(
             config,
@@ -204,14 +241,13 @@ def train_policy(
             search=search,
             run_dir=run_dir,
             prompt_template=template,
-            log_metrics=lambda m, step: tracking.log_metrics(m, step=step, prefix=prefix),
-            log_artifact=lambda p: tracking.log_artifact(p, artifact_path=f"{prefix}/samples"),
+            log_metrics=lambda m, step: tracking.log_metrics(m, step=step),
+            log_artifact=lambda p: tracking.log_artifact(p, artifact_path="samples"),
         )
     manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
                 "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
                 "resumed_from": result.resumed_from}
-    final = _summary(result.history)
-    return manifest, result.history, final
+    return manifest, result.history
 
 
 def _summary(history: list[dict[str, float]], window: int = 10) -> dict[str, float]:

@@ -6,11 +6,13 @@
   ``train_<method>.policy_manifest`` / ``.training_history`` / ``.training_metrics`` and its method
   block ``params:train_<method>.method`` (``conf/base/parameters_training.yml``), while
   ``params:training`` (everything shared) stays common. Two methods therefore differ only in
-  their ``train_<method>.method`` blocks.
+  their ``train_<method>.method`` blocks. Each is one MLflow run (see :mod:`spader_pipeline.hooks`).
 - :func:`create_pipeline` — the default ``training`` stage: warm start + GRPO + SPADER.
 """
 
 from kedro.pipeline import Pipeline, node, pipeline
+
+from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from .nodes import train_policy, warm_start
 
@@ -44,6 +46,7 @@ def method_pipeline(method: str) -> Pipeline:
                         "params:training", "params:prompt"],
                 outputs=["policy_manifest", "training_history", "training_metrics"],
                 name="train_policy",
+                tags=[METHOD_RUN_TAG],  # one MLflow run per method's training (spader_pipeline.hooks)
             )
         ],
         tags="training",

@@ -1,0 +1,91 @@
+"""MLflow run layout on a real (SQLite) store: the experiment kind tag, one run per method's
+training (nested or adopted), failures recorded, checkpoints as MLflow models."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+from kedro.pipeline import Pipeline
+
+from spader_pipeline import tracking
+from spader_pipeline.hooks import lone_method_node
+from spader_pipeline.pipelines import train_grpo, training
+
+
+@pytest.fixture
+def experiment(tmp_path):
+    name = f"exp-{tmp_path.name}"
+    experiment_id = tracking.ensure_experiment(name, tmp_path / "artifacts")
+    mlflow.set_experiment(experiment_id=experiment_id)
+    yield experiment_id
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def test_experiment_is_created_as_and_upgraded_to_a_model_training_experiment(tmp_path):
+    new = tracking.ensure_experiment(f"new-{tmp_path.name}", tmp_path / "a")
+    assert mlflow.MlflowClient().get_experiment(new).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    old = mlflow.MlflowClient().create_experiment(f"old-{tmp_path.name}")  # e.g. made by an older version
+    assert tracking.EXPERIMENT_KIND_TAG not in mlflow.MlflowClient().get_experiment(old).tags
+    assert tracking.ensure_experiment(f"old-{tmp_path.name}") == old
+    assert mlflow.MlflowClient().get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
+def test_method_runs_nest_under_the_kedro_run_with_shared_keys(experiment):
+    with mlflow.start_run(run_name="__default__") as parent:
+        ids = {}
+        for method, params in (("grpo", {"reward": {"enable_exploration": False}}),
+                               ("spader", {"reward": {"enable_exploration": True, "alpha": 1.0}})):
+            with tracking.method_run(f"{method} seed0", {"method": method, "seed": 0}, {"method": method, **params}) as rid:
+                ids[method] = rid
+                tracking.log_metrics({"reward/mean": 0.5}, step=1)
+    client = mlflow.MlflowClient()
+    for method, rid in ids.items():
+        run = client.get_run(rid)
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
+        assert run.data.tags["method"] == method and run.data.params["method"] == method
+        assert "reward/mean" in run.data.metrics
+    assert client.get_run(ids["grpo"]).data.params["reward.enable_exploration"] == "False"
+    assert client.get_run(ids["spader"]).data.params["reward.enable_exploration"] == "True"
+    assert client.get_run(parent.info.run_id).data.metrics == {}  # nothing leaks into the parent
+
+
+def test_a_lone_method_pipeline_adopts_the_kedro_run(experiment):
+    assert lone_method_node(train_grpo.create_pipeline()).name == "train_grpo.train_policy"
+    assert lone_method_node(training.create_pipeline()) is None
+    assert lone_method_node(Pipeline([])) is None
+    with mlflow.start_run(run_name="train_grpo", tags={tracking.ADOPT_TAG: "true"}) as top:
+        with tracking.method_run("grpo seed0", {"method": "grpo"}, {"method": "grpo"}) as rid:
+            assert rid == top.info.run_id
+            assert mlflow.active_run().info.run_id == top.info.run_id
+    run = mlflow.get_run(top.info.run_id)
+    assert run.info.run_name == "grpo seed0" and "mlflow.parentRunId" not in run.data.tags
+    assert tracking.ADOPT_TAG not in run.data.tags and run.data.params["method"] == "grpo"
+
+
+def test_a_failing_method_run_is_failed_with_its_error_and_the_parent_stays_active(experiment):
+    with mlflow.start_run() as parent:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            with tracking.method_run("spader seed0", {"method": "spader"}, {}) as rid:
+                raise RuntimeError("out of memory")
+        assert mlflow.active_run().info.run_id == parent.info.run_id
+    failed = mlflow.get_run(rid)
+    assert failed.info.status == "FAILED" and "out of memory" in failed.data.tags["error"]
+
+
+def test_without_an_active_run_nothing_is_tracked(experiment, tmp_path):
+    with tracking.method_run("grpo seed0", {"method": "grpo"}, {"method": "grpo"}) as rid:
+        assert rid is None and mlflow.active_run() is None
+        assert tracking.register_checkpoint(tmp_path, name="grpo") is None
+
+
+def test_checkpoint_is_an_external_model_of_the_training_run(experiment, tmp_path):
+    with mlflow.start_run(), tracking.method_run("spader seed0", {"method": "spader"}, {}) as rid:
+        model_id = tracking.register_checkpoint(tmp_path, name="spader", params={"reward": {"alpha": 1.0}})
+    model = mlflow.get_logged_model(model_id)
+    assert model.source_run_id == rid and model.tags["checkpoint.path"] == str(tmp_path.resolve())
+    assert model.params["reward.alpha"] == "1.0"
+    manifest = {"method": "spader", "mlflow_run_id": rid, "mlflow_model_id": model_id, "path": str(tmp_path)}
+    assert tracking.training_link_tags(manifest) == {"method": "spader", "training_run_id": rid,
+                                                     "checkpoint.path": str(tmp_path), "checkpoint.model_id": model_id}
