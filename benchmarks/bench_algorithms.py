@@ -1,9 +1,14 @@
 """SPA advantage and SPADER reward on a paper-sized batch: vectorised core vs straightforward loops.
 
     .venv/bin/python benchmarks/bench_algorithms.py [--repeats 5] [--loop-repeats 3] [--seed 0] [--threads 1]
+                                                    [--pool 150 | --distinct-docs]
 
 Batch (issue 3): 32 prompts × 16 rollouts = 512 responses × 8192 tokens, ~8 decision steps each,
-~15 gold entities per prompt with 1–3 aliases, 5 retrieved documents of ~100 words per step.
+~15 gold entities per prompt with 1–3 aliases, 5 retrieved documents of ~100 words per step
+(~1.9M document words). The 16 rollouts of a prompt search for the same question, so their
+documents come from a per-prompt pool of ``--pool`` passages (default 150: 560 retrievals per
+prompt share ~150 distinct passages); ``--distinct-docs`` makes every retrieval a new passage
+(the worst case for document deduplication).
 
 Compared, on identical inputs, in one run:
 
@@ -11,19 +16,21 @@ Compared, on identical inputs, in one run:
   (step spans found with one ``tensor.item()`` per token, per-group per-step Python statistics,
   per-token writes; spec §4.1, §9.9).
 * **SPADER reward** (step extraction + discovery in retrieved documents + group novelty + tool cost +
-  token placement): ``algorithms.rewards.discover_entities`` + ``spader_rewards`` vs a loop with one
-  ``.item()`` per token for the steps (as the reference reward manager) and one whole-word substring
-  test per entity, alias and step.
-* **discovery only**: the Aho-Corasick matcher vs the per-entity substring loop on the same normalised
-  text (both normalise every document; shown separately so the share of each part is visible).
+  token placement): ``algorithms.rewards.discover_entities`` + ``spader_rewards`` vs the published
+  reward manager's loop (spec §3.3): one ``.item()`` per token for the steps, the step's tool text
+  normalised per trajectory and step, one substring test per entity, alias and step, ``N(e)``
+  counted over the batch per new entity.
+* **discovery only**: the same discovery part of both (normalisation + matching), shown separately.
 
-Medians over the repeats; results must agree to max |diff| ≤ 1e-5.
+Medians over the repeats; results must agree to max |diff| ≤ 1e-5. ``os.getloadavg()`` is printed
+next to each figure (the machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 
@@ -40,7 +47,16 @@ GLOBAL_STEP = 150  # inside the tool-cost ramp, so the cost term is exercised
 # ----------------------------------------------------------------------------- data
 
 
-def make_batch(seed: int):
+def _document(rng, vocab, aliases) -> str:
+    words = list(rng.choice(vocab, size=WORDS))
+    if rng.random() < 0.4:
+        alias = rng.choice(aliases[int(rng.integers(len(aliases)))])
+        words.insert(int(rng.integers(WORDS)), str(alias).title())
+    return "Doc (Title: " + " ".join(words[:3]) + ") " + " ".join(words) + "."
+
+
+def make_batch(seed: int, pool: int | None = 150):
+    """``pool``: distinct passages per prompt that its rollouts retrieve from; ``None``: all distinct."""
     rng = np.random.default_rng(seed)
     vocab = [f"w{i}" for i in range(5000)] + ["the", "a", "of", "and", "in"]
     bsz = PROMPTS * GROUP
@@ -58,6 +74,7 @@ def make_batch(seed: int):
             )
         gts.append(gt)
     ground_truths = [gts[i // GROUP] for i in range(bsz)]
+    pools = [[_document(rng, vocab, gts[p]) for _ in range(pool)] for p in range(PROMPTS)] if pool else None
     mask = torch.zeros(bsz, LENGTH, dtype=torch.long)
     docs, counts = [], []
     for i in range(bsz):
@@ -75,18 +92,15 @@ def make_batch(seed: int):
             mask[i, a2 : min(b2, LENGTH)] = 1
         step_docs, step_counts = [], []
         for s in range(k):
-            if s == k - 1:
-                step_docs.append("")
+            if s == k - 1:  # the answer turn retrieves nothing
+                step_docs.append([])
                 step_counts.append(0)
                 continue
-            texts = []
-            for _ in range(DOCS):
-                words = list(rng.choice(vocab, size=WORDS))
-                if rng.random() < 0.4:
-                    alias = rng.choice(ground_truths[i][int(rng.integers(ENTITIES))])
-                    words.insert(int(rng.integers(WORDS)), str(alias).title())
-                texts.append("Doc (Title: " + " ".join(words[:3]) + ") " + " ".join(words) + ".")
-            step_docs.append("\n".join(texts))
+            if pools is not None:
+                picks = rng.choice(pool, size=DOCS, replace=False)
+                step_docs.append([pools[i // GROUP][int(j)] for j in picks])
+            else:
+                step_docs.append([_document(rng, vocab, ground_truths[i]) for _ in range(DOCS)])
             step_counts.append(int(rng.integers(1, 4)))
         docs.append(step_docs)
         counts.append(step_counts)
@@ -145,12 +159,15 @@ def loop_spa(rewards, mask, index, gamma=1.0, eps=1e-6):
 
 
 def loop_discovery(ground_truths, docs):
+    """Per trajectory and step: normalise the step's tool text (its documents, one per line), then one
+    whole-word substring test per entity and alias (spec §3.3 step 2, with the project's alias-aware,
+    word-bounded matching so that both sides compute the same thing)."""
     found = []
     for gt_raw, step_docs in zip(ground_truths, docs, strict=True):
         gt = normalize_ground_truth(gt_raw)
         per_step = []
-        for text in step_docs:
-            padded = " " + normalize_answer(text) + " "
+        for texts in step_docs:
+            padded = " " + normalize_answer("\n".join(texts)) + " "
             per_step.append(
                 {e for e, aliases in enumerate(gt.aliases) if any(f" {a} " in padded for a in aliases)}
             )
@@ -218,12 +235,15 @@ def fast_discovery(ground_truths, docs):
 
 
 def timed(fn, repeats):
+    """Median wall time of ``repeats`` calls, all times, the last result and the 1-min load average
+    before and after (``os.getloadavg()``)."""
     times, result = [], None
+    load_before = os.getloadavg()[0]
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), times, result
+    return statistics.median(times), times, result, (load_before, os.getloadavg()[0])
 
 
 def main() -> None:
@@ -234,50 +254,71 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: fair to the single-threaded loops)"
     )
+    parser.add_argument("--pool", type=int, default=150, help="distinct passages per prompt (see above)")
+    parser.add_argument("--distinct-docs", action="store_true", help="every retrieval a new passage")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    index, gts, mask, docs, counts, rewards, f1, ok = make_batch(args.seed)
-    n_words = sum(len(t.split()) for d in docs for t in d)
+    index, gts, mask, docs, counts, rewards, f1, ok = make_batch(
+        args.seed, None if args.distinct_docs else args.pool
+    )
+    retrieved = [doc for d in docs for step in d for doc in step]
+    n_words = sum(len(t.split()) for t in retrieved)
     print(
         f"batch: {mask.shape[0]}×{mask.shape[1]} tokens, {mask.sum().item() / mask.shape[0]:.0f} model tokens/row, "
-        f"{sum(len(d) for d in docs) / len(docs):.1f} steps/row, {n_words / 1e6:.2f}M document words "
+        f"{sum(len(d) for d in docs) / len(docs):.1f} steps/row, {len(retrieved)} retrieved passages "
+        f"({len(set(retrieved))} distinct), {n_words / 1e6:.2f}M document words "
         f"(built in {time.perf_counter() - t0:.1f}s); torch threads={torch.get_num_threads()}"
     )
     cfg = SpaderRewardConfig()
     rows = []
 
-    fast_t, fast_all, fast_adv = timed(lambda: spa_advantage(rewards, mask, index)[0], args.repeats)
-    loop_t, loop_all, loop_adv = timed(lambda: loop_spa(rewards, mask, list(index)), args.loop_repeats)
-    rows.append(
-        ("SPA advantage", fast_t, loop_t, (fast_adv - loop_adv).abs().max().item(), fast_all, loop_all)
-    )
+    fast_t, fast_all, fast_adv, fl = timed(lambda: spa_advantage(rewards, mask, index)[0], args.repeats)
+    loop_t, loop_all, loop_adv, ll = timed(lambda: loop_spa(rewards, mask, list(index)), args.loop_repeats)
+    diff = (fast_adv - loop_adv).abs().max().item()
+    rows.append(("SPA advantage", fast_t, loop_t, diff, fast_all, loop_all, fl, ll))
 
-    fast_t, fast_all, fast_r = timed(
+    fast_t, fast_all, fast_r, fl = timed(
         lambda: fast_reward(mask, index, gts, docs, counts, f1, ok, cfg), args.repeats
     )
-    loop_t, loop_all, loop_r = timed(
+    loop_t, loop_all, loop_r, ll = timed(
         lambda: loop_reward(mask, list(index), gts, docs, counts, f1, ok, cfg), args.loop_repeats
     )
     rows.append(
-        ("SPADER reward (full)", fast_t, loop_t, (fast_r - loop_r).abs().max().item(), fast_all, loop_all)
+        (
+            "SPADER reward (full)",
+            fast_t,
+            loop_t,
+            (fast_r - loop_r).abs().max().item(),
+            fast_all,
+            loop_all,
+            fl,
+            ll,
+        )
     )
 
-    fast_t, fast_all, (found, _) = timed(lambda: fast_discovery(gts, docs), args.repeats)
-    loop_t, loop_all, loop_found = timed(lambda: loop_discovery(gts, docs), args.loop_repeats)
+    fast_t, fast_all, (found, _), fl = timed(lambda: fast_discovery(gts, docs), args.repeats)
+    loop_t, loop_all, loop_found, ll = timed(lambda: loop_discovery(gts, docs), args.loop_repeats)
     same = all(
         set(np.flatnonzero(found[i, s].numpy()).tolist()) == loop_found[i][1][s]
         for i in range(len(docs))
         for s in range(len(docs[i]))
     )
-    rows.append(("  discovery only", fast_t, loop_t, 0.0 if same else float("inf"), fast_all, loop_all))
+    rows.append(
+        ("  discovery only", fast_t, loop_t, 0.0 if same else float("inf"), fast_all, loop_all, fl, ll)
+    )
 
-    print(f"{'':24s}{'vectorised (s)':>16s}{'loops (s)':>12s}{'speed-up':>10s}{'max|diff|':>12s}")
-    for name, fast, loop, diff, _, _ in rows:
-        print(f"{name:24s}{fast:16.3f}{loop:12.2f}{loop / fast:9.1f}×{diff:12.2e}")
+    print(
+        f"{'':24s}{'vectorised (s)':>16s}{'loops (s)':>12s}{'speed-up':>10s}{'max|diff|':>12s}   load (1-min) ours / loops"
+    )
+    for name, fast, loop, diff, _, _, fl, ll in rows:
+        print(
+            f"{name:24s}{fast:16.3f}{loop:12.2f}{loop / fast:9.1f}×{diff:12.2e}"
+            f"   {fl[0]:.1f}→{fl[1]:.1f} / {ll[0]:.1f}→{ll[1]:.1f}"
+        )
     print("all runs (s):")
-    for name, _, _, _, fast_all, loop_all in rows:
+    for name, _, _, _, fast_all, loop_all, _, _ in rows:
         print(
             f"  {name.strip()}: vectorised {[round(x, 3) for x in fast_all]}, loops {[round(x, 2) for x in loop_all]}"
         )

@@ -7,10 +7,45 @@ Kept deliberately literal (one ``.item()`` per token, one substring test per ent
 from __future__ import annotations
 
 import math
+import re
+import string
 
 import torch
 
 from spader_pipeline.algorithms.matching import normalize_answer, normalize_ground_truth
+
+# The project's normaliser as it was before the batched rewrite (issue 12), kept verbatim so that the
+# new one can be property-tested against it.
+_PREV_TRANSLATE = str.maketrans(
+    {
+        **{
+            ch: None
+            for ch in set(string.punctuation)
+            | {"\u2014", "\u2013", "\u2010", "\u2019", "\u2018", "\u201d", "\u201c"}
+        },
+        **dict.fromkeys("\t\n\r\x0b\x0c", " "),
+    }
+)
+_PREV_ARTICLES = re.compile(r"\b(?:a|an|the)\b")
+_PREV_NOT_SIMPLE = re.compile(r"[^a-z0-9 ]")
+
+
+def normalize_answer_previous(text: object) -> str:
+    """``matching.normalize_answer`` before issue 12 (translate + fast path + regex path)."""
+    if text is None:
+        return ""
+    s = text if isinstance(text, str) else str(text)
+    s = s.lower().translate(_PREV_TRANSLATE)
+    if _PREV_NOT_SIMPLE.search(s) is None:
+        s = f" {s} "
+        while "  " in s:
+            s = s.replace("  ", " ")
+        for article in (" a ", " an ", " the "):
+            while article in s:
+                s = s.replace(article, " ")
+        return s.strip()
+    s = _PREV_ARTICLES.sub(" ", s)
+    return " ".join(s.split())
 
 
 def loop_steps(response_mask_row: torch.Tensor) -> list[tuple[int, int]]:
@@ -102,11 +137,14 @@ def loop_spader_rewards(
     for i in range(bsz):
         gt = normalize_ground_truth(ground_truths[i])
         per_step = []
-        for doc in step_documents[i]:
-            norm = normalize_answer(doc)
-            per_step.append(
-                {e for e, aliases in enumerate(gt.aliases) if any(_contains_words(norm, a) for a in aliases)}
-            )
+        for step in step_documents[i]:
+            found: set[int] = set()
+            for doc in [step] if isinstance(step, str) else step:  # one text, or the step's documents
+                norm = normalize_answer(doc)
+                found |= {
+                    e for e, aliases in enumerate(gt.aliases) if any(_contains_words(norm, a) for a in aliases)
+                }
+            per_step.append(found)
         found_sets.append((gt, per_step))
     for i in range(bsz):
         gt, per_step = found_sets[i]

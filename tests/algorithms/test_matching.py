@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_loops import normalize_answer_previous
 
 from spader_pipeline.algorithms import matching
 from spader_pipeline.algorithms.matching import (
@@ -232,3 +233,78 @@ def test_ground_truth_key_and_batch_normalisation():
     gts = matching.normalize_ground_truths([a, [list(x) for x in a], [["x"]]])
     assert gts[0] is gts[1] and gts[2].aliases == (("x",),)
     assert EntityMatcher(b).found_in(["the beatles and queen"]).tolist() == [[True, True]]
+
+
+# ----------------------------------------------------------------------------- issue 12: batched normaliser
+
+_TRICKY = [
+    "a", "an", "the", "The", "THE", "A", "x", "ab", "1", "_", "é", "Σ", "σ", "ς", "İ", "ß", "ǅ", "\u0301",
+    " ", "  ", "\n", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x85", "\xa0", "\u2009", "\u3000", "\u2028",
+    "\x00", "\x01", "\x7f", ".", "-", "'", "''", "``", "\u2019", "\u2018", "\u201c", "\u201d", "\u2014",
+    "\u2013", "\u2010", "«", "»", "·", "©", "¿", "‐a", "a’", "Ⅻ", "٣", "\U0001f600",
+]
+_TRICKY_TEXT = st.lists(st.sampled_from(_TRICKY), max_size=24).map("".join)
+_ANY_TEXT = st.one_of(_TRICKY_TEXT, st.text(), st.text(alphabet=st.characters(codec="utf-8"), max_size=60))
+
+
+@settings(max_examples=600, deadline=None)
+@given(_ANY_TEXT)
+def test_normalize_answer_equals_previous_implementation(text):
+    assert normalize_answer(text) == normalize_answer_previous(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ANY_TEXT, max_size=8))
+def test_normalize_texts_equals_per_text_normalisation(texts):
+    expected = [" ".join(normalize_answer_previous(t).replace("\x00", " ").split()) for t in texts]
+    assert matching.normalize_texts(texts) == expected
+
+
+def test_normalize_texts_edge_cases():
+    assert matching.normalize_texts([]) == []
+    assert matching.normalize_texts(["", None, 7, "The", "a\x00the b"]) == ["", "", "7", "", "b"]
+    # final sigma depends on neighbours: joining must not change it
+    assert matching.normalize_texts(["ΑΣ", "Σ", "ΣΑ"]) == [normalize_answer(t) for t in ("ΑΣ", "Σ", "ΣΑ")]
+
+
+def test_whitespace_table_is_exactly_str_isspace():
+    import sys
+
+    assert set(matching.WHITESPACE) == {chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()}
+
+
+def test_find_entities_in_steps_shares_documents_and_ors_them():
+    gt_a = normalize_ground_truth([["Entity B"], ["The Beatles", "Beatles"], ["Queen"]])
+    gt_b = normalize_ground_truth([["Queen"]])
+    shared = "The BEATLES met Queen."
+    steps = [
+        [[shared, "entity b!"], [], "entity beatles"],  # a list of documents, none, or one string
+        [[shared], ["nothing here"]],
+        [[shared, shared]],
+    ]
+    found = matching.find_entities_in_steps([gt_a, gt_a, gt_b], steps, 3)
+    assert found.shape == (3, 3, 3)
+    # "entity beatles": Beatles as whole words, never "entity b"
+    assert found[0].tolist() == [[True, True, True], [False, False, False], [False, True, False]]
+    assert found[1].tolist() == [[False, True, True], [False, False, False], [False, False, False]]
+    assert found[2, 0].tolist() == [True, False, False] and not found[2, 1:].any()
+    # steps beyond the width are ignored
+    assert matching.find_entities_in_steps([gt_a], [[["queen"], ["queen"]]], 1).shape == (1, 1, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gt=st.lists(st.lists(_PHRASE, min_size=1, max_size=3), min_size=0, max_size=4),
+    pool=st.lists(st.lists(_WORDS, max_size=12).map(" ".join), min_size=1, max_size=5),
+    picks=st.lists(st.lists(st.lists(st.integers(0, 4), max_size=3), max_size=4), min_size=1, max_size=4),
+)
+def test_find_entities_in_steps_equals_per_document_matcher(gt, pool, picks):
+    steps = [[[pool[j % len(pool)] for j in step] for step in traj] for traj in picks]
+    width = max(len(t) for t in steps)
+    g = normalize_ground_truth(gt)
+    found = matching.find_entities_in_steps([g] * len(steps), steps, width)
+    matcher = EntityMatcher(g)
+    for i, traj in enumerate(steps):
+        for t, docs in enumerate(traj):
+            expected = matcher.found_in(docs).any(axis=0) if docs else np.zeros(len(g), bool)
+            np.testing.assert_array_equal(found[i, t, : len(g)], expected)

@@ -204,3 +204,40 @@ def test_spader_rewards_equal_reference_loops(seed, group_size, n_groups, global
         m, index, gts, docs, counts, f1.tolist(), ok.tolist(), global_step=global_step, format_penalty=penalty
     )
     np.testing.assert_allclose(out.token_rewards, ref, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 100_000), group_size=st.integers(1, 4), n_groups=st.integers(1, 3))
+def test_spader_rewards_with_shared_documents_equal_reference_loops(seed, group_size, n_groups):
+    """Steps given as lists of documents drawn from a per-prompt pool (documents repeat across the
+    rollouts, as retrieval results do): identical rewards to the per-step, per-entity loops."""
+    rng = np.random.default_rng(seed)
+    bsz, length = group_size * n_groups, 40
+    index = [f"u{i // group_size}" for i in range(bsz)]
+    gts_by_group = [
+        [[" ".join(rng.choice(_WORDS, size=rng.integers(1, 3))) for _ in range(rng.integers(1, 3))]
+         for _ in range(rng.integers(0, 5))]
+        for _ in range(n_groups)
+    ]
+    pools = [[" ".join(rng.choice(_WORDS + ["The", "x.", "É"], size=10)) for _ in range(6)] for _ in range(n_groups)]
+    m = torch.zeros(bsz, length, dtype=torch.long)
+    docs, counts = [], []
+    for i in range(bsz):
+        pos, k = 0, 0
+        while pos < length - 6 and rng.random() < 0.8:
+            span = int(rng.integers(1, 4))
+            m[i, pos : pos + span] = 1
+            pos += span + int(rng.integers(1, 4))
+            k += 1
+        pool = pools[i // group_size]
+        docs.append([[pool[j] for j in rng.integers(0, len(pool), size=rng.integers(0, 4))] for _ in range(k)])
+        counts.append([int(rng.integers(0, 3)) for _ in range(k)])
+    gts = [gts_by_group[i // group_size] for i in range(bsz)]
+    f1 = torch.tensor(rng.random(bsz), dtype=torch.float32)
+    ok = torch.tensor(rng.random(bsz) < 0.8)
+    width = max((len(d) for d in docs), default=0)
+    found, num_gt = discover_entities(gts, docs, num_steps=width)
+    q = torch.tensor([c + [0] * (width - len(c)) for c in counts], dtype=torch.float32).reshape(bsz, width)
+    out = spader_rewards(m, index, f1=f1, format_ok=ok, global_step=150, found=found, num_gt=num_gt, query_counts=q)
+    ref = loop_spader_rewards(m, index, gts, docs, counts, f1.tolist(), ok.tolist(), global_step=150)
+    np.testing.assert_allclose(out.token_rewards, ref, atol=1e-5)

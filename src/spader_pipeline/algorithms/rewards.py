@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .advantages._groups import group_index
-from .matching import GroundTruth, find_entities_batched, normalize_ground_truths
+from .matching import GroundTruth, find_entities_in_steps, normalize_ground_truths
 from .steps import StepLayout, scatter_to_anchors, segment_steps
 
 __all__ = [
@@ -120,23 +120,19 @@ def discover_entities(
 
     Args:
         ground_truths: per trajectory, ``[[alias, ...], ...]`` (rollouts of one prompt share it).
-        step_documents: per trajectory, per step, the text of the documents that step retrieved
-            (``""`` for steps without a tool call). Pass document text only — never the query.
+        step_documents: per trajectory, per step, the documents that step retrieved: a list of
+            document texts (``[]`` for steps without a tool call), or one string. Pass document text
+            only — never the query. Each distinct document is normalised once per batch, so passing
+            documents separately (rather than one joined string per step) lets repeats be shared.
         num_steps: width ``S`` (default: longest list).
     Returns:
         ``found`` bool ``[B, S, E]`` (``E`` = most entities of any trajectory; padded entities are False)
         and ``num_gt`` long ``[B]`` (distinct normalised entities).
     """
     gts = normalize_ground_truths(ground_truths)
-    bsz = len(gts)
     width = num_steps if num_steps is not None else max((len(s) for s in step_documents), default=0)
     num_gt = torch.tensor([len(g) for g in gts], dtype=torch.long)
-    n_ent = int(num_gt.max().item()) if bsz else 0
-    found = np.zeros((bsz, width, n_ent), dtype=bool)
-    if width and n_ent:
-        clipped = [list(s)[:width] for s in step_documents]
-        for i, hits in enumerate(find_entities_batched(gts, clipped)):
-            found[i, : hits.shape[0], : hits.shape[1]] = hits
+    found = find_entities_in_steps(gts, step_documents, width)
     return torch.from_numpy(found), num_gt
 
 
