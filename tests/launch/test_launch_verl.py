@@ -42,8 +42,8 @@ def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path
     argv = launch.argv
     assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
     assert f"actor_rollout_ref.model.path={tmp_path / 'warm'}" in argv
-    assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.gamma=0.9" in argv
-    assert "++reward.reward_kwargs.cost_free_steps=100" in argv  # shared training.native.reward reaches VERL
+    assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.spa.gamma=0.9" in argv
+    assert "++reward.reward_kwargs.cost_free_steps=100" in argv  # shared training.reward reaches VERL
     assert "++ray_kwargs.ray_init.address=10.0.0.1:6379" in argv
     tool_cfg = next(a.split("=", 1)[1] for a in argv if a.startswith("actor_rollout_ref.rollout.multi_turn.tool_config_path="))
     tools = yaml.safe_load(Path(tool_cfg).read_text())["tools"]

@@ -35,8 +35,8 @@ def tiny_config():
 
     def make(**overrides):
         base = dict(method="spader", total_steps=2, prompts_per_step=2, group_size=2, micro_batch_size=2,
-                    max_turns=2, max_new_tokens=10, max_response_tokens=600, checkpoint_every=1,
-                    log_samples_every=1, num_samples_logged=1, reward={"cost_free_steps": 0}, advantage={"gamma": 0.9})
+                    rollout={"max_turns": 2, "max_response_tokens": 600}, max_new_tokens=10, checkpoint_every=1,
+                    log_samples_every=1, num_samples_logged=1, reward={"cost_free_steps": 0}, options={"gamma": 0.9})
         base.update(overrides)
         return NativeTrainerConfig(**base)
 

@@ -24,8 +24,8 @@ def _spec(tmp_path, model_dir, index_dir):
     samples = tmp_path / "questions.jsonl"
     samples.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     config = dict(method="spader", total_steps=TOTAL, prompts_per_step=2, group_size=2, micro_batch_size=2,
-                  max_turns=2, max_new_tokens=8, max_response_tokens=600, checkpoint_every=2, keep_checkpoints=2,
-                  log_samples_every=0, advantage={"gamma": 0.9})
+                  rollout={"max_turns": 2, "max_response_tokens": 600}, max_new_tokens=8, checkpoint_every=2,
+                  keep_checkpoints=2, log_samples_every=0, options={"gamma": 0.9})
     spec = {"config": config, "model_path": str(model_dir), "samples": str(samples), "index_dir": str(index_dir),
             "run_dir": str(tmp_path / "run"), "prompt_template": TEMPLATE}
     path = tmp_path / "spec.json"

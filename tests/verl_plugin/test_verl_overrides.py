@@ -58,9 +58,10 @@ def test_every_overlay_composes_with_paper_settings(composed):
     for cfg in composed.values():
         assert cfg["reward"]["reward_manager"]["name"] == "spader"
         assert cfg["data"]["train_batch_size"] == 32 and cfg["actor_rollout_ref"]["rollout"]["n"] == 16
-        assert cfg["data"]["max_response_length"] == 8192 and cfg["algorithm"]["gamma"] == 0.9
+        assert cfg["data"]["max_response_length"] == 8192
         assert cfg["actor_rollout_ref"]["actor"]["kl_loss_coef"] == 0.001
         assert cfg["trainer"]["use_v1"] is False
+    assert composed["spader_qwen3_8b"]["algorithm"]["spa"]["gamma"] == 0.9
     assert composed["spader_llama3_8b"]["reward"]["reward_kwargs"]["cost_free_steps"] == 200
     assert composed["spader_qwen3_8b"]["reward"]["reward_kwargs"]["cost_free_steps"] == 100
     assert (
@@ -75,10 +76,12 @@ def test_defect8_grpo_and_spader_differ_only_by_the_method(composed):
         diff = _diff(composed[f"grpo_{model}"], composed[f"spader_{model}"])
         assert diff == {
             "algorithm.adv_estimator",
-            "reward.reward_kwargs.mode",
+            "algorithm.spa",  # SPA's options
+            "reward.reward_kwargs.method",
+            "reward.reward_kwargs.tool_round_cost",  # per-method tool cost: SPADER pays it, GRPO does not
             "reward.reward_kwargs.alpha",
             "reward.reward_kwargs.beta",
-            "reward.reward_kwargs.lambda_val",
+            "reward.reward_kwargs.lam",
             "trainer.experiment_name",
         }, diff
 
@@ -92,8 +95,8 @@ def test_build_overrides_maps_parameters():
         "n_gpus_per_node": 4,
         "run_dir": "/runs/x/",
         "logger": ["console", "mlflow"],
-        "reward": {"enable_exploration": True, "lam": 0.5, "format_penalty": 0.0},
-        "advantage": {"gamma": 0.9},
+        "reward": {"lam": 0.5, "format_penalty": 0.0},
+        "options": {"gamma": 0.9},
         "overrides": ["trainer.save_freq=7"],
     }
     out = build_overrides(params)
@@ -101,12 +104,12 @@ def test_build_overrides_maps_parameters():
     assert "actor_rollout_ref.model.path='/models/warm start'" in out
     assert "trainer.n_gpus_per_node=4" in out and "trainer.logger=[console,mlflow]" in out
     assert "trainer.rollout_data_dir=/runs/x/rollouts" in out
-    assert "++reward.reward_kwargs.lambda_val=0.5" in out and "++algorithm.gamma=0.9" in out
+    assert "++reward.reward_kwargs.lam=0.5" in out and "++algorithm.spa.gamma=0.9" in out
     assert out[-1] == "trainer.save_freq=7"
     argv = main_ppo_argv(params, CONF)
     assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
     cfg = _compose(overlay_name(params), out)
-    assert cfg.reward.reward_kwargs.lambda_val == 0.5 and cfg.reward.reward_kwargs.cost_free_steps == 200
+    assert cfg.reward.reward_kwargs.lam == 0.5 and cfg.reward.reward_kwargs.cost_free_steps == 200
     assert cfg.actor_rollout_ref.model.path == "/models/warm start" and cfg.trainer.save_freq == 7
 
 
@@ -114,9 +117,12 @@ def test_build_overrides_maps_parameters():
     ("params", "match"),
     [
         ({"method": "ppo"}, "method"),
-        ({"method": "grpo", "reward": {"enable_exploration": True}}, "contradicts"),
+        ({"method": "grpo", "reward": {"enable_exploration": True}}, "unknown reward"),
         ({"method": "spader", "reward": {"alpah": 1}}, "unknown reward"),
-        ({"method": "spader", "advantage": {"gama": 1}}, "unknown advantage"),
+        ({"method": "spader", "reward": {"lambda_val": 1}}, "unknown reward"),
+        ({"method": "spader", "options": {"gama": 1}}, "unknown spader options"),
+        ({"method": "grpo", "options": {"gamma": 1}}, "unknown grpo options"),
+        ({"method": "tspo", "options": {"outcome": "em"}}, "exact_match"),
         ({"method": "spader", "typo": 1}, "unknown verl parameters"),
         ({"method": "spader", "model": "gpt"}, "model"),
         ({"method": "spader", "overrides": "a=b"}, "list"),
@@ -130,11 +136,12 @@ def test_build_overrides_rejects_bad_parameters(params, match):
 def test_method_options_compose():
     cfg = _compose(
         "calibadv",
-        build_overrides({"method": "calibadv", "advantage": {"target_ratio": 1.5, "silver_threshold": 0.6}}),
+        build_overrides({"method": "calibadv", "options": {"target_ratio": 1.5, "silver_threshold": 0.6}}),
     )
-    assert cfg.algorithm.calibadv.target_ratio == 1.5 and cfg.reward.reward_kwargs.silver_threshold == 0.6
-    cfg = _compose("tspo", build_overrides({"method": "tspo", "advantage": {"latent_reward": 0.3}}))
-    assert cfg.algorithm.tspo.latent_reward == 0.3 and cfg.reward.reward_kwargs.latent_reward == 0.3
+    # one place for a method's options, read by both the reward manager and the estimator
+    assert cfg.algorithm.calibadv.target_ratio == 1.5 and cfg.algorithm.calibadv.silver_threshold == 0.6
+    cfg = _compose("tspo", build_overrides({"method": "tspo", "options": {"latent_reward": 0.3}}))
+    assert cfg.algorithm.tspo.latent_reward == 0.3
 
 
 @pytest.mark.slow

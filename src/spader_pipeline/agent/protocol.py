@@ -51,6 +51,7 @@ __all__ = [
     "format_observation",
     "normalize_string_list",
     "parse_turn",
+    "think_text",
     "truncate_observation",
 ]
 
@@ -64,6 +65,7 @@ SEARCH_TOOL_NAME = "search"
 TurnKind = Literal["search", "answer", "invalid"]
 
 _BLOCK_RE = re.compile(r"<(tool_call|answer)>(.*?)</\1>", re.DOTALL)
+_THINK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _NOTE_PREFIX_RE = re.compile(r"^system note:\s*", re.IGNORECASE)
 _MAX_ERROR_SNIPPET = 80
 _FLATTEN_MAX_DEPTH = 32
@@ -226,6 +228,11 @@ def count_queries(text: object) -> int:
     """
     parsed = parse_turn(text)
     return len(parsed.queries) if parsed.kind == "search" else 0
+
+
+def think_text(text: str) -> str:
+    """The turn's reasoning: its ``<think>`` blocks' contents, stripped and joined by a space."""
+    return " ".join(m.group(1).strip() for m in _THINK_RE.finditer(text))
 
 
 def count_search_calls(turns: Iterable[object]) -> int:

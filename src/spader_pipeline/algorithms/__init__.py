@@ -1,7 +1,8 @@
 """Pure algorithms core: answer matching, step segmentation, rewards and advantage estimators.
 
 Only numpy, torch, pyahocorasick and the standard library are imported here (no verl, Ray, Kedro or
-HTTP), so the native trainer and the VERL plugin share exactly one implementation.
+HTTP), so the native trainer and the VERL plugin share exactly one implementation; each RL method is
+defined once in :mod:`.methods`.
 """
 
 from .advantages import (
@@ -12,6 +13,7 @@ from .advantages import (
     tspo_advantage,
 )
 from .matching import AnswerScore, EntityMatcher, normalize_answer, score_answers
+from .methods import METHODS, RewardInputs, get_method, method_advantages, method_rewards
 from .rewards import (
     SpaderRewardConfig,
     discover_entities,
@@ -26,6 +28,8 @@ from .steps import StepLayout, segment_steps
 __all__ = [
     "AnswerScore",
     "EntityMatcher",
+    "METHODS",
+    "RewardInputs",
     "SpaderRewardConfig",
     "StepLayout",
     "calibadv_advantage",
@@ -34,7 +38,10 @@ __all__ = [
     "exploration_step_rewards",
     "final_answer_reward",
     "first_occurrence_steps",
+    "get_method",
     "grpo_outcome_advantage",
+    "method_advantages",
+    "method_rewards",
     "normalize_answer",
     "score_answers",
     "segment_steps",

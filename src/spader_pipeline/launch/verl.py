@@ -66,10 +66,10 @@ def verl_parameters(
     """The parameter dict of :func:`~spader_pipeline.verl_plugin.overrides.build_overrides` for one method.
 
     ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
-    ``training.native.reward`` the shared reward settings (the same ones the native trainer uses).
+    ``training.reward`` the shared reward settings (the same ones the native trainer uses).
     """
     verl = dict(training.get("verl") or {})
-    reward = {**dict((training.get("native") or {}).get("reward") or {}), **dict(method.get("reward") or {})}
+    reward = {**dict(training.get("reward") or {}), **dict(method.get("reward") or {})}
     params: dict[str, Any] = {
         "method": method["method"],
         "model_path": str(Path(init_manifest["path"]).resolve()),
@@ -81,7 +81,7 @@ def verl_parameters(
         "experiment_name": f"train_{method['method']}",
         "logger": list(verl.get("logger", ["console", "mlflow"])),
         "reward": reward,
-        "advantage": dict(method.get("advantage") or {}),
+        "options": dict(method.get("options") or {}),
         "overrides": list(verl.get("overrides") or []),
     }
     for key in ("model", "project_name", "total_training_steps"):

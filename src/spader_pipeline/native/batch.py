@@ -1,7 +1,7 @@
 """From finished trajectories to the tensors RL needs: token layout, rewards, advantages.
 
-Everything algorithmic comes from :mod:`spader_pipeline.algorithms` (rewards, SPA, CalibAdv, TSPO)
-and from verl's ``core_algos`` (the GRPO estimator); this module only lines the trajectories up.
+Everything algorithmic comes from the method registry :mod:`spader_pipeline.algorithms.methods`,
+the same definitions the verl plugin uses; this module only lines the trajectories up.
 
 Step ``t`` of a trajectory is its ``t``-th assistant turn, which is also the ``t``-th run of 1s in
 its ``response_mask``; the documents that turn's tool call retrieved are that step's evidence.
@@ -16,18 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from spader_pipeline.algorithms import (
-    SpaderRewardConfig,
-    calibadv_advantage,
-    calibadv_step_scores,
-    discover_entities,
-    first_occurrence_steps,
-    score_answers,
-    segment_steps,
-    spa_advantage,
-    spader_rewards,
-    tspo_advantage,
-)
+from spader_pipeline.agent.protocol import think_text
+from spader_pipeline.algorithms import SpaderRewardConfig, discover_entities, score_answers
+from spader_pipeline.algorithms.methods import RewardInputs, method_advantages, method_rewards
+from spader_pipeline.algorithms.steps import segment_steps
 
 
 @dataclass
@@ -53,6 +45,8 @@ class RolloutBatch:
     """per trajectory, the gold entities (alias lists)"""
     f1: torch.Tensor
     """``[B]`` final-answer F1 (0 without a valid answer)"""
+    exact_match: torch.Tensor
+    """``[B]`` final-answer exact (set) match"""
     precision: torch.Tensor
     recall: torch.Tensor
     format_ok: torch.Tensor
@@ -66,7 +60,7 @@ class RolloutBatch:
     step_doc_ids: list[list[list[str]]]
     """per trajectory, per step, ids of the retrieved documents"""
     step_thinks: list[list[str]]
-    """per trajectory, per step, the turn text (CalibAdv's near-duplicate check)"""
+    """per trajectory, per step, the turn's ``<think>`` text (CalibAdv's near-duplicate check)"""
     num_turns: torch.Tensor
     num_searches: torch.Tensor
 
@@ -113,6 +107,7 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         uids=np.array([str(s["uid"]) for s in samples], dtype=object),
         ground_truths=gts,
         f1=torch.tensor([sc.f1 for sc in scores], dtype=torch.float32),
+        exact_match=torch.tensor([sc.exact_match for sc in scores], dtype=torch.float32),
         precision=torch.tensor([sc.precision for sc in scores], dtype=torch.float32),
         recall=torch.tensor([sc.recall for sc in scores], dtype=torch.float32),
         format_ok=format_ok,
@@ -120,7 +115,7 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         num_gt=num_gt,
         query_counts=query_counts,
         step_doc_ids=[[[d for q in step.doc_ids for d in q] for step in t.steps] for t in trajectories],
-        step_thinks=[[step.text for step in t.steps] for t in trajectories],
+        step_thinks=[[think_text(step.text) for step in t.steps] for t in trajectories],
         num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.float32),
         num_searches=torch.tensor([t.num_searches for t in trajectories], dtype=torch.float32),
     )
@@ -142,7 +137,9 @@ class Advantages:
     """Rewards and advantages of a batch."""
 
     token_rewards: torch.Tensor
-    """float ``[B, R]`` (summed per row = the trajectory's return)"""
+    """float ``[B, R]`` in the method's reward layout (what the estimator reads)"""
+    returns: torch.Tensor
+    """float ``[B]`` each trajectory's reward (outcome + exploration − tool cost)"""
     advantages: torch.Tensor
     """float ``[B, R]`` (0 off model tokens)"""
     discovery: torch.Tensor
@@ -151,78 +148,38 @@ class Advantages:
     """the tool cost ``c_eff`` applied at this global step"""
 
 
+def reward_inputs(batch: RolloutBatch) -> RewardInputs:
+    """What the method registry's rewards read, from a native batch."""
+    return RewardInputs(
+        f1=batch.f1,
+        exact_match=batch.exact_match,
+        format_ok=batch.format_ok,
+        found=batch.found,
+        num_gt=batch.num_gt,
+        query_counts=batch.query_counts,
+        step_documents=batch.step_doc_ids,
+        step_thinks=batch.step_thinks,
+    )
+
+
 def compute_advantages(
     batch: RolloutBatch,
     method: str,
     *,
     global_step: int,
-    reward: Mapping[str, Any],
-    advantage: Mapping[str, Any],
+    reward: SpaderRewardConfig,
+    options: Any,
 ) -> Advantages:
-    """Rewards and advantages of ``batch`` for ``method`` at ``global_step``.
+    """Rewards and advantages of ``batch`` for ``method`` at ``global_step`` (the tool-cost schedule).
 
-    - ``grpo``: outcome reward (``w_F·F1`` or ``−format_penalty``) on the last model token, verl's
-      own ``compute_grpo_outcome_advantage``;
-    - ``spader``: SPADER's exploration + final rewards on step anchors (tool cost driven by
-      ``global_step``), step-wise peer advantage (``gamma``);
-    - ``calibadv``: outcome reward, silver-document step scores, CalibAdv advantage;
-    - ``tspo``: outcome reward, first-occurrence step of a gold entity, TSPO (proposal) advantage.
+    The reward layout and the estimator are the method's registry entry
+    (:mod:`spader_pipeline.algorithms.methods`), exactly what the verl plugin runs.
     """
     mask = batch.response_mask
-    explore = method == "spader" and reward.get("enable_exploration", True)
-    reward_cfg = SpaderRewardConfig(**{**dict(reward), "enable_exploration": explore})
     layout = segment_steps(mask)
-    rewards = spader_rewards(
-        mask,
-        batch.uids,
-        f1=batch.f1,
-        format_ok=batch.format_ok,
-        global_step=global_step,
-        config=reward_cfg,
-        found=batch.found if explore else None,
-        num_gt=batch.num_gt if explore else None,
-        query_counts=batch.query_counts if explore else None,
-        layout=layout,
+    rewards = method_rewards(
+        method, mask, batch.uids, reward_inputs(batch), global_step=global_step, reward=reward,
+        options=options, layout=layout,
     )
-    token_rewards = rewards.token_rewards
-    outcome = rewards.final
-    adv_kwargs = dict(advantage)
-    if method == "grpo":
-        from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
-        adv, _ = compute_grpo_outcome_advantage(
-            token_level_rewards=token_rewards,
-            response_mask=mask,
-            index=batch.uids,
-            norm_adv_by_std_in_grpo=bool(adv_kwargs.get("norm_adv_by_std_in_grpo", True)),
-        )
-    elif method == "spader":
-        adv, _ = spa_advantage(token_rewards, mask, batch.uids, gamma=float(adv_kwargs.get("gamma", 1.0)), layout=layout)
-    elif method == "calibadv":
-        scores = calibadv_step_scores(
-            batch.step_doc_ids,
-            outcome.tolist(),
-            batch.format_ok.tolist(),
-            batch.uids,
-            thinks=batch.step_thinks,
-            silver_threshold=float(adv_kwargs.get("silver_threshold", 0.7)),
-            num_steps=layout.max_steps,
-        )
-        adv, _ = calibadv_advantage(
-            outcome, mask, batch.uids, scores,
-            target_ratio=float(adv_kwargs.get("target_ratio", 1.0)), layout=layout,
-        )
-    elif method == "tspo":
-        adv, _ = tspo_advantage(
-            outcome, first_occurrence_steps(batch.found), mask, batch.uids,
-            latent_reward=float(adv_kwargs.get("latent_reward", 0.5)), layout=layout,
-        )
-    else:
-        raise ValueError(f"unknown method {method!r}")
-    if rewards.exploration is not None:
-        discovery = rewards.exploration.discovery.sum(dim=1)
-        c_eff = rewards.exploration.cost_coefficient
-    else:
-        discovery = torch.zeros(mask.shape[0])
-        c_eff = 0.0
-    return Advantages(token_rewards, adv.float() * mask, discovery, c_eff)
+    adv, _ = method_advantages(method, rewards.token_rewards, mask, batch.uids, options, layout)
+    return Advantages(rewards.token_rewards, rewards.returns, adv, rewards.discovery, rewards.cost_coefficient)

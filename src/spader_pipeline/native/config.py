@@ -2,17 +2,23 @@
 
 One dataclass, one docstring per field, and ``__post_init__`` checks that reject inconsistent
 settings with a message that says what to change (TRL's ``GRPOConfig`` habit). The defaults are
-the SPADER paper's policy-optimisation settings (spec §4.3) scaled down for a CPU; the Kedro
-parameters in ``conf/base/parameters_training.yml`` override them per method.
+the SPADER paper's policy-optimisation settings (docs/training.md) scaled down for a CPU; the Kedro
+parameters in ``conf/base/parameters_training.yml`` override them per method. The method itself
+(its reward layout, estimator and options) is defined once in
+:mod:`spader_pipeline.algorithms.methods`, shared with the verl plugin.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-METHODS = ("grpo", "spader", "calibadv", "tspo")
+from spader_pipeline.agent.rollout import RolloutConfig
+from spader_pipeline.algorithms.methods import get_method, options_from_mapping, reward_config_from_mapping
+from spader_pipeline.algorithms.rewards import SpaderRewardConfig
+from spader_pipeline.typed_config import from_mapping
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2")
 
@@ -23,15 +29,13 @@ class NativeTrainerConfig:
 
     # ---- method ------------------------------------------------------------------------------
     method: str = "spader"
-    """the RL method: ``grpo`` (outcome F1, verl's GRPO estimator), ``spader`` (exploration reward +
-    step-wise peer advantage), ``calibadv`` or ``tspo`` (see docs/algorithms.md)"""
-    reward: dict[str, Any] = field(default_factory=dict)
-    """keyword arguments of :class:`spader_pipeline.algorithms.SpaderRewardConfig` (alpha, beta, lam,
-    tool_round_cost, cost_free_steps, cost_rampup_steps, final_answer_weight, format_penalty,
-    enable_exploration)"""
-    advantage: dict[str, Any] = field(default_factory=dict)
-    """keyword arguments of the method's advantage estimator (e.g. ``gamma`` for spader,
-    ``norm_adv_by_std_in_grpo`` for grpo, ``latent_reward`` for tspo, ``target_ratio`` for calibadv)"""
+    """a method of :mod:`spader_pipeline.algorithms.methods`: ``grpo``, ``spader``, ``calibadv`` or
+    ``tspo`` (docs/algorithms.md)"""
+    reward: SpaderRewardConfig | Mapping[str, Any] = field(default_factory=dict)
+    """:class:`~spader_pipeline.algorithms.SpaderRewardConfig` (a mapping is converted; exploration is
+    the method's, not a setting)"""
+    options: Any = field(default_factory=dict)
+    """the method's options dataclass (e.g. ``SpaOptions``; a mapping is converted)"""
 
     # ---- schedule ----------------------------------------------------------------------------
     total_steps: int = 100
@@ -78,16 +82,13 @@ class NativeTrainerConfig:
     """bf16 autocast for the training forward pass (``auto``: CUDA only)"""
 
     # ---- rollout -----------------------------------------------------------------------------
-    max_turns: int = 4
-    """most assistant turns per trajectory"""
+    rollout: RolloutConfig | Mapping[str, Any] = field(
+        default_factory=lambda: RolloutConfig(max_turns=4, max_response_tokens=1024, topk=3, max_observation_chars=1500)
+    )
+    """trajectory limits and search settings (:class:`~spader_pipeline.agent.rollout.RolloutConfig`;
+    a mapping is converted)"""
     max_new_tokens: int = 64
     """most tokens per assistant turn"""
-    max_response_tokens: int = 1024
-    """token budget of a whole response (model + observation tokens)"""
-    topk: int = 3
-    """documents per query"""
-    max_observation_chars: int | None = 1500
-    """cap on one observation's text"""
     prompt_template: str | None = None
     """prompt template text with ``{question}`` (``None``: the project's active template)"""
 
@@ -108,8 +109,13 @@ class NativeTrainerConfig:
     """trajectories per sample artifact"""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is not one of {METHODS}")
+        get_method(self.method)  # unknown methods: the error lists the registered ones
+        if isinstance(self.reward, Mapping):
+            self.reward = reward_config_from_mapping(self.method, self.reward)
+        if isinstance(self.options, Mapping):
+            self.options = options_from_mapping(self.method, self.options)
+        if isinstance(self.rollout, Mapping):
+            self.rollout = from_mapping(RolloutConfig, self.rollout, where="rollout")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size}: group-relative advantages need at least 2 rollouts per prompt"
@@ -140,12 +146,12 @@ class NativeTrainerConfig:
             raise ValueError(f"kl_coef must be >= 0 and kl_type one of {KL_TYPES}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0 for RL sampling (greedy rollouts give identical groups)")
-        if self.max_turns < 1 or self.max_new_tokens < 1 or self.max_response_tokens <= self.max_new_tokens:
-            raise ValueError("need max_turns >= 1, max_new_tokens >= 1 and max_response_tokens > max_new_tokens")
+        if self.rollout.max_turns < 1 or self.max_new_tokens < 1 or self.rollout.max_response_tokens <= self.max_new_tokens:
+            raise ValueError(
+                "need rollout.max_turns >= 1, max_new_tokens >= 1 and rollout.max_response_tokens > max_new_tokens"
+            )
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
-        if self.method == "grpo" and self.reward.get("enable_exploration", False):
-            raise ValueError("method=grpo uses the outcome reward only; set reward.enable_exploration: false")
         self.betas = tuple(self.betas)  # YAML gives lists
 
     @property
@@ -160,11 +166,7 @@ class NativeTrainerConfig:
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> NativeTrainerConfig:
         """Build from a (Kedro parameter) mapping; unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(params) - known
-        if unknown:
-            raise ValueError(f"unknown native trainer settings {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**dict(params))
+        return from_mapping(cls, params, where="native trainer")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

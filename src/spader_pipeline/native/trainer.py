@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import RolloutBatch, build_batch, compute_advantages
@@ -197,13 +197,7 @@ def train_native(
         kl_loss_type=config.kl_type,
     )
     policy_loss_fn = get_policy_loss_fn("vanilla")
-    rollout_cfg = RolloutConfig(
-        max_turns=config.max_turns,
-        max_response_tokens=config.max_response_tokens,
-        topk=config.topk,
-        max_chars=None,
-        max_observation_chars=config.max_observation_chars,
-    )
+    rollout_cfg = config.rollout
     pad_id = tokenizer.pad_token_id
 
     step = start_step
@@ -221,7 +215,7 @@ def train_native(
         sampling = SamplingParams(
             temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
         )
-        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=config.max_response_tokens,
+        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=config.rollout.max_response_tokens,
                                 micro_batch_size=config.batch_size)
         t0 = time.perf_counter()
         trajectories = run_rollouts_sync(group, generator, search, rollout_cfg, prompt_template)
@@ -229,7 +223,7 @@ def train_native(
         batch = build_batch(trajectories, group, pad_id)
 
         # ALGO LOGIC: rewards and advantages (global step drives the tool-cost schedule)
-        adv = compute_advantages(batch, config.method, global_step=step, reward=config.reward, advantage=config.advantage)
+        adv = compute_advantages(batch, config.method, global_step=step, reward=config.reward, options=config.options)
 
         # ALGO LOGIC: clipped PPO loss (token-mean over the whole batch) + KL to the reference
         t1 = time.perf_counter()
@@ -365,7 +359,7 @@ def _all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig) -> to
 
 def _step_metrics(batch: RolloutBatch, adv, sums: dict[str, float], epochs: int) -> dict[str, float]:
     mask = batch.response_mask
-    returns = adv.token_rewards.sum(dim=1)
+    returns = adv.returns
     traj_found = batch.found.any(dim=1).sum(dim=-1).float() if batch.found.numel() else torch.zeros(len(mask))
     gt = batch.num_gt.float().clamp(min=1)
     tok_adv = adv.advantages[mask.bool()]
@@ -431,7 +425,7 @@ def _append_history(run_dir: Path, row: dict[str, float]) -> None:
 def _write_samples(run_dir: Path, step: int, trajectories, adv, k: int) -> Path:
     path = run_dir / "samples" / f"step_{step:06d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    returns = adv.token_rewards.sum(dim=1).tolist()
+    returns = adv.returns.tolist()
     records = []
     for t, ret in list(zip(trajectories, returns, strict=True))[:k]:
         records.append({

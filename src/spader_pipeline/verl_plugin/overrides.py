@@ -6,7 +6,7 @@ GRPO-vs-SPADER difference stays visible in config (reference defect 8).
 
 Parameter dict (all keys optional except ``method``)::
 
-    method: spader            # grpo | spader | calibadv | tspo  → overlay conf/base/verl/<method>.yaml
+    method: spader            # a method of spader_pipeline.algorithms.methods → overlay conf/base/verl/<method>.yaml
     model: qwen3_8b           # qwen3_8b | llama3_8b             → Hydra group spader_model
     model_path: /models/x     # actor_rollout_ref.model.path (a local checkpoint)
     train_files: ..., val_files: ...
@@ -14,9 +14,12 @@ Parameter dict (all keys optional except ``method``)::
     run_dir: /runs/x          # checkpoints/, eval/, rollouts/ under it
     project_name, experiment_name, total_training_steps, logger: [console, mlflow]
     tool_config_path, agent_loop_config_path
-    reward: {...}             # SpaderRewardConfig / reward-manager names (see REWARD_KEYS)
-    advantage: {...}          # estimator options (see ADVANTAGE_KEYS)
+    reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
+    options: {...}            # the method's options dataclass → algorithm[.<estimator>] (Method.verl_options_key)
     overrides: ["key=value"]  # appended last, verbatim
+
+Reward settings and method options are checked against the method registry
+(:mod:`spader_pipeline.algorithms.methods`) with the same names the native trainer uses.
 """
 
 from __future__ import annotations
@@ -27,49 +30,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from spader_pipeline.algorithms.methods import (
+    get_method,
+    method_names,
+    options_from_mapping,
+    reward_config_from_mapping,
+)
+
 __all__ = [
-    "ADVANTAGE_KEYS",
-    "METHODS",
     "MODELS",
-    "REWARD_KEYS",
+    "VERL_REWARD_KEYS",
     "build_overrides",
     "main_ppo_argv",
     "overlay_name",
 ]
 
-METHODS = ("grpo", "spader", "calibadv", "tspo")
 MODELS = ("qwen3_8b", "llama3_8b")
-
-#: reward parameter → key under ``reward.reward_kwargs`` (accepts the native trainer's names too).
-REWARD_KEYS = {
-    "alpha": "alpha",
-    "beta": "beta",
-    "lam": "lambda_val",
-    "lambda_val": "lambda_val",
-    "tool_round_cost": "tool_round_cost",
-    "cost_free_steps": "cost_free_steps",
-    "cost_rampup_steps": "cost_rampup_steps",
-    "final_answer_weight": "final_answer_weight",
-    "format_penalty": "format_penalty",
-    "require_global_step": "require_global_step",
-}
-#: advantage parameter → list of target keys (``{m}`` = the method's ``algorithm.<method>`` block).
-ADVANTAGE_KEYS = {
-    "gamma": ["algorithm.gamma"],
-    "norm_adv_by_std_in_grpo": ["algorithm.norm_adv_by_std_in_grpo"],
-    "epsilon": ["algorithm.{m}.epsilon"],
-    "target_ratio": ["algorithm.calibadv.target_ratio"],
-    "soft_penalty": ["algorithm.calibadv.soft_penalty"],
-    "rebalance_answer": ["algorithm.calibadv.rebalance_answer"],
-    "silver_threshold": ["reward.reward_kwargs.silver_threshold"],
-    "think_similarity": ["reward.reward_kwargs.think_similarity"],
-    "max_repeated_docs": ["reward.reward_kwargs.max_repeated_docs"],
-    # the latent reward is written by the reward manager and read back by the estimator: keep both equal
-    "latent_reward": ["algorithm.tspo.latent_reward", "reward.reward_kwargs.latent_reward"],
-    "add_turn_term": ["algorithm.tspo.add_turn_term"],
-    "tspo_outcome": ["reward.reward_kwargs.tspo_outcome"],
-}
-_EXPLORATION_METHODS = {"spader"}
+#: reward_kwargs the ``spader`` reward manager takes besides the reward config's fields
+VERL_REWARD_KEYS = ("require_global_step",)
 _TOP_LEVEL = {
     "method",
     "model",
@@ -86,7 +64,7 @@ _TOP_LEVEL = {
     "tool_config_path",
     "agent_loop_config_path",
     "reward",
-    "advantage",
+    "options",
     "overrides",
 }
 
@@ -117,8 +95,8 @@ def _value(v: Any) -> str:
 def overlay_name(params: Mapping[str, Any]) -> str:
     """Config name in ``conf/base/verl``: the method overlay (the model is a Hydra group override)."""
     method = params.get("method")
-    if method not in METHODS:
-        raise ValueError(f"params['method'] must be one of {METHODS}, got {method!r}")
+    if method not in method_names():
+        raise ValueError(f"params['method'] must be one of {method_names()}, got {method!r}")
     return str(method)
 
 
@@ -163,25 +141,14 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
         ]
 
     reward = dict(params.get("reward") or {})
-    exploration = reward.pop("enable_exploration", None)
-    if exploration is not None and bool(exploration) != (method in _EXPLORATION_METHODS):
-        raise ValueError(
-            f"reward.enable_exploration={exploration} contradicts method {method!r} "
-            f"(exploration is part of {sorted(_EXPLORATION_METHODS)} only)"
-        )
-    bad = sorted(set(reward) - set(REWARD_KEYS))
-    if bad:
-        raise ValueError(f"unknown reward parameters {bad}; known: {sorted(REWARD_KEYS)}")
+    reward_config_from_mapping(method, {k: v for k, v in reward.items() if k not in VERL_REWARD_KEYS})  # checks
     for key, value in reward.items():
-        out.append(f"++reward.reward_kwargs.{REWARD_KEYS[key]}={_value(value)}")
+        out.append(f"++reward.reward_kwargs.{key}={_value(value)}")
 
-    advantage = dict(params.get("advantage") or {})
-    bad = sorted(set(advantage) - set(ADVANTAGE_KEYS))
-    if bad:
-        raise ValueError(f"unknown advantage parameters {bad}; known: {sorted(ADVANTAGE_KEYS)}")
-    for key, value in advantage.items():
-        for target in ADVANTAGE_KEYS[key]:
-            out.append(f"++{target.format(m=method)}={_value(value)}")
+    options = dict(params.get("options") or {})
+    options_from_mapping(method, options)  # checks names and values
+    for key, value in options.items():
+        out.append(f"++{get_method(method).verl_options_key}.{key}={_value(value)}")
 
     extra = params.get("overrides") or []
     if isinstance(extra, str) or not isinstance(extra, Sequence):

@@ -65,8 +65,8 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
         assert mlflow.get_logged_model(manifest["mlflow_model_id"]).source_run_id == run.info.run_id
     grpo, spader = children["grpo"].data.params, children["spader"].data.params
     differing = {k for k in grpo.keys() | spader.keys() if grpo.get(k) != spader.get(k)}
-    assert {"method", "reward.enable_exploration", "reward.alpha", "advantage.gamma"} <= differing
-    assert grpo["reward.tool_round_cost"] == spader["reward.tool_round_cost"]  # shared settings: equal
+    assert {"method", "reward.tool_round_cost", "reward.alpha", "options.gamma"} <= differing
+    assert grpo["reward.cost_free_steps"] == spader["reward.cost_free_steps"]  # shared settings: equal
     assert not any(k.startswith("train_") for k in parent.data.metrics)  # no method-prefixed metric names
     assert "warm_start/demonstrations" in parent.data.metrics
     samples = client.list_artifacts(children["spader"].info.run_id, "samples")

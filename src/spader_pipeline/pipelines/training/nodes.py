@@ -174,7 +174,7 @@ def method_run_identity(
     """Name, tags and parameters of a method's MLflow run.
 
     The parameters are what defines the method — its ``train_<method>.method`` block over the shared
-    reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``advantage.gamma``…),
+    reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``options.gamma``…),
     so MLflow's compare view of two methods' runs shows exactly their differences.
     """
     name = method["method"]
@@ -184,7 +184,7 @@ def method_run_identity(
     base = init_manifest.get("base") or init_manifest["path"]
     tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": backend, "seed": seed, **_merge({"reward": shared.get("reward") or {}}, method)}
+    params = {"backend": backend, "seed": seed, **_merge({"reward": training.get("reward") or {}}, method)}
     return f"{name} seed{seed}", tags, params
 
 
@@ -230,7 +230,8 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
 
     from spader_pipeline.native import NativeTrainerConfig, train_native
 
-    settings = _merge(training.get("native", {}), method)
+    # training.reward is shared by both backends; the method block adds its own reward settings
+    settings = _merge({**training.get("native", {}), "reward": training.get("reward") or {}}, method)
     config = NativeTrainerConfig.from_mapping(settings)
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
     with search_backend(training.get("search", {}), index_manifest) as search:
