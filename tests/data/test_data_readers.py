@@ -25,7 +25,10 @@ def test_qampari_reader_keeps_aliases_and_malformed_lines():
     ]
     assert films["split"] == "test" and films["data_source"] == "qampari"
     assert rows[3]["ground_truth"][1] == []  # entity whose only surface forms are empty
-    assert rows[4] == {"id": "qampari:line5", "question": "", "ground_truth": [], "data_source": "qampari", "split": "test"}
+    # a truncated line: no reconstructed record, its raw text and the reason travel to validation
+    assert rows[4] == {"id": "qampari:line5", "question": "", "ground_truth": [], "data_source": "qampari",
+                       "split": "test", "parse_error": "invalid_json",
+                       "raw_record": (FIXTURES / "qampari.jsonl").read_text().splitlines()[4]}
 
 
 def test_mintaka_reader_entities_values_and_count_questions():

@@ -43,7 +43,7 @@ def test_quarantine_reasons(outcome):
         ("qampari:q-empty-question", "empty_question"),
         ("qampari:q-no-answers", "no_answers"),
         ("qampari:q-empty-alias", "empty_alias"),
-        ("qampari:line5", "empty_question;no_answers"),
+        ("qampari:line5", "invalid_json"),  # a truncated QAMPARI line
         ("qampari:q-films", "duplicate_id"),  # the second copy; the first is kept
         ("mintaka:a4", "no_answers"),
         ("webqsp:WebQTest-9", "empty_alias"),
@@ -52,11 +52,15 @@ def test_quarantine_reasons(outcome):
         ("unified_fixture:u5", "unmatchable_alias"),
     }
     assert result.metrics["qampari"]["quarantined"] == {
-        "empty_question": 2, "no_answers": 2, "empty_alias": 1, "duplicate_id": 1
+        "empty_question": 1, "no_answers": 1, "empty_alias": 1, "duplicate_id": 1, "invalid_json": 1
     }
     # the original record travels with the quarantined row
     films = result.quarantine[result.quarantine["id"] == "qampari:q-films"].iloc[0]
     assert "duplicate id" in films["record"]
+    # an unreadable line is kept verbatim, not as a reconstructed empty record
+    cut = result.quarantine[result.quarantine["id"] == "qampari:line5"].iloc[0]
+    assert cut["record"] == (FIXTURES / "qampari.jsonl").read_text().splitlines()[4]
+    assert cut["record"].startswith('{"qid": "q-cut"')
 
 
 def test_clean_rows_keep_first_duplicate_and_schema(outcome):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from spader_pipeline.data.schema import QARow, dedupe_forms, make_id
+from spader_pipeline.data.schema import PARSE_ERROR, RAW_RECORD, QARow, dedupe_forms, make_id
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,12 @@ def title_aliases(title: str) -> list[str]:
     return dedupe_forms([title, bare])
 
 
+class InvalidLine(str):
+    """The raw text of a JSON-lines line that is not valid JSON."""
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, parsed)``; an unparsable line yields ``(line_number, None)``."""
+    """Yield ``(line_number, parsed)``; an unparsable line yields ``(line_number, InvalidLine(raw))``."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -51,16 +55,24 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 yield number, json.loads(line)
             except json.JSONDecodeError:
                 logger.warning("%s:%d is not valid JSON; it will be quarantined", path, number)
-                yield number, None
+                yield number, InvalidLine(line.rstrip("\n"))
 
 
-def _unparsable(data_source: str, split: str, number: int) -> QARow:
+def _unparsable(data_source: str, split: str, number: int, record: Any) -> dict[str, Any]:
+    """The row standing for a line or item that is not a JSON object. Validation quarantines it with
+    the reason ``PARSE_ERROR`` (``invalid_json`` or ``not_an_object``) and the raw text as its record."""
+    if isinstance(record, InvalidLine):
+        reason, raw = "invalid_json", str(record)
+    else:
+        reason, raw = "not_an_object", json.dumps(record, ensure_ascii=False, default=str)
     return {
         "id": make_id(data_source, f"line{number}"),
         "question": "",
         "ground_truth": [],
         "data_source": data_source,
         "split": split,
+        PARSE_ERROR: reason,
+        RAW_RECORD: raw,
     }
 
 
@@ -68,7 +80,7 @@ def read_qampari(path: Path, data_source: str, split: str) -> list[QARow]:
     rows: list[QARow] = []
     for number, record in _iter_jsonl(path):
         if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number))
+            rows.append(_unparsable(data_source, split, number, record))
             continue
         entities = []
         for answer in record.get("answer_list") or []:
@@ -109,7 +121,7 @@ def read_mintaka(path: Path, data_source: str, split: str, count_as: str = "enti
     rows: list[QARow] = []
     for number, record in enumerate(records, start=1):
         if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number))
+            rows.append(_unparsable(data_source, split, number, record))
             continue
         answer = record.get("answer") or {}
         items = answer.get("answer") if isinstance(answer, dict) else None
@@ -139,7 +151,7 @@ def read_webqsp(path: Path, data_source: str, split: str) -> list[QARow]:
     rows: list[QARow] = []
     for number, question in enumerate(questions, start=1):
         if not isinstance(question, dict):
-            rows.append(_unparsable(data_source, split, number))
+            rows.append(_unparsable(data_source, split, number, question))
             continue
         entities: list[list[str]] = []
         seen: set[str] = set()
@@ -176,7 +188,7 @@ def read_quest(path: Path, data_source: str, split: str) -> list[QARow]:
     rows: list[QARow] = []
     for number, record in _iter_jsonl(path):
         if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number))
+            rows.append(_unparsable(data_source, split, number, record))
             continue
         docs = record.get("docs") or []
         rows.append(
@@ -196,7 +208,7 @@ def read_unified(path: Path, data_source: str, split: str) -> list[QARow]:
     rows: list[QARow] = []
     for number, record in _iter_jsonl(path):
         if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number))
+            rows.append(_unparsable(data_source, split, number, record))
             continue
         raw_truth = record.get("ground_truth")
         if isinstance(raw_truth, list):

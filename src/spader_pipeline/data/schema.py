@@ -18,6 +18,9 @@ from typing import Any, TypedDict
 
 SPLITS = ("train", "validation", "test")
 UNIFIED_COLUMNS = ("id", "question", "ground_truth", "data_source", "split")
+#: Extra keys of a row that stands for an unreadable input line: why (``invalid_json``,
+#: ``not_an_object``) and the raw text; validation quarantines such rows with exactly that.
+PARSE_ERROR, RAW_RECORD = "parse_error", "raw_record"
 
 
 class QARow(TypedDict):

@@ -16,6 +16,9 @@ empty_alias       every entity has at least one non-empty surface form
 unmatchable_alias every entity has a surface form that survives answer normalisation
                   (``"The"`` or ``"!!!"`` normalise to nothing and could never be matched)
 unknown_split     ``split`` is one of train / validation / test
+invalid_json      the input line is not JSON (set by the reader; the raw line is the record,
+                  no other rule runs)
+not_an_object     the input item is JSON but not an object (likewise)
 ================  =====================================================================
 
 A table whose quarantine rate exceeds ``max_failure_rate`` stops the pipeline
@@ -36,7 +39,7 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline.algorithms.matching import normalize_answer
-from spader_pipeline.data.schema import SPLITS, UNIFIED_COLUMNS
+from spader_pipeline.data.schema import PARSE_ERROR, RAW_RECORD, SPLITS, UNIFIED_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,11 @@ class QAValidator:
         return reasons
 
 
+def _unified(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The row without the reader's parse-error keys."""
+    return {k: v for k, v in row.items() if k not in (PARSE_ERROR, RAW_RECORD)}
+
+
 def _answer_stats(clean: pd.DataFrame) -> dict[str, float]:
     if clean.empty:
         return {"answers_per_question_mean": 0.0, "answers_per_question_median": 0.0,
@@ -191,17 +199,21 @@ def validate_tables(
     quarantined: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
     for name, rows in tables.items():
-        reasons = validator.row_reasons(rows)
-        table_clean = [row for row, why in zip(rows, reasons, strict=True) if not why]
+        unreadable = [isinstance(row.get(PARSE_ERROR), str) for row in rows]
+        readable = [row for row, bad in zip(rows, unreadable, strict=True) if not bad]
+        checked = iter(validator.row_reasons(readable))
+        reasons = [[row[PARSE_ERROR]] if bad else next(checked) for row, bad in zip(rows, unreadable, strict=True)]
+        table_clean = [_unified(row) for row, why in zip(rows, reasons, strict=True) if not why]
         table_bad = [(row, why) for row, why in zip(rows, reasons, strict=True) if why]
         for row, why in table_bad:
+            raw = row.get(RAW_RECORD) if isinstance(row.get(PARSE_ERROR), str) else None
             quarantined.append(
                 {
                     "id": str(row.get("id")),
                     "data_source": str(row.get("data_source", name)),
                     "split": str(row.get("split")),
                     "reasons": ";".join(why),
-                    "record": json.dumps(row, ensure_ascii=False, default=str),
+                    "record": raw if raw is not None else json.dumps(_unified(row), ensure_ascii=False, default=str),
                 }
             )
         clean_rows.extend(table_clean)

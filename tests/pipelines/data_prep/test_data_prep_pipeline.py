@@ -57,6 +57,10 @@ def test_data_prep_quality_gate_stops_run_and_keeps_quarantine(kedro_project):
     (version,) = list(quarantine_dir.iterdir())
     quarantine = pd.read_json(version / "qa_quarantine.jsonl", lines=True)
     assert len(quarantine) == 5 and set(quarantine["data_source"]) == {"qampari"}
+    # the truncated QAMPARI line: reason invalid_json, its raw text kept (read back through the catalog)
+    cut = quarantine.set_index("id").loc["qampari:line5"]
+    assert cut["reasons"] == "invalid_json"
+    assert cut["record"] == (FIXTURES / "qampari.jsonl").read_text().splitlines()[4]
 
     (report,) = list((kedro_project / "data/08_reporting/data_quality_report.md").iterdir())
     text = (report / "data_quality_report.md").read_text()

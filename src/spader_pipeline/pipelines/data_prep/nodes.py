@@ -10,6 +10,7 @@ import pandas as pd
 
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data import embedded_qa, formats, readers, validation, wiki
+from spader_pipeline.data.schema import PARSE_ERROR, RAW_RECORD, UNIFIED_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ def read_benchmarks(datasets: list[dict[str, Any]]) -> pd.DataFrame:
     """Unified rows from every configured benchmark file; missing optional files are skipped."""
     project_path = Path.cwd()
     rows = [row for spec in datasets or [] for row in readers.read_dataset(spec, project_path)]
-    return pd.DataFrame.from_records(rows, columns=["id", "question", "ground_truth", "data_source", "split"])
+    # unreadable lines keep their parse error and raw text until validation quarantines them
+    return pd.DataFrame.from_records(rows, columns=[*UNIFIED_COLUMNS, PARSE_ERROR, RAW_RECORD])
 
 
 def validate_questions(
