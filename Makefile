@@ -46,7 +46,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not e2e"
+	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"
 
 # Each benchmark is a script that times the fast path against the straightforward one in one run
 # and prints the ratio (medians); `--help` on a script lists its sizes and repeat counts.
