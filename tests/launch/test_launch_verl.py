@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,10 +91,32 @@ def test_failure_becomes_an_error_with_the_log_tail(tmp_path):
     assert (tmp_path / "verl.log").read_text().count("\n") == 200
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
 def test_timeout_stops_the_process_group(tmp_path):
+    """VERL spawns workers (Ray): the timeout must stop them too, not only the launched process."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "print('start', flush=True)\n"
+        "time.sleep(120)\n"
+    )
     with pytest.raises(VerlLaunchError, match="exceeded"):
-        run_streaming([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"],
-                      dict(os.environ), tmp_path / "verl.log", timeout=2)
+        run_streaming([sys.executable, "-c", script], dict(os.environ), tmp_path / "verl.log", timeout=3)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
 
 
 @pytest.mark.gpu

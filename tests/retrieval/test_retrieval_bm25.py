@@ -109,8 +109,12 @@ def test_sparse_and_dense_aggregation_agree(bm25_index, query):
     np.testing.assert_allclose(sparse_scores, dense_scores, rtol=1e-6)
 
 
-def test_manifest_is_json(bm25_index):
-    json.loads((bm25_index / "manifest.json").read_text())
+def test_manifest_file_is_plain_json_matching_the_files_on_disk(bm25_index, corpus_path):
+    """The manifest is readable without our code (plain JSON) and its sizes are the files' sizes."""
+    manifest = json.loads((bm25_index / "manifest.json").read_text())
+    assert manifest == read_manifest(bm25_index) and manifest["corpus"]["path"] == str(corpus_path)
+    on_disk = sum(f.stat().st_size for f in (bm25_index / "bm25").rglob("*") if f.is_file())
+    assert manifest["sizes"]["index_bytes"] == on_disk
 
 
 def test_top_matches_full_scoring(bm25_index):
@@ -122,3 +126,49 @@ def test_top_matches_full_scoring(bm25_index):
             np.testing.assert_allclose(scores, ref_scores, rtol=1e-6)
             assert set(rows.tolist()) == set(ref_rows.tolist()) or np.unique(ref_scores).size < ref_scores.size
     assert not retriever._accumulator().any()  # the per-thread accumulator is left zeroed
+
+
+# ----------------------------------------------------------------------------- sharded build (issue 12)
+
+
+def _synthetic_passages(n: int, seed: int = 0):
+    from spader_pipeline.retrieval.corpus import Passage
+
+    rng = np.random.default_rng(seed)
+    words = [f"word{i}" for i in range(300)] + ["river", "city", "the", "and"]
+    for i in range(n):
+        k = 0 if i % 97 == 5 else int(rng.integers(1, 60))  # some passages index no token at all
+        text = " ".join(rng.choice(words, size=k, p=None)) if k else "!!"
+        yield Passage(f"p{i}", f"title{i % 13}" if i % 3 else "", text)
+
+
+@pytest.mark.parametrize("shard_docs", [7, 128, 5000])
+def test_sharded_build_writes_the_one_shot_index_bit_for_bit(tmp_path, shard_docs):
+    """Global document frequencies and lengths: every BM25 weight equals bm25s' own build, so the
+    top-k of every query is identical (scores included), whatever the shard size."""
+    one = tmp_path / "one"
+    sharded = tmp_path / "sharded"
+    build_index(_synthetic_passages(1500), one, "bm25", show_progress=False)
+    manifest = build_index(
+        _synthetic_passages(1500), sharded, "bm25", {"bm25": {"shard_docs": shard_docs}}, show_progress=False
+    )
+    assert manifest["sizes"]["num_shards"] == -(-1500 // shard_docs)
+    for name in ("data", "indices", "indptr"):
+        a = np.load(one / "bm25" / f"{name}.csc.index.npy")
+        b = np.load(sharded / "bm25" / f"{name}.csc.index.npy")
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    for name in ("vocab.index.json", "params.index.json"):
+        assert json.loads((one / "bm25" / name).read_text()) == json.loads((sharded / "bm25" / name).read_text())
+    assert not (sharded / "bm25" / "_shards").exists()
+    queries = ["word1 word2 river", "city", "word7 word7 word250", "the and", "zzz"]
+    assert load_retriever(sharded).search(queries, 10) == load_retriever(one).search(queries, 10)
+
+
+def test_sharded_build_validates_its_parameters(tmp_path):
+    with pytest.raises(ValueError, match="shard_docs"):
+        build_index(_synthetic_passages(10), tmp_path / "a", "bm25", {"bm25": {"shard_docs": 0}}, show_progress=False)
+    with pytest.raises(ValueError, match="lucene"):
+        build_index(_synthetic_passages(10), tmp_path / "b", "bm25", {"bm25": {"shard_docs": 5, "method": "bm25l"}},
+                    show_progress=False)
+    with pytest.raises(ValueError, match="empty corpus"):
+        build_index([], tmp_path / "c", "bm25", {"bm25": {"shard_docs": 5}}, show_progress=False)
