@@ -73,11 +73,12 @@ def queries(n: int, seed: int = 1) -> list[str]:
     return out
 
 
-def child_build(n: int, out: str) -> dict:
+def child_build(n: int, out: str, shard_docs: int | None = None) -> dict:
     from spader_pipeline.retrieval.index import build_index
 
     started = time.perf_counter()
-    manifest = build_index(passages(n), out, "bm25", {"bm25": {"stopwords": None}}, show_progress=False)
+    bm25 = {"stopwords": None, "shard_docs": shard_docs}
+    manifest = build_index(passages(n), out, "bm25", {"bm25": bm25}, show_progress=False)
     return {"build_s": time.perf_counter() - started,
             "build_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "index_mb": manifest["sizes"]["index_bytes"] / 1e6, "docstore_mb": manifest["sizes"]["docstore_bytes"] / 1e6}
@@ -137,23 +138,30 @@ def fit(xs, ys, at=TARGET) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="100000,300000", help="e.g. 100000,300000,1000000")
-    parser.add_argument("--dense-dims", default="384,768")
+    parser.add_argument("--dense-dims", default="384,768", help="'' skips the dense part")
+    parser.add_argument("--shard-docs", type=int, default=None,
+                        help="sharded BM25 build with this many passages per shard (default: one-shot bm25s build)")
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = child_build(int(rest[0]), rest[1]) if kind == "build" else child_query(rest[0], rest[1] == "mmap")
+        if kind == "build":
+            result = child_build(int(rest[0]), rest[1], int(rest[2]) if len(rest) > 2 else None)
+        else:
+            result = child_query(rest[0], rest[1] == "mmap")
         print(json.dumps(result))
         return
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
-    print("BM25 synthetic scale-up (2-core CPU shared with other agents; single-query latency incl. doc fetch)")
+    build = f"sharded build, {args.shard_docs} passages per shard" if args.shard_docs else "one-shot bm25s build"
+    print(f"BM25 synthetic scale-up, {build} (2-core CPU shared with other agents; single-query latency incl. "
+          f"doc fetch; load average {os.getloadavg()[0]:.1f})")
     print(f"{'passages':>10} {'build s':>8} {'peak MB':>8} {'index MB':>9} {'docs MB':>8} "
           f"{'RAM p50/p99 ms':>15} {'RAM RSS MB':>10} {'mmap p50/p99 ms':>16} {'mmap RSS MB':>11}")
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            b = run_child("build", str(n), tmp)
+            b = run_child("build", str(n), tmp, *([str(args.shard_docs)] if args.shard_docs else []))
             ram = run_child("query", tmp, "ram")
             mm = run_child("query", tmp, "mmap")
         rows.append({"n": n, **b, "ram": ram, "mmap": mm})
@@ -161,13 +169,17 @@ def main() -> None:
               f"{ram['p50_ms']:>7.2f}/{ram['p99_ms']:<7.2f} {ram['rss_mb']:>10.0f} {mm['p50_ms']:>8.2f}/{mm['p99_ms']:<7.2f} "
               f"{mm['rss_mb']:>11.0f}", flush=True)
     ns = [r["n"] for r in rows]
-    print(f"Linear estimate at {TARGET / 1e6:.0f}M passages: index {fit(ns, [r['index_mb'] for r in rows]) / 1e3:.1f} GB, "
+    if len(ns) < 2:
+        print(f"load average {os.getloadavg()[0]:.1f}; one size only: no linear fit")
+        ns = []
+    if ns:
+        print(f"Linear estimate at {TARGET / 1e6:.0f}M passages: index {fit(ns, [r['index_mb'] for r in rows]) / 1e3:.1f} GB, "
           f"doc store {fit(ns, [r['docstore_mb'] for r in rows]) / 1e3:.1f} GB, build {fit(ns, [r['build_s'] for r in rows]) / 3600:.1f} h, "
           f"build peak RSS {fit(ns, [r['build_peak_rss_mb'] for r in rows]) / 1e3:.0f} GB, "
           f"query p50 {fit(ns, [r['ram']['p50_ms'] for r in rows]):.0f} ms (RAM) / "
           f"{fit(ns, [r['mmap']['p50_ms'] for r in rows]):.0f} ms (mmap, warm page cache)")
 
-    for dim in (int(d) for d in args.dense_dims.split(",")):
+    for dim in (int(d) for d in args.dense_dims.split(",") if d):
         pts = [(n, dense_flat(n, dim)) for n in sizes]
         for n, d in pts:
             print(f"faiss Flat {dim}-d {n:>9} vectors: {d['bytes_mb']:8.0f} MB, single-query p50 {d['p50_ms']:7.2f} ms")
