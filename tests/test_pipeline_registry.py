@@ -1,11 +1,11 @@
-"""The registry: every default-chain pipeline exists and the default run evaluates after training."""
+"""The registry: every default-chain pipeline exists, and evaluation takes its models from the catalog."""
 
 from kedro.framework.startup import bootstrap_project
 
 from spader_pipeline.pipeline_registry import DEFAULT_CHAIN
 
 
-def test_default_run_chains_every_stage_and_evaluates_trained_checkpoints(project_root):
+def test_default_run_evaluates_the_trained_models_of_the_catalog(project_root):
     bootstrap_project(project_root)
     from spader_pipeline.pipeline_registry import register_pipelines
 
@@ -13,9 +13,25 @@ def test_default_run_chains_every_stage_and_evaluates_trained_checkpoints(projec
     assert set(DEFAULT_CHAIN) <= set(pipelines)
     default = pipelines["__default__"]
     (evaluate,) = [n for n in default.nodes if n.name == "run_evaluations"]
-    assert {"warm_start_manifest", "train_grpo.policy_manifest", "train_spader.policy_manifest"} <= set(evaluate.inputs)
+    # the trained models are inputs: the merged/passed-through manifest of each method, not paths
+    assert {"base_model_manifest", "warm_start_manifest", "grpo_model_manifest", "spader_model_manifest"} <= set(evaluate.inputs)
     order = [n.name for n in default.nodes]  # topologically sorted
-    assert order.index("train_spader.train_policy") < order.index("run_evaluations") < order.index("build_report")
-    # run alone, evaluate needs no training outputs
+    assert order.index("train_spader.train_policy") < order.index("train_spader.merge_policy") < order.index("run_evaluations")
+    assert order.index("run_evaluations") < order.index("build_report")
+    # run alone, evaluate reads the same manifests (from disk), the same way
     (alone,) = [n for n in pipelines["evaluate"].nodes if n.name == "run_evaluations"]
-    assert not any(name.endswith("manifest") and name != "index_manifest" for name in alone.inputs)
+    assert set(alone.inputs) == set(evaluate.inputs)
+
+
+def test_evaluation_and_merge_use_no_dotted_names_outside_their_namespace(project_root):
+    """Dots are Kedro's namespace notation: a node reads another namespace's dataset only through a
+    plain name (``grpo_model_manifest``), never ``train_grpo.…``."""
+    bootstrap_project(project_root)
+    from spader_pipeline.pipeline_registry import register_pipelines
+
+    pipelines = register_pipelines()
+    for name in ("training", "merge", "evaluate"):
+        for node in pipelines[name].nodes:
+            for dataset in [*node.inputs, *node.outputs]:
+                if "." in dataset and not dataset.startswith("params:"):
+                    assert node.namespace and dataset.startswith(node.namespace + "."), (node.name, dataset)

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -189,26 +190,33 @@ def method_run(name: str, tags: Mapping[str, Any], params: Mapping[str, Any]) ->
     mlflow.end_run(status="FINISHED")
 
 
-def register_checkpoint(path: str | Path, *, name: str, params: Mapping[str, Any] | None = None) -> str | None:
-    """Record a trained checkpoint as an MLflow model of the active (training) run; return its id.
+def register_checkpoint(
+    path: str | Path, *, name: str, params: Mapping[str, Any] | None = None, run_id: str | None = None
+) -> str | None:
+    """Record a trained checkpoint as an MLflow model of its training run; return the model id.
 
-    The weights stay where they are (multi-GB checkpoints are not copied into the artifact store):
-    the model is an *external* MLflow model whose source run is the training run and whose tag
-    ``checkpoint.path`` points at the folder. Evaluations log their metrics against this model id,
-    so the model page lists how it scored, and each score links back to its run.
+    ``run_id``: the training run (default: the active run). Nothing is recorded while no run is
+    active (tracking off). The weights stay where they are (multi-GB checkpoints are not copied
+    into the artifact store): the model is an *external* MLflow model whose source run is the
+    training run and whose tag ``checkpoint.path`` points at the folder. Evaluations log their
+    metrics against this model id, so the model page lists how it scored, each score linking to
+    its evaluation run.
     """
-    run = mlflow.active_run()
-    if run is None:
+    if not active():
         return None
+    run_id = run_id or active_run_id()
+    client = mlflow.MlflowClient()
+    folder = str(Path(path).resolve())
     model = mlflow.create_external_model(
         name=name,
-        source_run_id=run.info.run_id,
-        tags={"checkpoint.path": str(Path(path).resolve())},
+        source_run_id=run_id,
+        tags={"checkpoint.path": folder},
         params={k: str(v)[:6000] for k, v in flatten(params or {}).items()},
         model_type="checkpoint",
+        experiment_id=client.get_run(run_id).info.experiment_id,
     )
-    mlflow.set_tag("checkpoint.path", str(Path(path).resolve()))
-    mlflow.set_tag("checkpoint.model_id", model.model_id)
+    client.set_tag(run_id, "checkpoint.path", folder)
+    client.set_tag(run_id, "checkpoint.model_id", model.model_id)
     return model.model_id
 
 
@@ -221,3 +229,28 @@ def training_link_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
         "checkpoint.model_id": manifest.get("mlflow_model_id"),
     }
     return {k: str(v) for k, v in out.items() if v}
+
+
+@contextmanager
+def running_ui(
+    tracking_uri: str, artifact_root: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
+    startup_timeout: float = 180.0, workers: int = 1,
+) -> Iterator[str]:
+    """Run ``mlflow ui`` (the tracking server: UI + REST API) on the store; yield its base URL.
+
+    What ``make mlflow-ui`` runs, on a free loopback port; the server's process group is always
+    stopped on exit.
+    """
+    from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
+
+    port = port or free_port(host)
+    argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
+            "--default-artifact-root", str(Path(artifact_root).resolve()), "--host", host, "--port", str(port),
+            "--workers", str(workers)]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(url, startup_timeout, process, name="mlflow ui", interval=0.5)
+        yield url
+    finally:
+        stop_process_group(process)

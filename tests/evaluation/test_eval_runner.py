@@ -9,7 +9,8 @@ import pytest
 
 from spader_pipeline.agent.rollout import GeneratedTurn, LocalSearch, RolloutConfig
 from spader_pipeline.agent.scripted import ScriptedPolicy
-from spader_pipeline.evaluation.runner import ModelSpec, evaluate_dataset, fingerprint, read_work_file
+from spader_pipeline.evaluation.models import ModelSpec
+from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint, read_work_file
 
 CORPUS = [
     {"id": "0", "title": "Ghana", "contents": "Country in West Africa. Accra is the capital."},

@@ -5,22 +5,17 @@ record per sample — ``status: "ok"`` with every metric of :mod:`.metrics`, or 
 with the error after ``max_attempts`` tries. Finished records are appended to a work file as they
 complete, so an interrupted evaluation resumes where it stopped (ids already done are skipped).
 
-:func:`open_generator` turns a model entry of ``parameters_evaluate.yml`` into a generator:
-``scripted``, ``hf`` (in-process), ``openai`` (an external endpoint) or ``served`` (this process
-starts vLLM/SGLang on a merged checkpoint, GPU only).
+Which models are evaluated, and their generators, live in :mod:`.models`; the model × dataset
+loop with its resources and resume key in :mod:`.suite`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
-import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +24,6 @@ from tqdm.auto import tqdm
 from spader_pipeline.agent.rollout import (
     Generator,
     RolloutConfig,
-    SamplingParams,
     SearchBackend,
     Trajectory,
     run_rollouts,
@@ -38,123 +32,6 @@ from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.evaluation.metrics import sample_metrics
 
 logger = logging.getLogger(__name__)
-
-MODEL_KINDS = ("scripted", "hf", "openai", "served")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model entry of ``evaluate.models`` (see ``conf/base/parameters_evaluate.yml``)."""
-
-    name: str
-    kind: str
-    path: str | None = None
-    base_url: str | None = None
-    model: str | None = None
-    engine: str = "vllm"
-    prompt_template: str | None = None
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-    rollout: Mapping[str, Any] = field(default_factory=dict)
-    batch_size: int = 1
-    concurrency: int = 8
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_mapping(cls, entry: Mapping[str, Any]) -> ModelSpec:
-        entry = dict(entry)
-        if entry.get("kind") not in MODEL_KINDS:
-            raise ValueError(
-                f"model {entry.get('name')!r}: kind must be one of {MODEL_KINDS}, got {entry.get('kind')!r}"
-            )
-        known = set(cls.__dataclass_fields__) - {"options"}
-        options = {k: entry.pop(k) for k in list(entry) if k not in known}
-        return cls(**entry, options=options)
-
-    def unavailable_reason(self) -> str | None:
-        """Why this model cannot be evaluated here (``None`` when it can)."""
-        if self.kind in ("hf", "served"):
-            if not self.path or not (Path(self.path) / "config.json").is_file():
-                return f"no Hugging Face checkpoint at {self.path!r} (not built or trained yet)"
-        if self.kind == "openai" and not (self.base_url and self.model):
-            return "no base_url/model configured for the OpenAI-compatible endpoint"
-        if self.kind == "served":
-            import torch
-
-            if not torch.cuda.is_available():
-                return "serving a checkpoint with vLLM/SGLang needs a GPU"
-            if self.engine == "vllm" and shutil.which("vllm") is None:
-                return "the vllm executable is not installed"
-            if self.engine == "sglang" and importlib.util.find_spec("sglang") is None:
-                return "sglang is not installed"
-        return None
-
-    def checkpoint_identity(self) -> list[tuple[str, int, int]]:
-        """``(file, size, mtime_ns)`` of a local checkpoint's weight files (empty for endpoints).
-
-        Part of the resume key: a model retrained into the same folder must not reuse the cached
-        results of its previous weights.
-        """
-        if self.kind not in ("hf", "served") or not self.path or not Path(self.path).is_dir():
-            return []
-        weights = sorted(
-            p for p in Path(self.path).iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
-        )
-        return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
-
-    def describe(self) -> dict[str, Any]:
-        """Parameters logged with the evaluation (model, decoding)."""
-        out = {"model": self.name, "kind": self.kind, "path": self.path, "endpoint_model": self.model}
-        out.update({f"sampling.{k}": v for k, v in self.sampling.items()})
-        out.update({f"rollout.{k}": v for k, v in self.rollout.items()})
-        out.update({f"option.{k}": v for k, v in self.options.items()})
-        return {k: v for k, v in out.items() if v is not None}
-
-
-@contextlib.contextmanager
-def open_generator(spec: ModelSpec) -> Iterator[Generator]:
-    """The generator for ``spec`` (servers started here are stopped on exit)."""
-    sampling = SamplingParams.from_mapping(spec.sampling)
-    if spec.kind == "scripted":
-        from spader_pipeline.agent.scripted import ScriptedPolicy
-
-        yield ScriptedPolicy(**spec.options)
-    elif spec.kind == "hf":
-        import torch
-
-        from spader_pipeline.agent.hf_backend import HFGenerator
-        from spader_pipeline.modeling.base_model import load_model_and_tokenizer
-
-        device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_model_and_tokenizer(spec.path, device=device)
-        kwargs = {
-            k: spec.options[k] for k in ("max_prompt_tokens", "chat_template_kwargs") if k in spec.options
-        }
-        yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
-    elif spec.kind == "openai":
-        from spader_pipeline.agent.openai_backend import OpenAIChatGenerator
-
-        yield OpenAIChatGenerator(
-            spec.base_url, spec.model, sampling, concurrency=spec.concurrency, **_client_options(spec)
-        )
-    elif spec.kind == "served":
-        from spader_pipeline.agent.openai_backend import OpenAIChatGenerator, served_model
-
-        extra = [str(a) for a in spec.options.get("server_args", [])]
-        with served_model(spec.path, engine=spec.engine, served_name=spec.name, extra_args=extra) as url:
-            yield OpenAIChatGenerator(
-                url, spec.name, sampling, concurrency=spec.concurrency, **_client_options(spec)
-            )
-    else:  # pragma: no cover - ModelSpec validates kinds
-        raise ValueError(spec.kind)
-
-
-def _client_options(spec: ModelSpec) -> dict[str, Any]:
-    return {
-        k: spec.options[k]
-        for k in ("max_retries", "backoff", "timeout", "api_key", "extra_body")
-        if k in spec.options
-    }
-
 
 def fingerprint(*parts: Any) -> str:
     """Short stable hash of the configuration that produced a set of results (resume key)."""

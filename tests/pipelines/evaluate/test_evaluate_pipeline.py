@@ -1,15 +1,20 @@
 """A real ``kedro run --pipeline index_build,evaluate --env test`` on a small fixture, through
-KedroSession: a retrieval server started and stopped by the node, the scripted policy, versioned
-outputs, nested MLflow runs with artifacts, resume on rerun, unavailable models skipped."""
+KedroSession: a retrieval server started and stopped by the node, the scripted policy and the
+models of the catalog's manifests (base, warm start, trained methods), versioned outputs, nested
+MLflow runs linked to their training runs, resume on rerun, a missing model is an error."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlflow
 import pandas as pd
 import pytest
 from kedro.framework.session import KedroSession
+
+from spader_pipeline import tracking
+from spader_pipeline.evaluation.models import ModelUnavailableError
 
 GROUPS = {
     "Country in West Africa": ["Ghana", "Togo", "Mali", "Senegal"],
@@ -51,7 +56,22 @@ def _write_inputs(root):
         intermediate_size=64,
     )
     texts = [r["contents"] for r in rows] * 3
-    build_base_model(texts, root / "data/06_models/base_model", spec=spec, vocab_size=500, min_frequency=1)
+    base = root / "data/06_models/base_model"
+    build_base_model(texts, base, spec=spec, vocab_size=500, min_frequency=1)
+    # the catalog's model manifests: the tiny model stands in for every checkpoint; the trained
+    # methods' folders are wherever merge put them (not train_<m>/final), with their training run
+    (root / "data/06_models/base_model_manifest.json").write_text(json.dumps({"path": str(base)}))
+    (root / "data/06_models/warm_start_manifest.json").write_text(json.dumps({"path": str(base), "warm_start": False}))
+    mlflow.set_experiment("spader-pipeline-test")
+    for method in ("grpo", "spader"):
+        merged = root / f"data/06_models/merged/train_{method}"
+        shutil.copytree(base, merged)
+        with mlflow.start_run(run_name=f"{method} seed0", tags={"method": method}) as run:
+            model_id = tracking.register_checkpoint(merged, name=method)
+        manifest = {"path": str(merged), "method": method, "backend": "verl", "merged": True,
+                    "mlflow_run_id": run.info.run_id, "mlflow_model_id": model_id}
+        (root / f"data/06_models/train_{method}").mkdir(parents=True)
+        (root / f"data/06_models/train_{method}/model_manifest.json").write_text(json.dumps(manifest))
 
 
 def _latest(path):
@@ -60,7 +80,7 @@ def _latest(path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_evaluate_session_run_scripted_and_hf(kedro_project, caplog):
+def test_evaluate_session_run_scripted_and_catalog_models(kedro_project, caplog):
     _write_inputs(kedro_project)
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["index_build", "evaluate"])
@@ -68,32 +88,22 @@ def test_evaluate_session_run_scripted_and_hf(kedro_project, caplog):
     samples = pd.read_json(
         _latest(kedro_project / "data/07_model_output/eval_samples.jsonl"), lines=True, dtype={"id": str}
     )
-    assert len(samples) == 8 and set(samples["status"]) == {"ok"}
+    assert len(samples) == 20 and set(samples["status"]) == {"ok"}
     base = samples[samples["model"] == "base"]
     assert len(base) == 4 and (base["format_error"] == 1.0).all()  # untrained: never a valid answer
     samples = samples[samples["model"] == "scripted"]
-    assert {
-        "id",
-        "question",
-        "ground_truth",
-        "data_source",
-        "history",
-        "predicted",
-        "f1",
-        "recall_at_5",
-    } <= set(samples.columns)
+    assert {"id", "question", "ground_truth", "data_source", "history", "predicted", "f1", "recall_at_5"} <= set(samples.columns)
     row = samples.set_index("id").loc["q1"]
     assert sorted(row["predicted"]) == sorted(GROUPS["Country in West Africa"])
     table = pd.read_csv(_latest(kedro_project / "data/08_reporting/eval_table.csv"))
-    assert list(table[["model", "dataset"]].itertuples(index=False, name=None)) == [
-        ("scripted", "embedded_test"),
-        ("base", "embedded_test"),
-    ]
-    assert table.loc[0, "f1"] == 1.0 and table.loc[0, "num_failed"] == 0
+    models = ["base", "warm_start", "grpo", "spader", "scripted"]  # the catalog's, then evaluate.models
+    assert list(table[["model", "dataset"]].itertuples(index=False, name=None)) == [(m, "embedded_test") for m in models]
+    scripted = table.set_index("model").loc["scripted"]
+    assert scripted["f1"] == 1.0 and scripted["num_failed"] == 0
     assert _latest(kedro_project / "data/08_reporting/eval_comparison.png").stat().st_size > 1000
-    assert "skipping model qwen3-8b-spader" in caplog.text  # no endpoint configured: skipped, logged
+    assert "qwen3-8b-spader is disabled" in caplog.text  # switched off explicitly, not skipped silently
 
-    # one parent run for the kedro run, one nested run per evaluation, with artifacts
+    # one parent run for the kedro run, one nested run per evaluation, tagged and linked to training
     runs = mlflow.search_runs(
         experiment_names=["spader-pipeline-test"], output_format="list", order_by=["start_time DESC"]
     )
@@ -101,16 +111,31 @@ def test_evaluate_session_run_scripted_and_hf(kedro_project, caplog):
     parent = mlflow.get_run(nested.data.tags["mlflow.parentRunId"])
     assert parent.data.tags["kedro.pipeline"] == "index_build,evaluate"
     assert parent.data.metrics["evaluation/scripted/embedded_test/f1"] == 1.0
-    assert nested.data.params["model"] == "scripted" and nested.data.params["dataset"] == "embedded_test"
+    assert (nested.data.tags["model"], nested.data.tags["dataset"]) == ("scripted", "embedded_test")
+    assert "method" not in nested.data.tags and "training_run_id" not in nested.data.tags
     assert nested.data.metrics["recall"] == 1.0
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(nested.info.run_id)}
     assert artifacts == {"plots", "samples"}
+    spader_eval = [r for r in runs if r.info.run_name == "evaluate:spader:embedded_test"][0]
+    training_run = mlflow.get_run(spader_eval.data.tags["training_run_id"])
+    assert training_run.info.run_name == "spader seed0" and spader_eval.data.tags["method"] == "spader"
+    assert spader_eval.data.tags["checkpoint.path"].endswith("merged/train_spader")
+    assert f"runs/{training_run.info.run_id})" in spader_eval.data.tags["mlflow.note.content"]  # a link
+    model = mlflow.get_logged_model(spader_eval.data.tags["checkpoint.model_id"])
+    assert model.source_run_id == training_run.info.run_id
+    assert {m.key for m in model.metrics if m.run_id == spader_eval.info.run_id} >= {"recall", "f1"}
 
     # rerun: every sample comes from the work file (resume), results identical
     work = sorted((kedro_project / "data/07_model_output/eval_work").iterdir())
-    assert [w.name.split("__")[0] for w in work] == ["base", "scripted"]
+    assert sorted(w.name.split("__")[0] for w in work) == sorted(models)
     assert all(len(w.read_text().splitlines()) == 4 for w in work)
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["evaluate"])
     assert all(len(w.read_text().splitlines()) == 4 for w in work)
-    assert caplog.text.count("resuming, 4 of 4 samples already done") == 2
+    assert caplog.text.count("resuming, 4 of 4 samples already done") == 5
+
+    # a trained model that is missing is an error, not a skipped row
+    shutil.rmtree(kedro_project / "data/06_models/merged/train_grpo")
+    with pytest.raises(ModelUnavailableError, match="model grpo .*no Hugging Face checkpoint"):
+        with KedroSession.create(project_path=kedro_project, env="test") as session:
+            session.run(pipeline_names=["evaluate"])

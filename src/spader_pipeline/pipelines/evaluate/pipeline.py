@@ -1,21 +1,32 @@
-from collections.abc import Sequence
+"""The evaluate pipeline: the configured datasets × the models of the catalog and ``evaluate.models``.
 
-from kedro.pipeline import Pipeline, node, pipeline
+The trained models come from the catalog: ``run_evaluations`` takes the manifests of the base
+model, the warm start and each trained method (``<method>_model_manifest``, written by the merge
+pipeline: a VERL checkpoint merged to a Hugging Face folder, a native one passed through). Being
+inputs, they also order evaluation after training in the default run — no special case needed.
+"""
+
+from collections.abc import Mapping, Sequence
+
+from kedro.pipeline import Pipeline, node
+
+from spader_pipeline.pipelines.merge.pipeline import METHODS, model_manifest
 
 from . import nodes
 
 
-def create_pipeline(after: Sequence[str] = (), **kwargs) -> Pipeline:
-    """The evaluate pipeline. ``after``: datasets that must exist before models are evaluated (the
-    default run passes the trained checkpoints' manifests, so evaluation waits for training)."""
-    return pipeline(
+def model_manifests(methods: Sequence[str] = METHODS) -> dict[str, str]:
+    """Evaluated model name → catalog manifest dataset."""
+    return {"base": "base_model_manifest", "warm_start": "warm_start_manifest",
+            **{method: model_manifest(method) for method in methods}}
+
+
+def create_pipeline(models: Mapping[str, str] | None = None, **kwargs) -> Pipeline:
+    """``models``: model name → manifest dataset (default: :func:`model_manifests`)."""
+    models = model_manifests() if models is None else dict(models)
+    return Pipeline(
         [
-            node(
-                nodes.select_eval_sets,
-                ["eval_sets", "params:evaluate"],
-                "eval_selected",
-                name="select_eval_sets",
-            ),
+            node(nodes.select_eval_sets, ["eval_sets", "params:evaluate"], "eval_selected", name="select_eval_sets"),
             node(
                 nodes.count_entity_frequencies,
                 ["eval_selected", "corpus", "params:evaluate"],
@@ -23,15 +34,10 @@ def create_pipeline(after: Sequence[str] = (), **kwargs) -> Pipeline:
                 name="count_entity_frequencies",
             ),
             node(
-                nodes.run_evaluations_after if after else nodes.run_evaluations,
-                [
-                    "eval_selected",
-                    "eval_entity_frequencies",
-                    "index_manifest",
-                    "params:evaluate",
-                    "params:prompt",
-                    *after,
-                ],
+                nodes.run_evaluations,
+                {"selected": "eval_selected", "frequencies": "eval_entity_frequencies",
+                 "index_manifest": "index_manifest", "params": "params:evaluate", "prompt": "params:prompt",
+                 **models},
                 ["eval_samples", "eval_table", "evaluation_metrics"],
                 name="run_evaluations",
             ),

@@ -1,0 +1,167 @@
+"""Every model × every dataset: the evaluation loop, its resources and its resume key.
+
+:func:`evaluate_models` owns the lifetimes: one retrieval service for the whole suite (started on
+the index unless a URL is configured, always stopped), one generator per model (an in-process
+checkpoint is loaded once for all datasets; a served one is started and stopped), one retrieval
+client per dataset. Each model × dataset is :func:`spader_pipeline.evaluation.runner.evaluate_dataset`
+with a work file named by :func:`resume_key`, and yields an :class:`EvaluationResult` — handed to
+``on_result`` as soon as it exists (the Kedro node logs it to MLflow there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from spader_pipeline.agent.rollout import RolloutConfig
+from spader_pipeline.evaluation.config import EvalRetrievalSettings, EvaluationConfig
+from spader_pipeline.evaluation.metrics import aggregate
+from spader_pipeline.evaluation.models import ModelSpec, open_generator
+from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """One model on one dataset: every per-sample record and the aggregate metrics."""
+
+    model: ModelSpec
+    dataset: str
+    records: list[dict[str, Any]]
+    """one per sample, in input order (``status`` ok or failed)"""
+    metrics: dict[str, float]
+    """:func:`spader_pipeline.evaluation.metrics.aggregate` over the successful samples"""
+    template_name: str
+    rollout: RolloutConfig
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r["status"] != "ok" for r in self.records)
+
+
+def select_models(config: EvaluationConfig, from_catalog: Sequence[ModelSpec] = ()) -> list[ModelSpec]:
+    """The models to evaluate: those from the catalog, then ``evaluate.models``.
+
+    Raises ``ValueError`` on a duplicate name and
+    :class:`~spader_pipeline.evaluation.models.ModelUnavailableError` for an enabled model that
+    cannot run here; ``enabled: false`` entries are left out with a log line.
+    """
+    models = [*from_catalog, *config.models]
+    names = [m.name for m in models]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"evaluate: model names must be unique, {duplicates} appear twice "
+                         "(the catalog provides base, warm_start and the trained methods)")
+    selected = []
+    for model in models:
+        if not model.enabled:
+            logger.info("evaluate: model %s is disabled (enabled: false)", model.name)
+            continue
+        model.require_available()
+        selected.append(model)
+    return selected
+
+
+def resume_key(
+    model: ModelSpec, rollout: RolloutConfig, template: str, dataset: str,
+    samples: Sequence[Mapping[str, Any]], index_manifest: Mapping[str, Any], retrieval_url: str | None,
+) -> str:
+    """Hash of everything that determines a result: model (and its weights), limits, prompt,
+    questions, index. A work file is reused only when this key matches."""
+    return fingerprint(model.describe(), model.checkpoint_identity(), asdict(rollout), template, dataset,
+                       list(samples), dict(index_manifest), retrieval_url)
+
+
+@contextlib.contextmanager
+def retrieval_service(settings: EvalRetrievalSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
+    """The configured service URL, or a service started on the index for the duration."""
+    if settings.url:
+        yield settings.url
+        return
+    from spader_pipeline.retrieval import running_service
+
+    with running_service(index_manifest["index_dir"], startup_timeout=settings.startup_timeout) as url:
+        yield url
+
+
+def prompt_for(model: ModelSpec, config: EvaluationConfig, prompt: Mapping[str, Any]) -> tuple[str, str]:
+    """(name, text) of the model's prompt template."""
+    name = model.prompt_template or config.prompt_template or prompt["template"]
+    templates = prompt.get("templates") or {}
+    if name not in templates:
+        raise ValueError(f"model {model.name}: prompt template {name!r} is not one of {sorted(templates)}")
+    return name, templates[name]
+
+
+def evaluate_models(
+    config: EvaluationConfig,
+    models: Sequence[ModelSpec],
+    datasets: Mapping[str, list[dict[str, Any]]],
+    frequencies: Mapping[str, Mapping[str, list[int]]],
+    *,
+    index_manifest: Mapping[str, Any],
+    prompt: Mapping[str, Any],
+    on_result: Callable[[EvaluationResult], None] | None = None,
+) -> list[EvaluationResult]:
+    """Evaluate every model on every dataset (see the module docstring); results in that order."""
+    results: list[EvaluationResult] = []
+    if not models or not datasets:
+        return results
+    with retrieval_service(config.retrieval, index_manifest) as url:
+        for model in models:
+            template_name, template = prompt_for(model, config, prompt)
+            rollout = RolloutConfig.from_mapping({**config.rollout, **model.rollout})
+            with open_generator(model) as generator:
+                for dataset, samples in datasets.items():
+                    work_file = None
+                    if config.runner.resume:
+                        key = resume_key(model, rollout, template, dataset, samples, index_manifest, config.retrieval.url)
+                        work_file = Path(config.runner.work_dir) / f"{model.name}__{dataset}__{key}.jsonl"
+                        work_file.parent.mkdir(parents=True, exist_ok=True)
+                    records = asyncio.run(_one(config, model, generator, samples, frequencies.get(dataset), url,
+                                               rollout, template, work_file, f"{model.name}/{dataset}"))
+                    ok = [r for r in records if r["status"] == "ok"]
+                    metrics = aggregate(ok, num_failed=len(records) - len(ok), long_tail_edges=config.long_tail.edges)
+                    result = EvaluationResult(model, dataset, records, metrics, template_name, rollout)
+                    _log_summary(result)
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(result)
+    return results
+
+
+async def _one(config, model, generator, samples, frequencies, url, rollout, template, work_file, description):
+    from spader_pipeline.retrieval import RetrievalClient
+
+    in_process = model.kind == "hf"  # one batched forward pass at a time; endpoints take concurrent calls
+    async with RetrievalClient(url, timeout=config.retrieval.timeout, max_retries=config.retrieval.max_retries) as client:
+        try:
+            return await evaluate_dataset(
+                samples, generator, client, rollout, template,
+                batch_size=model.batch_size if in_process else 1,
+                concurrency=1 if in_process else model.concurrency,
+                max_attempts=config.runner.max_attempts,
+                retry_on_search_error=config.runner.retry_on_search_error,
+                corpus_frequency=frequencies,
+                work_file=work_file,
+                progress=config.runner.progress,
+                description=description,
+            )
+        finally:
+            await generator.aclose()
+
+
+def _log_summary(result: EvaluationResult) -> None:
+    m, failed = result.metrics, result.num_failed
+    if failed:
+        logger.warning("evaluate %s/%s: %d of %d samples failed after retries (kept as status=failed)",
+                       result.model.name, result.dataset, failed, len(result.records))
+    logger.info("evaluate %s/%s: P=%.3f R=%.3f F1=%.3f (%d samples, %d failed)", result.model.name, result.dataset,
+                *(m.get(k, math.nan) for k in ("precision", "recall", "f1")), len(result.records) - failed, failed)

@@ -1,0 +1,93 @@
+"""Which models an evaluation runs (catalog manifests + configuration, strictly) and the suite loop
+with its resources: a real retrieval service on 127.0.0.1, the scripted policy, resume by key."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from spader_pipeline.evaluation.config import EvaluationConfig
+from spader_pipeline.evaluation.models import ModelSpec, ModelUnavailableError
+from spader_pipeline.evaluation.suite import evaluate_models, select_models
+
+TRAINED = {"kind": "hf", "batch_size": 4, "sampling": {"max_new_tokens": 8}}
+
+
+def _checkpoint(path):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_config_is_strict_and_typed():
+    config = EvaluationConfig.from_mapping({"datasets": ["a"], "long_tail": {"edges": [1, 3]}, "runner": {"resume": False}})
+    assert config.datasets == ("a",) and config.long_tail.edges == (1, 3) and config.runner.resume is False
+    with pytest.raises(ValueError, match=r"unknown evaluate.runner settings \['resum'\]"):
+        EvaluationConfig.from_mapping({"runner": {"resum": False}})
+    with pytest.raises(ValueError, match="unknown evaluate settings"):
+        EvaluationConfig.from_mapping({"modles": []})
+    with pytest.raises(ValueError, match="come from the catalog"):
+        EvaluationConfig.from_mapping({"trained_models": {"path": "data/06_models/train_grpo/final"}})
+
+
+def test_trained_models_come_from_their_manifests_with_the_training_link(tmp_path):
+    """The merged VERL folder is wherever the manifest says (defect: evaluate looked for train_<m>/final)."""
+    merged = _checkpoint(tmp_path / "06_models/merged/train_spader")
+    manifest = {"path": str(merged), "method": "spader", "backend": "verl", "mlflow_run_id": "abc"}
+    spec = ModelSpec.from_manifest("spader", manifest, TRAINED, source="spader_model_manifest",
+                                   training={"method": "spader", "training_run_id": "abc"})
+    assert (spec.kind, spec.path, spec.batch_size) == ("hf", str(merged), 4)
+    assert spec.training == {"method": "spader", "training_run_id": "abc"}
+    config = EvaluationConfig.from_mapping({"models": [{"name": "scripted", "kind": "scripted"}]})
+    assert [m.name for m in select_models(config, [spec])] == ["spader", "scripted"]
+    unmerged = {"path": None, "method": "grpo", "backend": "verl", "actor_dir": "/x"}
+    with pytest.raises(ModelUnavailableError, match="merge pipeline"):
+        ModelSpec.from_manifest("grpo", unmerged, TRAINED, source="grpo_model_manifest")
+
+
+def test_a_configured_model_that_is_missing_is_an_error_not_a_skip(tmp_path, caplog):
+    gone = {"path": str(tmp_path / "deleted_checkpoint")}
+    spec = ModelSpec.from_manifest("grpo", gone, TRAINED, source="grpo_model_manifest")
+    with pytest.raises(ModelUnavailableError, match="grpo .*grpo_model_manifest.* no Hugging Face checkpoint"):
+        select_models(EvaluationConfig(), [spec])
+    endpoint = {"name": "qwen3-8b-spader", "kind": "openai", "base_url": None, "model": "m"}
+    with pytest.raises(ModelUnavailableError, match="qwen3-8b-spader .*base_url"):
+        select_models(EvaluationConfig.from_mapping({"models": [endpoint]}))
+    with caplog.at_level(logging.INFO):
+        assert select_models(EvaluationConfig.from_mapping({"models": [{**endpoint, "enabled": False}]})) == []
+    assert "qwen3-8b-spader is disabled" in caplog.text
+    twice = {"models": [{"name": "grpo", "kind": "scripted"}]}
+    with pytest.raises(ValueError, match="unique"):
+        select_models(EvaluationConfig.from_mapping(twice), [ModelSpec.from_manifest("grpo", {"path": str(_checkpoint(tmp_path / "g"))}, TRAINED, source="x")])
+
+
+def test_suite_runs_every_model_on_every_dataset_against_a_real_service_and_resumes(tmp_path, caplog):
+    from spader_pipeline.retrieval.index import build_index_from_file
+
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [("Ghana", "Country in West Africa."), ("Togo", "Country in West Africa."), ("Hamlet", "Play by William Shakespeare.")]
+    corpus.write_text("".join(json.dumps({"id": str(i), "title": t, "contents": c}) + "\n" for i, (t, c) in enumerate(docs)))
+    index_dir = tmp_path / "index"
+    build_index_from_file(corpus, index_dir, "bm25", show_progress=False)
+    datasets = {
+        "west": [{"id": "q1", "question": "Which countries are in West Africa?", "ground_truth": [["Ghana"], ["Togo"]]}],
+        "plays": [{"id": "q2", "question": "Which plays were written by William Shakespeare?", "ground_truth": [["Hamlet"]]}],
+    }
+    config = EvaluationConfig.from_mapping({
+        "models": [{"name": "scripted", "kind": "scripted"}, {"name": "lazy", "kind": "scripted", "follow_up": False}],
+        "runner": {"work_dir": str(tmp_path / "work"), "progress": False},
+    })
+    prompt = {"template": "t", "templates": {"t": "Question: {question}"}}
+    seen = []
+    results = evaluate_models(config, select_models(config), datasets, {}, index_manifest={"index_dir": str(index_dir)},
+                              prompt=prompt, on_result=lambda r: seen.append((r.model.name, r.dataset)))
+    assert seen == [("scripted", "west"), ("scripted", "plays"), ("lazy", "west"), ("lazy", "plays")]
+    assert [r.metrics["recall"] for r in results[:2]] == [1.0, 1.0] and all(r.num_failed == 0 for r in results)
+    assert len(list((tmp_path / "work").iterdir())) == 4
+    with caplog.at_level(logging.INFO):
+        again = evaluate_models(config, select_models(config), datasets, {}, index_manifest={"index_dir": str(index_dir)},
+                                prompt=prompt)
+    assert caplog.text.count("resuming, 1 of 1 samples already done") == 4
+    assert [r.records for r in again] == [r.records for r in results]
