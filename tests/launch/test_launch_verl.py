@@ -120,6 +120,8 @@ def test_timeout_stops_the_process_group(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not {"SPADER_TEST_MODEL", "SPADER_TEST_INDEX"} <= set(os.environ),
+                    reason="set SPADER_TEST_MODEL and SPADER_TEST_INDEX (docs/gpu.md)")
 def test_real_verl_launch_two_steps(params, tmp_path):  # pragma: no cover - needs GPUs, vLLM/SGLang
     from spader_pipeline.launch.verl import launch_verl_training
 
