@@ -74,3 +74,40 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     step, path = latest_checkpoint(tmp_path)
     assert step == 2 and load_trainer_state(path)["extra"]["method"] == method
     AutoModelForCausalLM.from_pretrained(result.final_model_dir)
+
+
+def _one_step(tmp_path, model_dir, index_dir, config):
+    from spader_pipeline.retrieval import load_retriever
+
+    return train_native(config, model_path=model_dir, samples=QUESTIONS, search=LocalSearch(load_retriever(index_dir)),
+                        run_dir=tmp_path, prompt_template=TEMPLATE)
+
+
+def test_prompts_are_cut_at_max_prompt_tokens_not_at_the_response_budget(tmp_path, native_model_dir, toy_index_dir,
+                                                                          tiny_config, caplog):
+    # issue 11: the trainer passed rollout.max_response_tokens as the prompt limit, so a response
+    # budget shorter than the prompt cut the prompt's head (the instructions) off.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(native_model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": TEMPLATE.format(question=QUESTIONS[0]["question"])}],
+                                     add_generation_prompt=True, tokenize=False)
+    budget = len(tok.encode(prompt, add_special_tokens=False)) - 5
+    assert budget > 10
+    rollout = {"max_turns": 1, "max_response_tokens": budget}
+    with caplog.at_level("WARNING", logger="spader_pipeline.agent.tokens"):
+        _one_step(tmp_path / "a", native_model_dir, toy_index_dir, tiny_config(total_steps=1, rollout=rollout))
+    assert "left-truncating" not in caplog.text
+    with caplog.at_level("WARNING", logger="spader_pipeline.agent.tokens"):
+        _one_step(tmp_path / "b", native_model_dir, toy_index_dir,
+                  tiny_config(total_steps=1, rollout=rollout, max_prompt_tokens=budget))
+    assert f"exceeds {budget}; left-truncating" in caplog.text
+
+
+def test_trainable_layers_update_only_the_top_blocks(tmp_path, native_model_dir, toy_index_dir, tiny_config):
+    start = AutoModelForCausalLM.from_pretrained(native_model_dir).state_dict()
+    result = _one_step(tmp_path, native_model_dir, toy_index_dir,
+                       tiny_config(total_steps=1, trainable_layers=1, learning_rate=1e-2, kl_coef=0.0))
+    end = AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
+    changed = {k for k in start if not torch.equal(start[k], end[k])}
+    assert changed and all(k.startswith(("model.layers.1.", "model.norm.")) for k in changed), changed

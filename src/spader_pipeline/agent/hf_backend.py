@@ -35,6 +35,8 @@ class HFGenerator(Generator):
         reuse_kv_cache: keep the KV cache between the turns of a batch, so each turn only encodes
             the new tokens (observation) instead of the whole context again. Outputs are the same
             as without it (up to floating-point reassociation).
+        bf16: run generation under bf16 autocast (decide with
+            :func:`spader_pipeline.modeling.precision.resolve_bf16`; slower on CPUs without bf16 units).
     """
 
     token_level = True
@@ -49,8 +51,10 @@ class HFGenerator(Generator):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         micro_batch_size: int = 32,
         reuse_kv_cache: bool = True,
+        bf16: bool = False,
     ) -> None:
         self.model = model.eval()
+        self.bf16 = bf16
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
         self.micro_batch_size = micro_batch_size
@@ -172,9 +176,10 @@ class HFGenerator(Generator):
         if cache is not None:
             kwargs["past_key_values"] = cache
         try:
-            out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
-            )
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = self.model.generate(
+                    input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
+                )
         except Exception:
             if cache is None:
                 raise

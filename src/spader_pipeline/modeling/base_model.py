@@ -129,6 +129,31 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.flo
     return model, tokenizer
 
 
+def train_top_layers(model: torch.nn.Module, layers: int | None) -> list[torch.nn.Parameter]:
+    """Make only the top ``layers`` decoder blocks and the final norm trainable; return those parameters.
+
+    ``layers=None`` (or at least the model's depth) trains everything. Freezing the embeddings and
+    the lower blocks means autograd records nothing below the first trainable block, so a backward
+    pass costs a fraction of a full one (and the frozen blocks keep no activations). Tied input
+    and output embeddings stay frozen with the rest.
+    """
+    blocks = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or blocks is None or layers >= len(blocks):
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return [p for p in model.parameters()]
+    if layers < 1:
+        raise ValueError(f"trainable_layers={layers} must be >= 1 (or null for all)")
+    model.requires_grad_(False)
+    trainable = list(blocks[len(blocks) - layers :])
+    norm = getattr(model.model, "norm", None)
+    if norm is not None:
+        trainable.append(norm)
+    for module in trainable:
+        module.requires_grad_(True)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

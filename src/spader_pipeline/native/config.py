@@ -79,7 +79,11 @@ class NativeTrainerConfig:
     temperature: float = 1.0
     """sampling temperature; log-probabilities are computed at the same temperature"""
     bf16: bool | str = "auto"
-    """bf16 autocast for the training forward pass (``auto``: CUDA only)"""
+    """bf16 autocast for rollouts and the training forward pass (``auto``: on for CUDA; on a CPU
+    decided by a short probe, :mod:`spader_pipeline.modeling.precision`)"""
+    trainable_layers: int | None = None
+    """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model.
+    Lower blocks and embeddings stay frozen, so the backward pass stops early (CPU speed)"""
 
     # ---- rollout -----------------------------------------------------------------------------
     rollout: RolloutConfig | Mapping[str, Any] = field(
@@ -89,6 +93,8 @@ class NativeTrainerConfig:
     a mapping is converted)"""
     max_new_tokens: int = 64
     """most tokens per assistant turn"""
+    max_prompt_tokens: int = 1024
+    """prompts longer than this are left-truncated with a warning (VERL's ``data.max_prompt_length``)"""
     prompt_template: str | None = None
     """prompt template text with ``{question}`` (``None``: the project's active template)"""
 
@@ -150,6 +156,8 @@ class NativeTrainerConfig:
             raise ValueError(
                 "need rollout.max_turns >= 1, max_new_tokens >= 1 and rollout.max_response_tokens > max_new_tokens"
             )
+        if self.max_prompt_tokens < 1 or (self.trainable_layers is not None and self.trainable_layers < 1):
+            raise ValueError("max_prompt_tokens must be >= 1 and trainable_layers >= 1 or null")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
         self.betas = tuple(self.betas)  # YAML gives lists

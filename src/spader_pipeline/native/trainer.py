@@ -46,7 +46,8 @@ import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
-from spader_pipeline.modeling.base_model import load_model_and_tokenizer
+from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
+from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import RolloutBatch, build_batch, compute_advantages
 from spader_pipeline.native.checkpoint import (
@@ -161,12 +162,14 @@ def train_native(
         resume = None
     start_path = resume[1] if resume else model_path
     model, tokenizer = load_model_and_tokenizer(start_path, device=device)
+    trainable = train_top_layers(model, config.trainable_layers)
+    bf16 = resolve_bf16(config.bf16, device, model)
     reference = None
     if config.kl_coef > 0:  # the reference is always the model the run started from
         reference = model if not resume else load_model_and_tokenizer(model_path, device=device)[0]
         reference = copy.deepcopy(reference).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        trainable, lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
     )
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -215,8 +218,8 @@ def train_native(
         sampling = SamplingParams(
             temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
         )
-        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=config.rollout.max_response_tokens,
-                                micro_batch_size=config.batch_size)
+        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
+                                micro_batch_size=config.batch_size, bf16=bf16)
         t0 = time.perf_counter()
         trajectories = run_rollouts_sync(group, generator, search, rollout_cfg, prompt_template)
         rollout_seconds = time.perf_counter() - t0
@@ -233,7 +236,7 @@ def train_native(
         old_logp = None
         if config.ppo_epochs > 1:
             with torch.no_grad():
-                old_logp = _all_logprobs(model, batch, config)
+                old_logp = _all_logprobs(model, batch, config, bf16)
         sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0, "clipfrac_lower": 0.0, "approx_kl": 0.0}
         grad_norm = 0.0
         for _epoch in range(config.ppo_epochs):
@@ -245,7 +248,7 @@ def train_native(
                     continue
                 weight = float(mask.sum()) / total_tokens
                 logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
-                                                  bf16=config.bf16, with_entropy=True)
+                                                  bf16=bf16, with_entropy=True)
                 old = logp.detach() if old_logp is None else old_logp[rows].to(device)
                 advantages = adv.advantages[rows].to(device)
                 pg_loss, pg_metrics = policy_loss_fn(
@@ -256,7 +259,7 @@ def train_native(
                 if reference is not None:
                     with torch.no_grad():
                         ref_logp, _ = response_logprobs(reference, batch, rows, temperature=config.temperature,
-                                                        bf16=config.bf16, with_entropy=False)
+                                                        bf16=bf16, with_entropy=False)
                     kl = kl_penalty(logp, ref_logp, config.kl_type)
                     kl_loss = agg_loss(kl, mask, config.loss_agg_mode, **actor_cfg.global_batch_info)
                     loss = loss + config.kl_coef * kl_loss
@@ -267,7 +270,7 @@ def train_native(
                 sums["clipfrac"] += weight * pg_metrics["actor/pg_clipfrac"]
                 sums["clipfrac_lower"] += weight * pg_metrics["actor/pg_clipfrac_lower"]
                 sums["approx_kl"] += weight * pg_metrics["actor/ppo_kl"]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -347,11 +350,11 @@ def _questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int,
     return out
 
 
-def _all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig) -> torch.Tensor:
+def _all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool) -> torch.Tensor:
     parts = []
     for lo in range(0, batch.response_mask.shape[0], config.micro_batch_size):
         rows = slice(lo, lo + config.micro_batch_size)
-        logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=config.bf16,
+        logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
                                     with_entropy=False)
         parts.append(logp.cpu())
     return torch.cat(parts)
