@@ -69,6 +69,7 @@ __all__ = [
     "RewardInputs",
     "SpaOptions",
     "TspoOptions",
+    "answer_score",
     "get_method",
     "method_advantages",
     "method_names",
@@ -256,6 +257,12 @@ def reward_config_from_mapping(method: str, params: Mapping[str, Any] | None) ->
     return from_mapping(SpaderRewardConfig, params, where="reward", enable_exploration=spec.exploration)
 
 
+def answer_score(method: str, options: Any, *, f1: Any, exact_match: Any) -> Any:
+    """The answer score ``method``'s outcome is built on: exact match for TSPO (unless its
+    ``outcome`` option says ``f1``), F1 for the others. Works on floats and tensors alike."""
+    return exact_match if method == "tspo" and options.outcome == "exact_match" else f1
+
+
 def method_rewards(
     method: str,
     response_mask: torch.Tensor,
@@ -405,7 +412,7 @@ def _calibadv_rewards(mask, index, inputs, *, global_step, reward, options, layo
 def _tspo_rewards(mask, index, inputs, *, global_step, reward, options, layout) -> MethodRewards:
     width = layout.max_steps
     c_eff = _cost_coefficient(global_step, reward)
-    score = inputs.exact_match if options.outcome == "exact_match" else inputs.f1
+    score = answer_score("tspo", options, f1=inputs.f1, exact_match=inputs.exact_match)
     outcome = _outcome(score.float(), inputs, reward, c_eff)
     marks = torch.zeros((mask.shape[0], width))
     if width == 0:

@@ -1,8 +1,9 @@
 """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300).
 
-A torch-only, vectorised twin of verl's ``compute_grpo_outcome_advantage`` (verl 0.9.1), used by the
-native trainer; ``tests/verl_plugin`` checks that both agree. On verl the plugin keeps verl's own
-``grpo`` estimator.
+A torch-only, vectorised twin of verl's ``compute_grpo_outcome_advantage`` (verl 0.9.1): the ``grpo``
+method's estimator in :mod:`spader_pipeline.algorithms.methods`, which the native trainer runs. On
+verl the ``grpo`` method keeps verl's own estimator; ``tests/verl_plugin/test_spader_reward_batch.py``
+checks both agree, and ``tests/algorithms/test_methods_cross_backend.py`` the whole GRPO path.
 """
 
 from __future__ import annotations
