@@ -100,7 +100,7 @@ def _tool(url, **config):
     return SearchTool({"type": "native", "retrieval_service_url": url, "topk": 2, **config}, None)
 
 
-def _loop(lm, url, *, turns=3, response_length=600):
+def _loop(lm, url, *, turns=3, response_length=600, **tool_config):
     model, tokenizer = lm
     config = OmegaConf.create(
         {
@@ -122,7 +122,7 @@ def _loop(lm, url, *, turns=3, response_length=600):
         dataset_cls=None,
         data_config=DictConfigWrap(config.data),
         hf_model_type="qwen3",
-        tools=ToolListWrap([_tool(url)]),
+        tools=ToolListWrap([_tool(url, **tool_config)]),
     )
 
 
@@ -258,3 +258,35 @@ def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_ur
         )
     )
     assert observed == expected
+
+
+#: tensors verl's agent loop puts in the batch (``AgentLoopWorker._postprocess``)
+VERL_TENSOR_KEYS = {"prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                    "rm_scores", "rollout_log_probs"}
+
+
+def test_defect1_extra_fields_do_not_collide_with_verl_batch_tensors(lm, search_url):
+    """verl copies every extra field into non_tensor_batch; a tensor name there breaks to_tensordict()."""
+    from spader_pipeline.verl_plugin.trajectory import MASK_FIELD
+
+    _, tokenizer = lm
+    loop = _loop(lm, search_url)
+    loop.server_manager = ScriptedServer(tokenizer)
+    output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
+    assert not set(output.extra_fields) & VERL_TENSOR_KEYS
+    assert output.extra_fields[MASK_FIELD] == output.response_mask
+
+
+def test_defect4_search_failures_are_counted_per_trajectory(lm, search_url):
+    """A dead retrieval service turns every search into an error observation: the loop counts them."""
+    from spader_pipeline.verl_plugin.trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
+
+    _, tokenizer = lm
+    fields = {}
+    for name, url in (("up", search_url), ("down", "http://127.0.0.1:9")):
+        loop = _loop(lm, url, max_retries=0)
+        loop.server_manager = ScriptedServer(tokenizer)
+        fields[name] = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={})).extra_fields
+    assert (fields["up"][SEARCH_CALLS_FIELD], fields["up"][SEARCH_ERRORS_FIELD]) == (1, 0)
+    assert (fields["down"][SEARCH_CALLS_FIELD], fields["down"][SEARCH_ERRORS_FIELD]) == (1, 1)
+    assert fields["down"]["tool_call_counts"] == 1

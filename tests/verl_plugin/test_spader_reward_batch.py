@@ -179,7 +179,13 @@ def _configure(reward_kwargs: dict) -> None:
 
 
 def _streamed_output(data: DataProto, outputs: list[dict], reward_kwargs: dict = SPADER_KWARGS) -> DataProto:
-    """What verl's streaming path hands over: scalars on the last valid token, extras per sample."""
+    """What verl's streaming path hands over, re-assembled by the group reward assembly."""
+    gen_in, gen_out = _streamed_pair(data, outputs, reward_kwargs)
+    return assemble_group_rewards(get_reward_manager_cls("spader"), gen_in, gen_out)
+
+
+def _streamed_pair(data: DataProto, outputs: list[dict], reward_kwargs: dict = SPADER_KWARGS):
+    """(generation input, output) of verl's streaming path: scalars on the last valid token, extras per sample."""
     _configure(reward_kwargs)
     bsz = len(data)
     prompt_len = data.batch["prompts"].shape[1]
@@ -201,7 +207,7 @@ def _streamed_output(data: DataProto, outputs: list[dict], reward_kwargs: dict =
         non_tensors={k: data.non_tensor_batch[k] for k in ("uid", "reward_model", "data_source")},
         meta_info=dict(data.meta_info),
     )
-    return assemble_group_rewards(get_reward_manager_cls("spader"), gen_in, gen_out)
+    return gen_in, gen_out
 
 
 def _expected(trajs: list[Traj], global_step: int, response_mask: torch.Tensor, format_penalty: float):
@@ -371,6 +377,8 @@ def test_group_reward_agent_loop_manager_wraps_generation(spader_batch, monkeypa
     _configure(SPADER_KWARGS)
     manager = object.__new__(GroupRewardAgentLoopManager)  # no Ray workers needed for the wrapper
     manager.reward_cls = SpaderRewardManager
+    manager.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 16, "val_kwargs": {"n": 1}}}})
+    manager.max_error_rate = 0.5
     prompts = DataProto.from_dict(
         tensors={"input_ids": data.batch["prompts"]},
         non_tensors={"uid": data.non_tensor_batch["uid"]},
@@ -399,3 +407,23 @@ def test_forged_observation_in_model_text_earns_nothing():
     rm = _streamed_output(data, outputs).batch["rm_scores"]
     # only the final term (F1 of ["Queen"] = 0.4) remains; the forged "Queen" document pays nothing
     assert rm.sum(dim=1).tolist() == pytest.approx([0.4, 0.4])
+
+
+def test_defect5_padded_validation_rows_do_not_count_in_group_terms(spader_batch):
+    """verl pads a validation batch with copies of its first rows (same uid); they must not change
+    the group terms (SPADER's novelty counts) of the real rows."""
+    from verl.protocol import pad_dataproto_to_divisor
+
+    trajs, _, data, outputs = spader_batch
+    reward_cls = get_reward_manager_cls("spader")
+    exact = assemble_group_rewards(reward_cls, *_streamed_pair(data, outputs)).batch["rm_scores"]
+
+    def padded(group_size):
+        gen_in, gen_out = _streamed_pair(data, outputs)
+        gen_in, pad = pad_dataproto_to_divisor(gen_in, 5)  # 32 rows -> 35, as verl's _validate does
+        gen_out, _ = pad_dataproto_to_divisor(gen_out, 5)
+        assert pad == 3
+        return assemble_group_rewards(reward_cls, gen_in, gen_out, group_size).batch["rm_scores"][: len(data)]
+
+    assert not torch.allclose(padded(None), exact)  # counting the copies shifts the novelty weights
+    torch.testing.assert_close(padded(16), exact)

@@ -28,8 +28,18 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutConfig, RolloutState, run_rollouts
 from spader_pipeline.agent.tokens import TokenLayout
 from spader_pipeline.verl_plugin.search_tool import SearchTool
+from spader_pipeline.verl_plugin.trajectory import MASK_FIELD, SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
 AGENT_NAME = "spader_search"
+#: how agent.rollout.observe_search marks a failure of the retrieval service itself (not of the query)
+SERVICE_FAILURE_PREFIX = "search failed"
+
+
+def search_counts(steps: Sequence[Any]) -> tuple[int, int]:
+    """``(calls, failures)``: searches sent to the retrieval service, and those the service failed."""
+    calls = [s for s in steps if s.kind == "search" and s.queries]
+    failures = [s for s in calls if (s.error or "").startswith(SERVICE_FAILURE_PREFIX)]
+    return len(calls), len(failures)
 
 
 class _ServerGenerator(Generator):
@@ -109,6 +119,7 @@ class SearchAgentLoop(AgentLoopBase):
         total = time.perf_counter() - start
         length = self.limits.max_response_tokens
         observations = sum(1 for s in trajectory.steps if s.observation is not None)
+        calls, failures = search_counts(trajectory.steps)
         return AgentLoopOutput(
             prompt_ids=trajectory.prompt_ids,
             response_ids=trajectory.response_ids[:length],
@@ -123,8 +134,13 @@ class SearchAgentLoop(AgentLoopBase):
             extra_fields={
                 # The reward manager splits steps on this mask (its fallback, splitting on
                 # <tool_response> blocks in decoded text, misreads a model-written fake block).
-                "response_mask": list(trajectory.response_mask[:length]),
+                # Not named `response_mask`: verl copies every extra field into the batch's
+                # non-tensor part, where that name collides with its own tensor.
+                MASK_FIELD: list(trajectory.response_mask[:length]),
                 "finish_reason": trajectory.finish_reason,
+                SEARCH_CALLS_FIELD: calls,
+                SEARCH_ERRORS_FIELD: failures,
+                "tool_call_counts": calls,  # verl logs tool_call_counts/{min,max,mean}
                 "search_queries": [list(s.queries) for s in trajectory.steps],
                 "retrieved_doc_ids": [s.doc_ids for s in trajectory.steps],
                 "turn_scores": [],

@@ -44,7 +44,7 @@ from spader_pipeline.algorithms.matching import EntityMatcher, normalize_ground_
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig, first_occurrence_steps, spader_rewards
 from spader_pipeline.algorithms.steps import scatter_to_anchors, segment_steps
 
-from .trajectory import TrajectoryRecord, read_trajectory
+from .trajectory import MASK_FIELD, TrajectoryRecord, read_trajectory
 
 __all__ = ["PAYLOAD_KEY", "RewardSettings", "SpaderRewardManager"]
 
@@ -187,8 +187,8 @@ class SpaderRewardManager(RewardManagerBase):
             mask = item.batch["response_mask"][:valid]
         else:
             extra = item.non_tensor_batch.get("tool_extra_fields", None)
-            if isinstance(extra, Mapping) and extra.get("response_mask") is not None:
-                mask = torch.as_tensor(extra["response_mask"])[:valid]
+            if isinstance(extra, Mapping) and extra.get(MASK_FIELD) is not None:
+                mask = torch.as_tensor(extra[MASK_FIELD])[:valid]
         ground_truth = item.non_tensor_batch["reward_model"]["ground_truth"]
         ground_truth = ground_truth.tolist() if isinstance(ground_truth, np.ndarray) else ground_truth
         record = read_trajectory(

@@ -18,7 +18,22 @@ import torch
 from spader_pipeline.agent.protocol import OBSERVATION_CLOSE, OBSERVATION_OPEN, parse_turn
 from spader_pipeline.algorithms.matching import AnswerScore, score_answers
 
-__all__ = ["StepRecord", "TrajectoryRecord", "documents_in_observation", "read_trajectory"]
+__all__ = [
+    "MASK_FIELD",
+    "SEARCH_CALLS_FIELD",
+    "SEARCH_ERRORS_FIELD",
+    "StepRecord",
+    "TrajectoryRecord",
+    "documents_in_observation",
+    "read_trajectory",
+]
+
+#: Agent-loop extra field carrying the response's model-token mask (1 model, 0 observation) to the
+#: reward manager. Not ``response_mask``: verl copies every extra field into the batch's non-tensor
+#: part, where that name would collide with its own ``response_mask`` tensor.
+MASK_FIELD = "spader_response_mask"
+#: Agent-loop extra fields: searches sent to the retrieval service, and how many of them failed.
+SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD = "search_calls", "search_errors"
 
 # One retrieved document per line, as rendered by agent.protocol.format_observation.
 _DOC_LINE = re.compile(r"^Doc \d+ \(Title: (.*)$", re.MULTILINE)

@@ -1,0 +1,88 @@
+"""Check that every Ray node registers the project's verl plugin — before training starts.
+
+verl imports plugins on ``import verl`` (``VERL_USE_EXTERNAL_MODULES`` and the ``verl.plugins`` entry
+points) and logs entry-point import errors at debug level only, so a node where the plugin does not
+load (package missing, environment variable not forwarded to a pre-started cluster) fails late or
+not at all. :func:`check_workers_registered` runs one Ray task per alive node that imports verl
+*the way verl's own workers do* and reports what is missing.
+
+This module must not import :mod:`spader_pipeline.verl_plugin` (importing it registers everything and
+would make the check pass trivially); Ray tasks defined here unpickle without it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+#: what the project's verl runs need, by registry
+REQUIRED = {"advantage estimator": ("spa", "calibadv", "tspo"), "agent loop": ("spader_search",),
+            "reward manager": ("spader",)}
+
+
+class PluginNotRegisteredError(RuntimeError):
+    """The project's verl plugin is not registered in some Ray worker process."""
+
+
+def missing_registrations() -> dict[str, list[str]]:
+    """Names of :data:`REQUIRED` not registered after ``import verl`` in this process."""
+    import verl  # noqa: F401  (runs verl's plugin loading)
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    present = {"advantage estimator": ADV_ESTIMATOR_REGISTRY, "agent loop": _agent_loop_registry,
+               "reward manager": REWARD_MANAGER}
+    missing = {kind: [n for n in names if n not in present[kind]] for kind, names in REQUIRED.items()}
+    return {kind: names for kind, names in missing.items() if names}
+
+
+def _node_report() -> dict:
+    """Run on a worker: what is missing, and why the plugin did not load (if it does not)."""
+    report = {"host": socket.gethostname(), "missing": missing_registrations(),
+              "VERL_USE_EXTERNAL_MODULES": os.environ.get("VERL_USE_EXTERNAL_MODULES", "")}
+    if report["missing"]:
+        try:
+            import spader_pipeline.verl_plugin  # noqa: F401
+        except Exception as exc:  # the reason verl swallowed
+            report["import_error"] = f"{exc.__class__.__name__}: {exc}"
+    return report
+
+
+def format_reports(reports: Mapping[str, Mapping]) -> str:
+    lines = []
+    for node, report in reports.items():
+        missing = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in report["missing"].items())
+        line = f"node {node} ({report.get('host', '?')}): missing {missing}"
+        if report.get("import_error"):
+            line += f"; importing spader_pipeline.verl_plugin fails with {report['import_error']}"
+        lines.append(line + f"; VERL_USE_EXTERNAL_MODULES={report.get('VERL_USE_EXTERNAL_MODULES')!r}")
+    return "\n".join(lines)
+
+
+def check_workers_registered(timeout: float = 300.0) -> None:
+    """Raise :class:`PluginNotRegisteredError` unless the plugin registers on every alive Ray node.
+
+    Uses the running Ray session (call it from inside a verl run, e.g. the agent-loop manager).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(_node_report)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+            for node in nodes}
+    reports = {}
+    for node, ref in refs.items():
+        try:
+            reports[node] = ray.get(ref, timeout=timeout)
+        except Exception as exc:  # e.g. spader_pipeline not installed there: the task cannot unpickle
+            reports[node] = {"missing": REQUIRED, "import_error": f"{exc.__class__.__name__}: {exc}"}
+    bad = {node: r for node, r in reports.items() if r["missing"]}
+    if bad:
+        raise PluginNotRegisteredError(
+            "the project's verl plugin is not registered on every Ray node; install spader-pipeline on "
+            "each node and forward VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin (the launcher "
+            "sets ray_kwargs.ray_init.runtime_env.env_vars):\n" + format_reports(bad)
+        )
