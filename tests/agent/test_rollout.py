@@ -77,6 +77,7 @@ def test_invalid_turns_get_a_corrective_observation_and_max_turns_stops(retrieva
     )
     assert t.finish_reason == "max_turns" and t.predicted is None
     assert [s.kind for s in t.steps] == ["invalid"] * 3
+    assert [s.error_kind for s in t.steps] == ["invalid_turn"] * 3
     assert t.steps[0].observation == format_error_observation(t.steps[0].error)
     assert FORMAT_HINT in t.messages[2]["content"]
     assert t.steps[-1].observation is None  # nothing is observed after the last allowed turn
@@ -112,14 +113,14 @@ def test_search_failure_becomes_an_error_observation():
     turns = ['<tool_call>["Ghana"]</tool_call>', '<answer>["Ghana"]</answer>']
     [t] = asyncio.run(_roll(QUESTIONS[:1], Replay(turns), "http://127.0.0.1:9", max_retries=0, timeout=2.0))
     assert t.finish_reason == "answer" and t.predicted == ("Ghana",)
-    assert t.steps[0].error.startswith("search failed") and t.num_searches == 0
+    assert t.steps[0].error_kind == "search_failed" and t.num_searches == 0
     assert t.steps[0].observation.startswith("<tool_response>\nError: the search service failed")
 
 
 def test_a_refused_query_is_the_agents_error_not_an_outage(retrieval_url):
     turns = ['<tool_call>["' + "x" * 5000 + '"]</tool_call>', '<answer>["Ghana"]</answer>']
     [t] = asyncio.run(_roll(QUESTIONS[:1], Replay(turns), retrieval_url))
-    assert t.steps[0].error.startswith("query rejected") and t.finish_reason == "answer"
+    assert t.steps[0].error_kind == "query_rejected" and t.finish_reason == "answer"
     assert "rejected these queries (4" in t.steps[0].observation
 
 
@@ -140,9 +141,9 @@ def test_scripted_helpers():
 
 def test_config_from_mapping_rejects_unknown_keys():
     assert RolloutConfig.from_mapping({"max_turns": 2}).max_turns == 2
-    with pytest.raises(ValueError, match="unknown rollout parameters"):
+    with pytest.raises(ValueError, match=r"unknown rollout settings \['max_turn'\]"):
         RolloutConfig.from_mapping({"max_turn": 2})
-    with pytest.raises(ValueError, match="unknown sampling parameters"):
+    with pytest.raises(ValueError, match="unknown sampling settings"):
         SamplingParams.from_mapping({"temp": 1})
 
 

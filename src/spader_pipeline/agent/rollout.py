@@ -48,12 +48,17 @@ from spader_pipeline.agent.protocol import (
     format_observation,
     parse_turn,
 )
+from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
 
 FinishReason = Literal["answer", "max_turns", "token_budget", "error"]
+#: Why a step's action failed: a malformed turn, a tool call without a query, queries the search
+#: service refused (4xx: the agent's error), or the search service itself failing (an outage).
+ErrorKind = Literal["invalid_turn", "no_query", "query_rejected", "search_failed"]
 
 __all__ = [
+    "ErrorKind",
     "FinishReason",
     "GeneratedTurn",
     "Generator",
@@ -94,11 +99,7 @@ class SamplingParams:
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any] | None) -> SamplingParams:
-        params = dict(params or {})
-        unknown = set(params) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
-        return cls(**params)
+        return from_mapping(cls, params, where="sampling")
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,7 @@ class RolloutConfig:
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any] | None) -> RolloutConfig:
-        params = dict(params or {})
-        unknown = set(params) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown rollout parameters {sorted(unknown)}")
-        return cls(**params)
+        return from_mapping(cls, params, where="rollout")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,6 +154,8 @@ class Step:
     queries: tuple[str, ...] = ()
     answers: tuple[str, ...] = ()
     error: str | None = None
+    error_kind: ErrorKind | None = None
+    """what kind of failure ``error`` describes (``search_failed``: the service, not the agent)"""
     doc_ids: list[list[str]] = field(default_factory=list)
     titles: list[list[str]] = field(default_factory=list)
     retrieved_texts: list[str] = field(default_factory=list)
@@ -386,6 +385,7 @@ class SearchOutcome:
     retrieved_texts: list[str] = field(default_factory=list)
     truncation_warning: str | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 async def observe_search(
@@ -402,7 +402,7 @@ async def observe_search(
         queries = queries[: config.max_queries_per_call]
     if not queries:
         message = "the tool call has no non-empty query"
-        return SearchOutcome(format_error_observation(message), (), error=message)
+        return SearchOutcome(format_error_observation(message), (), error=message, error_kind="no_query")
     try:
         response = await search.search(queries, topk=config.topk, max_chars=config.max_chars)
     except Exception as exc:  # noqa: BLE001 - a failed search is an observation, not a crash
@@ -411,10 +411,12 @@ async def observe_search(
             text = format_error_observation(
                 f"the search service rejected these queries ({status}); change them"
             )
-            return SearchOutcome(text, tuple(queries), error=f"query rejected: {exc}")
+            return SearchOutcome(text, tuple(queries), error=f"query rejected: {exc}", error_kind="query_rejected")
         logger.warning("search failed for %r: %s", queries, exc)
         text = format_error_observation(f"the search service failed ({exc.__class__.__name__}); try again")
-        return SearchOutcome(text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}")
+        return SearchOutcome(
+            text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}", error_kind="search_failed"
+        )
     results, warning = _results_of(response)
     if config.max_document_chars:
         results = [_shortened(result, config.max_document_chars) for result in results]
@@ -449,6 +451,7 @@ async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> 
     step.queries = outcome.queries
     step.doc_ids, step.titles, step.retrieved_texts = outcome.doc_ids, outcome.titles, outcome.retrieved_texts
     step.truncation_warning, step.error = outcome.truncation_warning, outcome.error
+    step.error_kind = outcome.error_kind
     return outcome.text
 
 
@@ -482,6 +485,7 @@ async def _advance(
             queries=parsed.queries,
             answers=parsed.answers,
             error=parsed.error,
+            error_kind="invalid_turn" if parsed.kind == "invalid" else None,
             token_span=(start, state.response_length) if generator.token_level else None,
         )
         state.steps.append(step)
