@@ -4,6 +4,7 @@ A real launch needs GPUs and is marked ``gpu``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from spader_pipeline.launch.verl import (
     PLUGIN_MODULE,
     VerlLaunchError,
     build_launch,
+    is_loopback_url,
+    retrieval_endpoints,
     run_streaming,
     verl_environment,
 )
@@ -31,12 +34,64 @@ def params():
     return loader["parameters"]
 
 
+def _checkpoint(path: Path, model_type: str = "qwen3") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return path
+
+
 @pytest.fixture
 def launch(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
     training = {**params["training"], "verl": {**params["training"]["verl"], "ray_address": "10.0.0.1:6379"}}
-    return build_launch({"path": str(tmp_path / "warm")}, params["train_spader"]["method"], training, tmp_path / "run",
-                        retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db", run_id="abc123")
+    return build_launch({"path": str(_checkpoint(tmp_path / "warm"))}, params["train_spader"]["method"], training,
+                        tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db",
+                        run_id="abc123")
+
+
+def _launch(params, tmp_path, *, model_type="qwen3", url="http://127.0.0.1:8123", **verl):
+    training = {**params["training"], "verl": {**params["training"]["verl"], **verl}}
+    return build_launch({"path": str(_checkpoint(tmp_path / "warm", model_type))}, params["train_spader"]["method"],
+                        training, tmp_path / "run", retrieval_url=url)
+
+
+def test_defect2_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _launch(params, tmp_path, nnodes=1)  # one node: loopback is fine
+    for url in ("http://127.0.0.1:8123", "http://localhost:8000", "http://0.0.0.0:8000"):
+        with pytest.raises(ValueError, match="loopback"):
+            _launch(params, tmp_path, nnodes=2, url=url)
+    launch = _launch(params, tmp_path, nnodes=2, url="http://10.0.0.5:8000")
+    tool_cfg = next(a.split("=", 1)[1] for a in launch.argv if "multi_turn.tool_config_path=" in a)
+    assert yaml.safe_load(Path(tool_cfg).read_text())["tools"][0]["config"]["retrieval_service_url"] == "http://10.0.0.5:8000"
+
+
+def test_defect2_started_service_binds_one_address_and_advertises_another():
+    assert retrieval_endpoints({}, 8000) == ("127.0.0.1", "http://127.0.0.1:8000")
+    verl = {"retrieval_bind_host": "0.0.0.0", "retrieval_advertised_host": "head-node.cluster"}
+    assert retrieval_endpoints(verl, 8000) == ("0.0.0.0", "http://head-node.cluster:8000")
+    with pytest.raises(ValueError, match="retrieval_advertised_host"):
+        retrieval_endpoints({"retrieval_bind_host": "0.0.0.0"}, 8000)
+    assert is_loopback_url("http://127.0.0.2:1") and not is_loopback_url("http://10.1.2.3:1")
+
+
+def test_defect3_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
+    """Workers of a pre-started cluster do not inherit the launching shell: forward via runtime_env."""
+    prefix = "++ray_kwargs.ray_init.runtime_env.env_vars."
+    forwarded = dict(a[len(prefix):].split("=", 1) for a in launch.argv if a.startswith(prefix))
+    assert PLUGIN_MODULE in forwarded["VERL_USE_EXTERNAL_MODULES"]
+    assert forwarded["MLFLOW_RUN_ID"] == "abc123" and forwarded["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/x.db"
+
+
+def test_defect7_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert "spader_model=llama3_8b" in _launch(params, tmp_path, model_type="llama").argv  # paper: 200 free steps
+    assert "spader_model=qwen3_8b" in _launch(params, tmp_path, model_type="qwen3").argv
+    assert "spader_model=qwen3_8b" in _launch(params, tmp_path, model_type="llama", model="qwen3_8b").argv
+    with pytest.raises(ValueError, match="training.verl.model"):
+        _launch(params, tmp_path, model_type="gpt2")
+    with pytest.raises(ValueError, match="unknown training.verl keys \\['overlay'\\]"):
+        _launch(params, tmp_path, overlay="spader_llama3_8b")
 
 
 def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path):

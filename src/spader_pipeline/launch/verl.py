@@ -3,14 +3,19 @@
 What the launch does, in order:
 
 1. starts the retrieval service on the index (``spader-retrieval serve``) unless a URL is given,
-   and writes a run-specific copy of the search-tool config pointing at it;
+   and writes a run-specific copy of the search-tool config pointing at it. verl runs its agent-loop
+   workers on every Ray node, so with ``nnodes > 1`` the URL they get must not be loopback: bind the
+   started service with ``retrieval_bind_host`` (e.g. ``0.0.0.0``) and give the address the other
+   nodes reach it at in ``retrieval_advertised_host``, or pass an external ``retrieval_url``;
 2. composes the command with the algorithms package's
    :func:`~spader_pipeline.verl_plugin.overrides.main_ppo_argv` (the method's Hydra overlay in
    ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
 3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
    reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
    ``MLFLOW_RUN_ID`` of the Kedro run (VERL's MLflow tracker joins it), ``RAY_ADDRESS`` for an
-   existing cluster;
+   existing cluster. The same variables are forwarded to every Ray worker through
+   ``ray_kwargs.ray_init.runtime_env.env_vars`` (workers of a pre-started cluster do not inherit
+   the launching shell's environment);
 4. streams VERL's output to the log and to ``<run_dir>/verl.log``; a non-zero exit raises
    :class:`VerlLaunchError` carrying the last lines, so the node (and the Kedro run) fails with them.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -31,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -38,6 +45,18 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
 DEFAULT_CONFIG_DIR = Path("conf/base/verl")
+
+#: keys of ``training.verl`` (anything else is a typo or a dead setting and raises)
+VERL_KEYS = frozenset({
+    "model", "overrides", "ray_address", "n_gpus_per_node", "nnodes", "project_name", "total_training_steps",
+    "logger", "train_files", "val_files", "config_dir", "timeout", "log_tail_lines",
+    "retrieval_url", "start_retrieval_service", "retrieval_bind_host", "retrieval_advertised_host", "retrieval_port",
+})
+#: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
+MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
+#: environment variables of the launch that every Ray worker needs too
+FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_HUB_OFFLINE",
+                 "TOKENIZERS_PARALLELISM")
 
 
 class VerlLaunchError(RuntimeError):
@@ -68,7 +87,7 @@ def verl_parameters(
     ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
     ``training.reward`` the shared reward settings (the same ones the native trainer uses).
     """
-    verl = dict(training.get("verl") or {})
+    verl = verl_settings(training)
     reward = {**dict(training.get("reward") or {}), **dict(method.get("reward") or {})}
     params: dict[str, Any] = {
         "method": method["method"],
@@ -87,10 +106,73 @@ def verl_parameters(
     for key in ("model", "project_name", "total_training_steps"):
         if verl.get(key) is not None:
             params[key] = verl[key]
+    if "model" not in params:
+        params["model"] = model_family(init_manifest["path"])
     if tool_config_path is not None:
         params["tool_config_path"] = str(Path(tool_config_path).resolve())
     params["agent_loop_config_path"] = str((Path(verl.get("config_dir", DEFAULT_CONFIG_DIR)) / "agent_loops.yaml").resolve())
     return params
+
+
+def verl_settings(training: Mapping[str, Any]) -> dict[str, Any]:
+    """``training.verl`` as a dict; unknown keys raise (a misspelt or dead key never passes silently)."""
+    verl = dict(training.get("verl") or {})
+    unknown = sorted(set(verl) - VERL_KEYS)
+    if unknown:
+        raise ValueError(f"unknown training.verl keys {unknown}; known: {sorted(VERL_KEYS)}")
+    return verl
+
+
+def model_family(model_path: str | Path) -> str:
+    """The ``spader_model`` schedule group of a checkpoint, from its ``config.json`` ``model_type``.
+
+    Set ``training.verl.model`` to choose explicitly (e.g. for a family not in :data:`MODEL_FAMILIES`).
+    """
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"cannot tell the model family of {model_path} (no config.json); set training.verl.model")
+    model_type = str(json.loads(config.read_text()).get("model_type", ""))
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} of {model_path} has no paper schedule ({sorted(MODEL_FAMILIES)}); "
+            "set training.verl.model to one of qwen3_8b, llama3_8b"
+        )
+    return MODEL_FAMILIES[model_type]
+
+
+def is_loopback_url(url: str) -> bool:
+    """True for a URL whose host only the local machine can reach (127.x, localhost, ::1, 0.0.0.0)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host.startswith("127.") or host in ("localhost", "::1", "0.0.0.0", "::", "")
+
+
+def check_worker_url(url: str, nnodes: int) -> str:
+    """``url`` if the agent-loop workers of every node can use it; raise for loopback with ``nnodes > 1``."""
+    if nnodes > 1 and is_loopback_url(url):
+        raise ValueError(
+            f"the retrieval service URL {url} is loopback, but verl runs agent-loop workers on all {nnodes} "
+            "nodes and their searches would fail. Set training.verl.retrieval_bind_host (e.g. 0.0.0.0) and "
+            "retrieval_advertised_host (this node's address), or retrieval_url (a service every node reaches)"
+        )
+    return url
+
+
+def retrieval_endpoints(verl: Mapping[str, Any], port: int) -> tuple[str, str]:
+    """``(bind_host, worker_url)`` of a retrieval service the launcher starts on ``port``."""
+    bind = str(verl.get("retrieval_bind_host") or "127.0.0.1")
+    advertised = verl.get("retrieval_advertised_host") or (None if bind in ("0.0.0.0", "::") else bind)
+    if advertised is None:
+        raise ValueError(f"retrieval_bind_host={bind} needs retrieval_advertised_host (the address workers use)")
+    host = f"[{advertised}]" if ":" in str(advertised) else str(advertised)
+    return bind, f"http://{host}:{port}"
+
+
+def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
+    """Hydra overrides forwarding :data:`FORWARDED_ENV` of ``env`` to every Ray worker."""
+    from spader_pipeline.verl_plugin.overrides import hydra_value
+
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_value(env[key])}"
+            for key in FORWARDED_ENV if env.get(key)]
 
 
 def verl_environment(
@@ -138,7 +220,8 @@ def build_launch(
     """Compose the VERL launch for one method (pure apart from writing the tool config copy)."""
     from spader_pipeline.verl_plugin.overrides import main_ppo_argv
 
-    verl = dict(training.get("verl") or {})
+    verl = verl_settings(training)
+    check_worker_url(retrieval_url, int(verl.get("nnodes", 1)))
     config_dir = Path(verl.get("config_dir", DEFAULT_CONFIG_DIR))
     run_dir = Path(run_dir)
     tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url, run_dir / "search_tool.yaml")
@@ -146,8 +229,9 @@ def build_launch(
     ray_address = verl.get("ray_address")
     if ray_address:
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
-    argv = main_ppo_argv(params, config_dir, python=python)
     env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address)
+    params["overrides"] = [*params["overrides"], *ray_env_overrides(env)]
+    argv = main_ppo_argv(params, config_dir, python=python)
     return Launch(argv, env, run_dir / "verl.log", run_dir, extra={"params": params})
 
 
@@ -201,12 +285,19 @@ def run_streaming(
 
 @contextlib.contextmanager
 def _retrieval(verl: Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[str]:
+    """The URL the agent-loop workers use: ``retrieval_url``, or a service started here for the run."""
+    nnodes = int(verl.get("nnodes", 1))
     if verl.get("retrieval_url"):
-        yield str(verl["retrieval_url"])
+        yield check_worker_url(str(verl["retrieval_url"]), nnodes)
     elif verl.get("start_retrieval_service", True):
+        from spader_pipeline.local_servers import free_port
         from spader_pipeline.retrieval import running_service
 
-        with running_service(index_manifest["index_dir"]) as url:
+        bind = str(verl.get("retrieval_bind_host") or "127.0.0.1")
+        port = int(verl.get("retrieval_port") or free_port(bind))
+        bind, url = retrieval_endpoints(verl, port)
+        check_worker_url(url, nnodes)  # before starting anything
+        with running_service(index_manifest["index_dir"], host=bind, port=port):
             yield url
     else:
         raise ValueError("training.verl needs retrieval_url or start_retrieval_service: true")
@@ -225,7 +316,7 @@ def launch_verl_training(
     """
     import mlflow
 
-    verl = dict(training.get("verl") or {})
+    verl = verl_settings(training)
     active = mlflow.active_run()
     with _retrieval(verl, index_manifest) as url:
         launch = build_launch(

@@ -41,6 +41,7 @@ __all__ = [
     "MODELS",
     "VERL_REWARD_KEYS",
     "build_overrides",
+    "hydra_value",
     "main_ppo_argv",
     "overlay_name",
 ]
@@ -90,6 +91,10 @@ def _value(v: Any) -> str:
             return v
         return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
     raise TypeError(f"cannot render {type(v).__name__} as a Hydra value: {v!r}")
+
+
+#: public name of the value renderer (the launcher forwards environment variables with it)
+hydra_value = _value
 
 
 def overlay_name(params: Mapping[str, Any]) -> str:
