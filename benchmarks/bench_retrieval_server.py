@@ -1,13 +1,21 @@
-"""Served BM25 search over loopback: requests/s and p50/p99 latency at 1, 8 and 32 concurrent
-clients, error count, and the server's memory before/after.
+"""Served BM25 search over loopback: server CPU per request next to requests/s, p50/p99 latency and
+errors, for the current service and (``--baseline-rev``) the service of another git revision, in
+one run, alternating.
 
-    .venv/bin/python benchmarks/bench_retrieval_server.py [--requests 4000] [--repeats 3]
+    .venv/bin/python benchmarks/bench_retrieval_server.py [--clients 32] [--seconds 10] [--repeats 3]
+        [--style search_r1|spader] [--client auto|wrk|python] [--baseline-rev 9ea9b85]
 
-The server (``spader-retrieval serve``, one uvicorn process) indexes the embedded corpus (10,033
-Wikipedia summaries). The load generator is a minimal keep-alive HTTP/1.1 client on asyncio streams
-(one connection per simulated client) so that the measurement is not dominated by client-side
-overhead; it runs on the same 2 shared cores as the server. Each request is a single query;
-``--style spader`` sends SPADER's training body (with the character budget), ``search_r1`` VERL's.
+Each server (``spader-retrieval serve``, one uvicorn process) serves the embedded corpus (10,033
+Wikipedia summaries); every request carries one query. **Server CPU per request** is the server
+process's own user+system CPU time over a run divided by the requests it answered (psutil on the
+server pid), so a slow load client cannot hide the server's cost. The load client is ``wrk``
+(compiled, one thread, Debian package ``wrk``) when it is installed, otherwise a multi-process
+keep-alive client on asyncio streams; its own CPU per request is printed too. Client and server
+share the same 2 cores (and the machine with other agents): req/s and latency depend on that load
+(``os.getloadavg()`` is printed per run), CPU per request much less.
+
+The baseline revision is exported with ``git archive`` into a temporary folder and put first on
+``PYTHONPATH`` for its server process (the index folder format is shared).
 """
 
 from __future__ import annotations
@@ -15,10 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
+import re
+import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +45,8 @@ from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: 
 from spader_pipeline.retrieval import running_service  # noqa: E402
 from spader_pipeline.retrieval.index import build_index  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def body_for(query: str, style: str) -> bytes:
     if style == "spader":
@@ -39,40 +56,86 @@ def body_for(query: str, style: str) -> bytes:
     return json.dumps(payload).encode()
 
 
-async def client_loop(host, port, bodies, latencies, errors):
+# ----------------------------------------------------------------------------- python load client
+
+
+async def _connection(host, port, bodies, deadline, latencies, errors):
     reader, writer = await asyncio.open_connection(host, port)
+    i = 0
     try:
-        for body in bodies:
+        while time.perf_counter() < deadline:
+            body = bodies[i % len(bodies)]
+            i += 1
             request = (b"POST /retrieve HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             started = time.perf_counter()
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head[9:12])
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
+            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
             payload = await reader.readexactly(length)
             latencies.append(time.perf_counter() - started)
-            if status != 200 or not payload.startswith(b'{"result":'):
-                errors.append(status)
+            if head[9:12] != b"200" or not payload.startswith(b'{"result":'):
+                errors.append(head[9:12])
     finally:
         writer.close()
 
 
-async def load(base_url: str, queries: list[str], concurrency: int, total: int, style: str):
-    host, port = base_url.removeprefix("http://").split(":")
-    bodies = [body_for(queries[i % len(queries)], style) for i in range(total)]
-    shares = [bodies[i::concurrency] for i in range(concurrency)]
-    latencies: list[float] = []
-    errors: list[int] = []
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop(host, int(port), s, latencies, errors) for s in shares))
-    elapsed = time.perf_counter() - started
-    lat = np.asarray(latencies) * 1e3
-    return {"rps": total / elapsed, "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-            "errors": len(errors) + (total - len(latencies))}
+def _client_process(args):
+    host, port, bodies, connections, seconds = args
+    latencies, errors = [], []
+
+    async def run():
+        deadline = time.perf_counter() + seconds
+        await asyncio.gather(*(_connection(host, port, bodies[c::connections] or bodies, deadline, latencies, errors)
+                               for c in range(connections)))
+
+    asyncio.run(run())
+    return latencies, len(errors)
+
+
+def python_load(url, bodies, clients, seconds, processes=2):
+    host, port = url.removeprefix("http://").split(":")
+    per = [clients // processes + (1 if p < clients % processes else 0) for p in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.map(_client_process, [(host, int(port), bodies[p::processes], n, seconds)
+                                           for p, n in enumerate(per) if n])
+    lat = np.concatenate([np.asarray(p[0]) for p in parts]) * 1e3
+    return {"requests": int(lat.size), "errors": sum(p[1] for p in parts),
+            "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
+
+
+# ----------------------------------------------------------------------------- wrk load client
+
+_WRK_SCRIPT = """
+local bodies = {}
+for line in io.lines("%s") do bodies[#bodies + 1] = line end
+local i = 0
+request = function()
+  i = i + 1
+  return wrk.format("POST", "/retrieve", {["Content-Type"] = "application/json"}, bodies[(i %% #bodies) + 1])
+end
+"""
+
+
+def _ms(value: str, unit: str) -> float:
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+
+def wrk_load(url, bodies_file, script, clients, seconds):
+    out = subprocess.run(["wrk", "-t1", f"-c{clients}", f"-d{seconds}s", "--latency", "-s", script, url],
+                         capture_output=True, text=True, check=True).stdout
+    lat = dict(re.findall(r"^\s+(50|99)%\s+([\d.]+\w+)", out, re.M))
+    def parse(x):
+        m = re.match(r"([\d.]+)(us|ms|s|m)$", x)
+        return _ms(m.group(1), m.group(2))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = (int(non2xx.group(1)) if non2xx else 0) + (sum(map(int, sock.groups())) if sock else 0)
+    return {"requests": requests, "errors": errors, "p50_ms": parse(lat["50"]), "p99_ms": parse(lat["99"])}
+
+
+# ----------------------------------------------------------------------------- harness
 
 
 def server_process(base_url: str) -> psutil.Process:
@@ -83,48 +146,83 @@ def server_process(base_url: str) -> psutil.Process:
     raise RuntimeError("server process not found")
 
 
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(url, proc, load, seconds):
+    cpu0 = sum(proc.cpu_times()[:2])
+    client0 = children_cpu()
+    load0 = os.getloadavg()[0]
+    started = time.perf_counter()
+    result = load()
+    elapsed = time.perf_counter() - started
+    server_cpu = sum(proc.cpu_times()[:2]) - cpu0
+    n = max(result["requests"], 1)
+    return {**result, "rps": result["requests"] / elapsed, "server_cpu_us": server_cpu / n * 1e6,
+            "client_cpu_us": (children_cpu() - client0) / n * 1e6, "load": (load0 + os.getloadavg()[0]) / 2}
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=4000, help="requests per concurrency level and run")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=int, default=10, help="per run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--style", choices=("search_r1", "spader"), default="search_r1")
-    parser.add_argument("--set", action="append", default=[], help="server setting, e.g. search_threads=2")
+    parser.add_argument("--client", choices=("auto", "wrk", "python"), default="auto")
+    parser.add_argument("--baseline-rev", help="also measure the service of this git revision (e.g. 9ea9b85)")
+    parser.add_argument("--set", action="append", default=[], help="server setting, e.g. batch_window_ms=1")
     args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+    client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "python")
 
     passages = embedded_passages()
     queries = embedded_queries(passages, 2000, seed=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_index(passages, tmp, "bm25", show_progress=False)
+    bodies = [body_for(q, args.style) for q in queries]
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        tmp = Path(tmp)
+        build_index(passages, tmp / "index", "bm25", show_progress=False)
+        (tmp / "bodies.jsonl").write_bytes(b"\n".join(bodies) + b"\n")
+        (tmp / "load.lua").write_text(_WRK_SCRIPT % (tmp / "bodies.jsonl"))
+        servers = {}
+        if args.baseline_rev:
+            src = export_revision(args.baseline_rev, tmp)
+            env = {"PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            servers[f"baseline {args.baseline_rev}"] = stack.enter_context(
+                running_service(tmp / "index", extra_args=[], env=env))
         extra = [a for kv in args.set for a in ("--set", kv)]
-        with running_service(tmp, extra_args=extra) as base_url:
-            proc = server_process(base_url)
-            asyncio.run(load(base_url, queries, 8, 1000, args.style))  # warm-up
-            rss_before = proc.memory_info().rss
-            cpu_before = sum(proc.cpu_times()[:2])
-            runs: dict[int, list[dict]] = {c: [] for c in levels}
-            total = 0
-            for _ in range(args.repeats):
-                for c in levels:
-                    runs[c].append(asyncio.run(load(base_url, queries, c, args.requests, args.style)))
-                    total += args.requests
-            rss_after = proc.memory_info().rss
-            cpu_per_request_us = (sum(proc.cpu_times()[:2]) - cpu_before) / total * 1e6
+        servers["current"] = stack.enter_context(running_service(tmp / "index", extra_args=extra))
 
-    print(f"served BM25 over loopback, {args.style} single-query requests, {args.requests} requests per level "
-          f"per run, median of {args.repeats} runs; 2-core CPU shared with the load generator and other agents")
-    errors = 0
-    for c in levels:
-        med = {key: statistics.median(r[key] for r in runs[c]) for key in ("rps", "p50_ms", "p99_ms")}
-        errs = sum(r["errors"] for r in runs[c])
-        errors += errs
-        print(f"  {c:3d} clients: {med['rps']:7.0f} req/s   p50 {med['p50_ms']:6.2f} ms   p99 {med['p99_ms']:6.2f} ms"
-              f"   errors {errs}")
-    print(f"  total requests {total}, errors {errors}; server RSS {rss_before / 2**20:.1f} MiB -> "
-          f"{rss_after / 2**20:.1f} MiB ({(rss_after - rss_before) / 2**20:+.1f} MiB)")
-    print(f"  server CPU time per request: {cpu_per_request_us:.0f} us (user+system; a load-independent cost: "
-          f"one free core would serve ~{1e6 / cpu_per_request_us:.0f} req/s)")
+        def load_for(url):
+            if client == "wrk":
+                return lambda: wrk_load(url, tmp / "bodies.jsonl", str(tmp / "load.lua"), args.clients, args.seconds)
+            return lambda: python_load(url, bodies, args.clients, args.seconds)
+
+        procs = {name: server_process(url) for name, url in servers.items()}
+        for name, url in servers.items():  # warm-up
+            measure(url, procs[name], load_for(url) if client == "wrk" else
+                    (lambda url=url: python_load(url, bodies[:500], 8, 2)), 2)
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for _ in range(args.repeats):
+            for name, url in servers.items():
+                runs[name].append(measure(url, procs[name], load_for(url), args.seconds))
+                print(f"  {name:>18}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
+
+    print(f"\nserved BM25 over loopback, {args.style} single-query requests, {args.clients} clients, "
+          f"load client {client}, {args.seconds} s per run, median of {args.repeats} runs (2 shared cores)")
+    print(f"{'server':>20} {'server CPU/req us':>18} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>7} "
+          f"{'client CPU/req us':>18} {'load avg':>9}")
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("server_cpu_us", "rps", "p50_ms", "p99_ms",
+                                                                "client_cpu_us", "load")}
+        print(f"{name:>20} {med['server_cpu_us']:>18.0f} {med['rps']:>7.0f} {med['p50_ms']:>7.2f} {med['p99_ms']:>7.2f} "
+              f"{sum(r['errors'] for r in rs):>7d} {med['client_cpu_us']:>18.0f} {med['load']:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,31 @@ def test_sharded_build_validates_its_parameters(tmp_path):
                     show_progress=False)
     with pytest.raises(ValueError, match="empty corpus"):
         build_index([], tmp_path / "c", "bm25", {"bm25": {"shard_docs": 5}}, show_progress=False)
+
+
+def test_batched_search_equals_query_by_query(bm25_index):
+    """One sparse product for a batch gives each query the scores of :meth:`top` (same float32 sums);
+    rows may differ only among passages tied with the last kept score."""
+    retriever = BM25Retriever(bm25_index / "bm25")
+    queries = [*EXPECTED, "the river and the country", "Accra Accra Ghana", "zzz", "city"]
+    for k in (1, 3, 10, 50):
+        batched = retriever.search(queries, k)
+        for query, (rows, scores) in zip(queries, batched, strict=True):
+            ref_rows, ref_scores = retriever.top(query, k)
+            np.testing.assert_array_equal(scores, ref_scores)
+            for value in set(scores.tolist()) - {scores.min()} if scores.size else ():
+                assert set(rows[scores == value].tolist()) == set(ref_rows[ref_scores == value].tolist())
+        retriever.batch_max_docs = 0  # the query-by-query path: same scores
+        for (_, s), (_, ref) in zip(retriever.search(queries, k), batched, strict=True):
+            np.testing.assert_array_equal(s, ref)
+        retriever.batch_max_docs = 2_000_000
+
+
+def test_doc_store_get_many_equals_get(bm25_index):
+    from spader_pipeline.retrieval.corpus import DocStore
+
+    store = DocStore(bm25_index)
+    rows = np.array([3, 0, 3, len(store) - 1])
+    assert store.get_many(rows) == [store.get(int(r)) for r in rows]
+    with pytest.raises(IndexError):
+        store.get_many(np.array([len(store)]))

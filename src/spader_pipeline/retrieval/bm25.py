@@ -303,6 +303,10 @@ class BM25Retriever:
         self._indptr = model.scores["indptr"]  # [V + 1] column starts
         self.num_docs = int(model.scores["num_docs"])
         self.mmap = mmap
+        #: :meth:`search` scores a batch as one sparse product while the corpus has at most this many
+        #: passages (the product allocates O(N) scratch per call); beyond it, query by query (O(postings))
+        self.batch_max_docs = 2_000_000
+        self._csr = None
         #: scores(): aggregate sparsely while the query's postings are below this share of the corpus
         self.sparse_fraction = 0.25
         self._local = threading.local()  # one zeroed [N] float32 accumulator per search thread
@@ -368,9 +372,41 @@ class BM25Retriever:
         best: dict[int, float] = dict(zip(rows.tolist(), scores.tolist(), strict=True))  # dedupe (small)
         return top_k(np.fromiter(best.keys(), np.int64, len(best)), np.fromiter(best.values(), np.float32, len(best)), k)
 
+    def _term_matrix(self):
+        """The index as a scipy CSR matrix ``[V, N]`` (term rows), sharing the arrays (no copy)."""
+        if self._csr is None:
+            import scipy.sparse as sp
+
+            indptr = self._indptr
+            if indptr.dtype != self._indices.dtype and int(indptr[-1]) < 2**31:
+                indptr = np.asarray(indptr, dtype=self._indices.dtype)  # [V+1], small; avoids copying indices
+            self._csr = sp.csr_matrix((self._data, self._indices, indptr), shape=(len(indptr) - 1, self.num_docs))
+        return self._csr
+
     def search(self, queries: Sequence[str], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per query: the best ``k`` rows and scores, best first (fewer when fewer docs match)."""
-        return [self.top(q, k) for q in queries]
+        """Per query: the best ``k`` rows and scores, best first (fewer when fewer docs match).
+
+        A batch is scored as one sparse product ``Q[B, V] @ index[V, N]`` whose row ``b`` sums, term
+        by term in the same order and float32 arithmetic as :meth:`top`, the weighted postings of
+        query ``b``: the same scores, with one pass of C loops for the whole batch instead of a
+        dozen numpy calls per query.
+        """
+        if len(queries) <= 1 or self.num_docs > self.batch_max_docs:
+            return [self.top(q, k) for q in queries]
+        import scipy.sparse as sp
+
+        index = self._term_matrix()
+        bags = [self.tokenizer.query_terms(q) for q in queries]
+        indptr = np.zeros(len(bags) + 1, dtype=index.indptr.dtype)
+        np.cumsum([ids.size for ids, _ in bags], out=indptr[1:])
+        terms = np.concatenate([ids for ids, _ in bags]).astype(index.indices.dtype)
+        counts = np.concatenate([c for _, c in bags]).astype(np.float32)
+        scores = sp.csr_matrix((counts, terms, indptr), shape=(len(bags), index.shape[0])) @ index
+        out = []
+        for b in range(len(bags)):
+            s, e = scores.indptr[b], scores.indptr[b + 1]
+            out.append(top_k(scores.indices[s:e].astype(np.int64), scores.data[s:e], k))
+        return out
 
 
 def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,19 +182,21 @@ class RetrievalClient:
 @contextlib.contextmanager
 def running_service(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None, *,
                     startup_timeout: float = 180.0, extra_args: Sequence[str] = (),
-                    log_path: str | os.PathLike | None = None) -> Iterator[str]:
+                    log_path: str | os.PathLike | None = None,
+                    env: Mapping[str, str] | None = None) -> Iterator[str]:
     """Run ``spader-retrieval serve --index index_dir`` on a free port; yield its base URL.
 
     Waits for ``/health`` and always stops the server (SIGTERM to its process group, then SIGKILL),
     also when the body raises. The server's output goes to ``log_path`` (a temp file by default);
-    its tail is included in the error if the server fails to start.
+    its tail is included in the error if the server fails to start. ``env`` adds environment
+    variables for the server process.
     """
     port = port or free_port(host)
     base_url = f"http://{host}:{port}"
     log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="spader-retrieval-", suffix=".log")[1])
     command = [sys.executable, "-m", "spader_pipeline.retrieval.cli", "serve", "--index", str(index_dir),
                "--host", host, "--port", str(port), *extra_args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log_file, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

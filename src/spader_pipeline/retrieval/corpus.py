@@ -131,7 +131,8 @@ class DocStore:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
-        self._offsets = np.load(directory / OFFSETS_FILE, mmap_mode="r")
+        # a plain ndarray view of the mapped file: np.memmap's own indexing is ~10x slower per item
+        self._offsets = np.asarray(np.load(directory / OFFSETS_FILE, mmap_mode="r"))
         self._file = open(directory / DOCS_FILE, "rb")  # noqa: SIM115 - closed in close()
         size = os.fstat(self._file.fileno()).st_size
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -143,8 +144,16 @@ class DocStore:
         """The passage at ``row`` as ``{"id", "title", "contents"}``."""
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} outside 0..{len(self) - 1}")
-        start, end = int(self._offsets[row]), int(self._offsets[row + 1])
+        start, end = self._offsets[row : row + 2].tolist()
         return orjson.loads(self._map[start:end])
+
+    def get_many(self, rows: np.ndarray) -> list[dict[str, str]]:
+        """:meth:`get` for each of ``rows`` (non-negative int array from a retriever), offsets looked up
+        at once (a row past the end raises IndexError)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        data, loads = self._map, orjson.loads
+        return [loads(data[s:e]) for s, e in zip(self._offsets[rows].tolist(), self._offsets[rows + 1].tolist(),
+                                                  strict=True)]
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):

@@ -61,8 +61,15 @@ class ServiceSettings(BaseModel):
         "search_r1", description="Response style for requests that carry no style-specific key."
     )
     search_threads: int = Field(
-        1, gt=0, description="Worker threads that run searches off the event loop (BM25 in RAM is GIL-bound: 1 "
-        "is fastest; raise it for memory-mapped indexes on disk or GIL-releasing backends)."
+        1, gt=0, description="Worker threads that run batches of searches off the event loop (BM25 in RAM is "
+        "GIL-bound: 1 is fastest; raise it for memory-mapped indexes on disk or GIL-releasing backends)."
+    )
+    batch_max_queries: int = Field(
+        256, gt=0, description="Most queries coalesced into one first-stage call (a larger request runs alone)."
+    )
+    batch_window_ms: float = Field(
+        0.0, ge=0, description="Wait this long for more requests before starting a batch from idle (0: start "
+        "once the event loop has read what already arrived; under load batches form while one runs)."
     )
     limit_concurrency: int | None = Field(
         1024, description="uvicorn: connections beyond this get 503 (which clients retry)."

@@ -1,80 +1,202 @@
-"""The HTTP search service: ``create_app(searcher, settings)`` builds a FastAPI app (no globals).
+"""The HTTP search service: ``create_app(searcher, settings)`` builds a lean ASGI app (no globals).
 
 ``GET /health`` → ``{"status": "ok", "method", "num_docs", "reranker"}``.
 ``POST /retrieve`` → both published response styles (:mod:`.wire`). The body is read with a byte
-cap before parsing, validated, and the search + rendering run on a bounded worker-thread pool, so
-a slow search never blocks the event loop. Refused input gets a 4xx JSON ``{"error": message}``;
-the server keeps serving.
+cap before parsing and validated; refused input gets a 4xx JSON ``{"error": message}`` and the
+server keeps serving.
+
+Concurrent requests are **coalesced**: each parsed request joins a pending batch, and one worker
+thread runs the whole batch as a single first-stage call (``retriever.search`` over every query of
+every request, one sparse product for BM25), then renders each request's answer with orjson. A
+batch starts as soon as the event loop has parsed everything that arrived with the first request
+(optionally after ``batch_window_ms``), and requests that arrive while it runs form the next one,
+so batches grow with the load and a lone request waits for nobody. The event loop itself only
+parses, hands over and writes, so health checks are answered while searches run.
+
+The app is a plain ASGI callable rather than a web framework's router: per request it does the
+HTTP bookkeeping of two routes and nothing else (measured in ``bench_retrieval_server.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-import anyio
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from spader_pipeline.retrieval.schemas import ServiceSettings
 from spader_pipeline.retrieval.service import Searcher
-from spader_pipeline.retrieval.wire import RequestError, parse_request, render_response
+from spader_pipeline.retrieval.wire import RequestError, RetrieveRequest, parse_request, render_response
 
 logger = logging.getLogger(__name__)
 
-
-def _json(body, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise RequestError(400, "invalid Content-Length header")
-        if int(declared) > limit:
-            raise RequestError(413, f"request body exceeds {limit} bytes")
+def _error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+class _Batcher:
+    """Coalesces concurrent requests into batches run on ``settings.search_threads`` worker threads."""
+
+    def __init__(self, searcher: Searcher, settings: ServiceSettings) -> None:
+        self.searcher = searcher
+        self.max_queries = settings.batch_max_queries
+        self.window = settings.batch_window_ms / 1000.0
+        self.slots = settings.search_threads
+        self.executor = ThreadPoolExecutor(max_workers=settings.search_threads, thread_name_prefix="search")
+        self.pending: list[tuple[RetrieveRequest, asyncio.Future]] = []
+        self.running = 0
+        self.scheduled = False
+
+    def submit(self, request: RetrieveRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((request, future))
+        if not self.scheduled and self.running < self.slots:
+            self.scheduled = True  # start after the requests parsed in this loop iteration joined
+            if self.window > 0:
+                loop.call_later(self.window, self._start, loop)
+            else:
+                loop.call_soon(self._start, loop)
+        return future
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduled = False
+        while self.pending and self.running < self.slots:
+            size, cut = 0, 0
+            while cut < len(self.pending) and (cut == 0 or size + len(self.pending[cut][0].queries) <= self.max_queries):
+                size += len(self.pending[cut][0].queries)
+                cut += 1
+            batch, self.pending = self.pending[:cut], self.pending[cut:]
+            self.running += 1
+            work = self.executor.submit(self.run_batch, [request for request, _ in batch])
+            work.add_done_callback(lambda done, batch=batch: loop.call_soon_threadsafe(self._finish, loop, batch, done))
+
+    def _finish(self, loop: asyncio.AbstractEventLoop, batch, done) -> None:
+        self.running -= 1
+        try:
+            results = done.result()
+        except Exception as err:  # the first stage itself failed: every request of the batch gets a 500
+            logger.exception("search failed")
+            results = [RequestError(500, f"search failed: {type(err).__name__}: {err}")] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+        if self.pending:
+            self._start(loop)
+
+    def run_batch(self, requests: list[RetrieveRequest]) -> list[bytes | RequestError]:
+        """Worker thread: one first-stage call for every query of every (non-reranked) request."""
+        searcher = self.searcher
+        out: list[bytes | RequestError] = [b""] * len(requests)
+        plain = [i for i, r in enumerate(requests) if not searcher.wants_rerank(r.use_reranker)]
+        if plain:
+            queries = [q for i in plain for q in requests[i].queries]
+            k = max(requests[i].topk for i in plain)
+            ranked = iter(searcher.retriever.search(queries, k))  # top-k' ⊂ top-k: truncate per request
+            for i in plain:
+                request = requests[i]
+                hits = [searcher.hits(rows[: request.topk], scores[: request.topk])
+                        for rows, scores in (next(ranked) for _ in request.queries)]
+                out[i] = self._render(request, hits)
+        for i, request in enumerate(requests):
+            if i not in plain:  # a cross-encoder pass: per request, as before
+                hits = searcher.search_hits(request.queries, request.topk, initial_k=request.initial_k,
+                                            use_reranker=request.use_reranker)
+                out[i] = self._render(request, hits)
+        return out
+
+    @staticmethod
+    def _render(request: RetrieveRequest, hits) -> bytes | RequestError:
+        try:
+            return orjson.dumps(render_response(request, hits))
+        except RequestError as err:  # e.g. a budget too small for the echoed queries
+            return err
+
+
+class RetrievalApp:
+    """ASGI app serving ``searcher`` under ``settings`` (see the module docstring)."""
+
+    def __init__(self, searcher: Searcher, settings: ServiceSettings) -> None:
+        self.searcher = searcher
+        self.settings = settings
+        self.batcher = _Batcher(searcher, settings)
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    self.batcher.executor.shutdown(wait=False, cancel_futures=True)
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    async def _http(self, scope, receive, send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path == "/retrieve":
+            if method != "POST":
+                return await _reply(send, 405, _error_body("method not allowed: use POST"))
+            try:
+                raw = await _read_body(scope, receive, self.settings.max_body_bytes)
+                result = await self.batcher.submit(parse_request(raw, self.settings))
+            except RequestError as err:
+                result = err
+            except Exception as err:  # never leave a client without an answer
+                logger.exception("request failed")
+                result = RequestError(500, f"search failed: {type(err).__name__}: {err}")
+            if isinstance(result, RequestError):
+                return await _reply(send, result.status, _error_body(result.message))
+            return await _reply(send, 200, result)
+        if path == "/health":
+            if method not in ("GET", "HEAD"):
+                return await _reply(send, 405, _error_body("method not allowed: use GET"))
+            return await _reply(send, 200, orjson.dumps({
+                "status": "ok", "method": self.searcher.method, "num_docs": self.searcher.retriever.num_docs,
+                "reranker": self.searcher.reranker is not None,
+            }))
+        return await _reply(send, 404, _error_body(f"not found: {path}"))
+
+
+async def _reply(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(scope, receive, limit: int) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise RequestError(400, "invalid Content-Length header")
+            if int(value) > limit:
+                raise RequestError(413, f"request body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():  # chunked uploads are capped while they arrive
+    while True:  # chunked uploads are capped while they arrive
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RequestError(400, "client disconnected")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise RequestError(413, f"request body exceeds {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def create_app(searcher: Searcher, settings: ServiceSettings | None = None) -> FastAPI:
-    """A FastAPI app serving ``searcher`` under ``settings`` (defaults: :class:`ServiceSettings`)."""
-    settings = settings or ServiceSettings()
-    app = FastAPI(title="spader-pipeline retrieval", docs_url=None, redoc_url=None, openapi_url=None)
-    limiter = anyio.CapacityLimiter(settings.search_threads)
-    app.state.searcher = searcher
-    app.state.settings = settings
-
-    def run(request) -> bytes:
-        hits = searcher.search_hits(request.queries, request.topk, initial_k=request.initial_k,
-                                    use_reranker=request.use_reranker)
-        return orjson.dumps(render_response(request, hits))
-
-    @app.get("/health")
-    async def health() -> Response:
-        return _json({"status": "ok", "method": searcher.method, "num_docs": searcher.retriever.num_docs,
-                      "reranker": searcher.reranker is not None})
-
-    @app.post("/retrieve")
-    async def retrieve(request: Request) -> Response:
-        try:
-            parsed = parse_request(await _read_body(request, settings.max_body_bytes), settings)
-            payload = await anyio.to_thread.run_sync(run, parsed, limiter=limiter)
-        except RequestError as err:
-            return _json({"error": err.message}, err.status)
-        except Exception as err:  # a search failure: 500, which clients retry
-            logger.exception("search failed")
-            return _json({"error": f"search failed: {type(err).__name__}: {err}"}, 500)
-        return Response(payload, media_type="application/json")
-
-    return app
+def create_app(searcher: Searcher, settings: ServiceSettings | None = None) -> RetrievalApp:
+    """An ASGI app serving ``searcher`` under ``settings`` (defaults: :class:`ServiceSettings`)."""
+    return RetrievalApp(searcher, settings or ServiceSettings())
 
 
 def serve(searcher: Searcher, settings: ServiceSettings) -> None:
@@ -87,4 +209,5 @@ def serve(searcher: Searcher, settings: ServiceSettings) -> None:
     uvicorn.run(
         create_app(searcher, settings), host=settings.host, port=settings.port, log_level=settings.log_level,
         limit_concurrency=settings.limit_concurrency, access_log=False, timeout_keep_alive=30,
+        loop="auto", http="auto", lifespan="on",
     )

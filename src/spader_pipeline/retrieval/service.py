@@ -50,6 +50,13 @@ class Searcher:
             self._warned_no_reranker = True
         return bool(use_reranker) and self.reranker is not None
 
+    def hits(self, rows: np.ndarray, scores: np.ndarray) -> list[Hit]:
+        """The passages at ``rows`` (best first) as plain dicts with their ``score``."""
+        out = self.docs.get_many(rows)
+        for hit, score in zip(out, scores.tolist(), strict=True):
+            hit["score"] = score
+        return out
+
     def search_hits(self, queries: Sequence[str], topk: int, *, initial_k: int = 50,
                     use_reranker: bool | None = None) -> list[list[Hit]]:
         """Per query, up to ``topk`` passages as plain dicts, best first."""
@@ -57,14 +64,14 @@ class Searcher:
         depth = max(topk, initial_k) if rerank else topk
         out: list[list[Hit]] = []
         for query, (rows, scores) in zip(queries, self.retriever.search(queries, depth), strict=True):
-            hits = [self.docs.get(int(r)) for r in rows]
+            hits = self.hits(np.asarray(rows), np.asarray(scores, dtype=np.float64))
             if rerank and hits:
                 texts = [passage_text(Passage(h["id"], h["title"], h["contents"]), True) for h in hits]
                 scores = self.reranker.scores(query, texts)
                 order = np.argsort(-scores, kind="stable")[:topk]
-                hits, scores = [hits[i] for i in order], scores[order]
-            for hit, score in zip(hits, scores, strict=False):
-                hit["score"] = float(score)
+                hits = [hits[i] for i in order]
+                for hit, score in zip(hits, scores[order].tolist(), strict=True):
+                    hit["score"] = score
             out.append(hits[:topk])
         return out
 
