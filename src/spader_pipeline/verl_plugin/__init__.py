@@ -1,8 +1,13 @@
-"""The only package that imports verl: registers the project's algorithms into stock verl 0.9.
+"""Our parts registered in stock verl 0.9 through its public registries (no fork).
+
+The one package that extends verl. Other modules use verl as a library only: the native trainer
+(``native/trainer.py``: verl's policy loss, KL and actor config) and ``agent/tokens.py`` (verl's
+token-layout builder). The methods themselves are defined in :mod:`spader_pipeline.algorithms.methods`.
 
 Importing it registers
 
-* advantage estimators ``spa``, ``calibadv``, ``tspo`` (:mod:`.estimators`, ``register_adv_est``);
+* advantage estimators ``spa``, ``calibadv``, ``tspo`` — the methods' estimators
+  (:mod:`.estimators`, ``register_adv_est``);
 * the reward-loop reward manager ``spader`` (:mod:`.reward_manager`);
 
 and provides :class:`.batch_reward.GroupRewardAgentLoopManager` and :func:`.overrides.build_overrides`.

@@ -17,12 +17,11 @@ path verl writes the per-sample scalar on the last token itself, so the SPADER o
 :class:`~spader_pipeline.verl_plugin.batch_reward.GroupRewardAgentLoopManager`, which calls this
 classmethod on every generated batch (see ``docs/algorithms.md``).
 
-Modes (``reward.reward_kwargs.mode``) and the token layout they write:
-
-* ``spader``: exploration reward on each step's last token, final term added on the last step;
-* ``outcome``: final term on the last model token (the GRPO reward; exploration off);
-* ``calibadv``: outcome on the last model token, silver-document step score ``q_t`` on each search step;
-* ``tspo``: outcome on the last model token, the latent reward α on the first-occurrence step ``k*``.
+The method (``reward.reward_kwargs.method``) decides the token layout, exactly as for the native
+trainer: :func:`spader_pipeline.algorithms.methods.method_rewards` (see that module's table). The
+other ``reward_kwargs`` are :class:`~spader_pipeline.algorithms.rewards.SpaderRewardConfig` fields
+(plus ``require_global_step``); the method's options are read where its estimator reads them
+(``algorithm.<estimator>``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -39,93 +38,62 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from spader_pipeline.algorithms.advantages import calibadv_step_scores
 from spader_pipeline.algorithms.matching import EntityMatcher, normalize_ground_truth
-from spader_pipeline.algorithms.rewards import SpaderRewardConfig, first_occurrence_steps, spader_rewards
-from spader_pipeline.algorithms.steps import scatter_to_anchors, segment_steps
+from spader_pipeline.algorithms.methods import (
+    RewardInputs,
+    SpaOptions,
+    answer_score,
+    method_rewards,
+    reward_config_from_mapping,
+)
+from spader_pipeline.algorithms.rewards import SpaderRewardConfig
+from spader_pipeline.algorithms.steps import segment_steps
 
+from .estimators import verl_options
 from .trajectory import MASK_FIELD, TrajectoryRecord, read_trajectory
 
-__all__ = ["PAYLOAD_KEY", "RewardSettings", "SpaderRewardManager"]
+__all__ = ["PAYLOAD_KEY", "ManagerSettings", "SpaderRewardManager"]
 
 logger = logging.getLogger(__name__)
 
 #: reward_extra_info key carrying the per-sample JSON payload to the batch assembly.
 PAYLOAD_KEY = "spader_payload"
-MODES = ("spader", "outcome", "calibadv", "tspo")
 
 
 @dataclass(frozen=True)
-class RewardSettings:
-    """``reward.reward_kwargs`` understood by the ``spader`` manager (defaults = paper / released scripts)."""
+class ManagerSettings:
+    """What the ``spader`` manager reads from the trainer config.
 
-    mode: str = "spader"
-    alpha: float = 1.0
-    beta: float = 4.0
-    lambda_val: float = 1.0
-    tool_round_cost: float = 0.01
-    cost_free_steps: int = 100
-    cost_rampup_steps: int = 100
-    final_answer_weight: float = 1.0
-    format_penalty: float = 0.0
+    ``reward.reward_kwargs`` holds ``method``, the reward config's fields (one name each, as in
+    ``conf/base/parameters_training.yml``) and ``require_global_step``; the method's options come
+    from ``algorithm.<estimator>``, where verl hands them to the estimator too.
+    """
+
+    method: str = "spader"
+    reward: SpaderRewardConfig = field(default_factory=lambda: reward_config_from_mapping("spader", {}))
+    options: Any = field(default_factory=SpaOptions)
     require_global_step: bool = True
-    # CalibAdv (calibadv_tspo spec §1.5, released script)
-    silver_threshold: float = 0.7
-    think_similarity: float = 0.5
-    max_repeated_docs: int = 1
-    # TSPO proposal (spec §2.2; UNVERIFIED constants)
-    latent_reward: float = 0.5
-    tspo_outcome: str = "exact_match"
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"reward_kwargs.mode must be one of {MODES}, got {self.mode!r}")
-        if self.tspo_outcome not in ("exact_match", "f1"):
-            raise ValueError(
-                f"reward_kwargs.tspo_outcome must be 'exact_match' or 'f1', got {self.tspo_outcome!r}"
-            )
-        self.reward_config()  # validates the numeric fields
+    """refuse to assemble a batch without ``meta_info["global_steps"]`` when a tool cost is configured"""
 
     @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> RewardSettings:
-        kwargs = dict(kwargs or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown reward_kwargs for the spader manager: {unknown}; known: {sorted(known)}"
-            )
-        return cls(**kwargs)
-
-    @classmethod
-    def from_config(cls, config: Any) -> RewardSettings:
-        reward = config.get("reward", {}) if hasattr(config, "get") else {}
-        kwargs = reward.get("reward_kwargs", None) if reward is not None else None
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            kwargs = dict(kwargs)
-        return cls.from_kwargs(kwargs)
-
-    def reward_config(self) -> SpaderRewardConfig:
-        return SpaderRewardConfig(
-            alpha=self.alpha,
-            beta=self.beta,
-            lam=self.lambda_val,
-            tool_round_cost=self.tool_round_cost,
-            cost_free_steps=self.cost_free_steps,
-            cost_rampup_steps=self.cost_rampup_steps,
-            final_answer_weight=self.final_answer_weight,
-            format_penalty=self.format_penalty,
-            enable_exploration=self.mode == "spader",
-        )
+    def from_config(cls, config: Any) -> ManagerSettings:
+        reward = config.get("reward", None) if hasattr(config, "get") else None
+        kwargs = dict((reward.get("reward_kwargs", None) if reward is not None else None) or {})
+        method = str(kwargs.pop("method", "spader"))
+        require = bool(kwargs.pop("require_global_step", True))
+        algorithm = config.get("algorithm", None) if hasattr(config, "get") else None
+        return cls(method, reward_config_from_mapping(method, kwargs), verl_options(method, algorithm), require)
 
     def final_term(self, record: TrajectoryRecord) -> float:
+        """The group-free outcome (what verl's streaming path writes on the last token)."""
         if not record.format_ok:
-            return -self.format_penalty
-        return self.final_answer_weight * record.score.f1
+            return -self.reward.format_penalty
+        score = answer_score(self.method, self.options, f1=record.score.f1, exact_match=record.score.exact_match)
+        return self.reward.final_answer_weight * score
 
 
 def make_payload(
-    record: TrajectoryRecord, ground_truth: Sequence[Sequence[str]], settings: RewardSettings
+    record: TrajectoryRecord, ground_truth: Sequence[Sequence[str]], settings: ManagerSettings
 ) -> dict:
     """JSON-serialisable per-sample facts the batch assembly needs (entity ids index the normalised GT)."""
     matcher = EntityMatcher(normalize_ground_truth(ground_truth))
@@ -140,7 +108,7 @@ def make_payload(
         "final": settings.final_term(record),
         "split": record.split,
     }
-    if settings.mode == "calibadv":
+    if settings.method == "calibadv":
         payload["docs"] = [list(s.document_keys) for s in record.steps]
         payload["thinks"] = [s.think[:4000] for s in record.steps]
     return payload
@@ -150,7 +118,7 @@ def make_payload(
 class SpaderRewardManager(RewardManagerBase):
     """Reward-loop manager for SPADER / outcome / CalibAdv / TSPO rewards (see module docstring)."""
 
-    settings: ClassVar[RewardSettings] = RewardSettings()
+    settings: ClassVar[ManagerSettings] = ManagerSettings()
 
     def __init__(
         self,
@@ -162,7 +130,7 @@ class SpaderRewardManager(RewardManagerBase):
         **_,
     ):
         super().__init__(config, tokenizer, compute_score)
-        self.settings = RewardSettings.from_config(config)
+        self.settings = ManagerSettings.from_config(config)
 
     @classmethod
     def init_class(cls, config, tokenizer) -> None:
@@ -172,7 +140,7 @@ class SpaderRewardManager(RewardManagerBase):
     @classmethod
     def configure(cls, config: Any) -> None:
         """Set the class-level settings used by :meth:`assemble_rm_scores` from a full trainer config."""
-        cls.settings = RewardSettings.from_config(config)
+        cls.settings = ManagerSettings.from_config(config)
 
     # ---------------------------------------------------------------- per sample
 
@@ -252,16 +220,15 @@ def assemble_token_rewards(
     index: Sequence[object] | np.ndarray,
     payloads: Sequence[Mapping[str, Any]],
     global_step: int | None,
-    settings: RewardSettings,
+    settings: ManagerSettings,
 ) -> torch.Tensor:
-    """Build ``rm_scores [B, T]`` from per-sample payloads in the layout of ``settings.mode``."""
-    bsz, length = response_mask.shape
+    """``rm_scores [B, T]`` from per-sample payloads: the method's reward layout
+    (:func:`~spader_pipeline.algorithms.methods.method_rewards`, as the native trainer)."""
+    bsz, _ = response_mask.shape
     if len(payloads) != bsz:
         raise ValueError(f"{len(payloads)} payloads for a batch of {bsz}")
     layout = segment_steps(response_mask)
     width = layout.max_steps
-    ok = torch.tensor([bool(p["format_ok"]) for p in payloads])
-    f1 = torch.tensor([float(p["f1"]) for p in payloads])
     n_ent = max((int(p["num_gt"]) for p in payloads), default=0)
     found = torch.zeros((bsz, width, n_ent), dtype=torch.bool)
     queries = torch.zeros((bsz, width))
@@ -277,70 +244,31 @@ def assemble_token_rewards(
                 found[i, s, ents] = True
         q = p["queries"][:width]
         queries[i, : len(q)] = torch.tensor(q, dtype=torch.float32)
-    num_gt = torch.tensor([int(p["num_gt"]) for p in payloads])
     if unaligned:
         logger.warning(
             "spader reward: %d of %d samples had text-split steps not matching the mask", len(unaligned), bsz
         )
-
-    if settings.mode in ("spader", "outcome"):
-        if settings.mode == "spader" and global_step is None:
-            if settings.require_global_step and settings.tool_round_cost > 0:
-                raise ValueError(
-                    "spader reward: meta_info['global_steps'] is missing, so the tool-cost schedule cannot run "
-                    "(the reference silently used step 0 and never charged the cost). Use "
-                    "GroupRewardAgentLoopManager or pass the step; set reward_kwargs.require_global_step=false "
-                    "to accept step 0."
-                )
-            global_step = 0
-        out = spader_rewards(
-            response_mask,
-            index,
-            f1=f1,
-            format_ok=ok,
-            global_step=int(global_step or 0),
-            config=settings.reward_config(),
-            found=found,
-            num_gt=num_gt,
-            query_counts=queries,
-            layout=layout,
-        )
-        return out.token_rewards
-
-    # calibadv / tspo: outcome on the last step's anchor, a marker score on search steps
-    step_values = torch.zeros((bsz, width))
-    last = (layout.num_steps - 1).clamp(min=0)
-    if settings.mode == "calibadv":
-        outcome = torch.where(ok, f1, torch.zeros_like(f1))  # CalibAdv: F1 × strict format
-        docs = [
-            []
-            if i in unaligned
-            else [list(d) for d in p.get("docs", [])][: max(int(layout.num_steps[i]) - 1, 0)]
-            for i, p in enumerate(payloads)
-        ]
-        thinks = [list(p.get("thinks", [])) for p in payloads]
-        q = calibadv_step_scores(
-            docs,
-            outcome.tolist(),
-            ok.tolist(),
-            index,
-            thinks=thinks,
-            silver_threshold=settings.silver_threshold,
-            think_similarity=settings.think_similarity,
-            max_repeated_docs=settings.max_repeated_docs,
-            num_steps=width,
-        )
-        step_values[:, : q.shape[1]] = q[:, :width]
-    else:  # tspo
-        key = "exact_match" if settings.tspo_outcome == "exact_match" else "f1"
-        outcome = torch.tensor([float(p[key]) if p["format_ok"] else 0.0 for p in payloads])
-        searchable = found.clone()
-        steps_idx = torch.arange(width).unsqueeze(0)
-        searchable[(steps_idx >= last.unsqueeze(1)).unsqueeze(-1).expand_as(searchable)] = False
-        k_star = first_occurrence_steps(searchable)
-        rows = (k_star >= 0).nonzero().flatten()
-        step_values[rows, k_star[rows]] = settings.latent_reward
-    if width:
-        has = layout.num_steps > 0
-        step_values[has, last[has]] = outcome[has]
-    return scatter_to_anchors(step_values * layout.step_mask, layout, length)
+    if global_step is None:
+        if settings.require_global_step and settings.reward.tool_round_cost > 0:
+            raise ValueError(
+                "spader reward: meta_info['global_steps'] is missing, so the tool-cost schedule cannot run "
+                "(the reference silently used step 0 and never charged the cost). Use "
+                "GroupRewardAgentLoopManager or pass the step; set reward_kwargs.require_global_step=false "
+                "to accept step 0."
+            )
+        global_step = 0
+    inputs = RewardInputs(
+        f1=torch.tensor([float(p["f1"]) for p in payloads]),
+        exact_match=torch.tensor([float(p.get("exact_match", 0.0)) for p in payloads]),
+        format_ok=torch.tensor([bool(p["format_ok"]) for p in payloads]),
+        found=found,
+        num_gt=torch.tensor([int(p["num_gt"]) for p in payloads]),
+        query_counts=queries,
+        step_documents=[[] if i in unaligned else [list(d) for d in p.get("docs", [])] for i, p in enumerate(payloads)],
+        step_thinks=[list(p.get("thinks", [])) for p in payloads],
+    )
+    out = method_rewards(
+        settings.method, response_mask, index, inputs, global_step=int(global_step),
+        reward=settings.reward, options=settings.options, layout=layout,
+    )
+    return out.token_rewards
