@@ -99,7 +99,7 @@ def _attempt_error(trajectory: Trajectory, search_errors_fail: bool) -> str | No
     if trajectory.finish_reason == "error":
         return trajectory.error or "generation failed"
     if search_errors_fail:
-        failed = [s.error for s in trajectory.steps if s.error and s.error.startswith("search failed")]
+        failed = [s.error for s in trajectory.steps if s.error_kind == "search_failed"]
         if failed:
             return failed[0]
     return None
