@@ -20,10 +20,11 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run test test-fast bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long test test-fast bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
+	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1.5-2 h)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make bench      - run the benchmarks under benchmarks/"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
@@ -45,6 +46,11 @@ install: $(STAMP)
 run: $(STAMP)
 	mkdir -p mlruns
 	$(BIN)/kedro run
+
+# The long profile: more warm start and RL steps, one more held-out set (conf/long).
+run-long: $(STAMP)
+	mkdir -p mlruns
+	$(BIN)/kedro run --env long
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

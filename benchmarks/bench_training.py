@@ -1,6 +1,7 @@
-"""Training hot paths: the warm-start SFT step and the RL log-probability pass.
+"""Training hot paths: the warm-start SFT step, the RL log-probability pass, and a whole RL step.
 
     .venv/bin/python benchmarks/bench_training.py [--repeats 5] [--examples 64] [--threads 1]
+    .venv/bin/python benchmarks/bench_training.py --rl-step [--rl-steps 3] [--models smollm2,tiny]
 
 Both on the embedded default architecture (tiny Qwen3: hidden 256, 4 layers, 8k vocabulary),
 sequences shaped like warm-start demonstrations (~350–650 tokens, ~10% model tokens):
@@ -14,17 +15,31 @@ sequences shaped like warm-start demonstrations (~350–650 tokens, ~10% model t
   :func:`spader_pipeline.native.trainer.response_logprobs` (output layer only at model tokens).
   Results must agree.
 
+* **RL step** (``--rl-step``; needs the default run's data, index and models under ``--data``):
+  seconds per GRPO step of 4 prompts × 8 trajectories with the native trainer, for SmolLM2 (the
+  warm start if present, else the base model) and the tiny model, in two configurations of the
+  same trainer: *straightforward* — the trainer as it was before issue 10 (every parameter
+  trained, a reference-model pass for the KL term, whole passages in observations) — and *project*
+  (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml: top 8 blocks
+  trained, no reference pass at ``kl_coef: 0``, passages cut to 200 characters, bf16 by probe).
+  Median over the steps; rollout and update seconds are reported separately.
+
 bf16 autocast is not timed here: on CPUs without native bf16 (AVX2-only, like the 2-core CI
-machine) it is many times slower than fp32, so the project enables it on CUDA only.
-Medians over the repeats; the machine is shared, so compare the ratio, not absolute numbers.
+machine) it is many times slower than fp32; ``bf16: auto`` probes it
+(:mod:`spader_pipeline.modeling.precision`). Medians over the repeats; the machine is shared, so
+compare the ratio, not absolute numbers (the load average is printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -136,13 +151,97 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
     return out
 
 
+def _project_settings(conf_dir: Path) -> dict:
+    """The GRPO run's native settings from conf/base (as the train_grpo node merges them)."""
+    import yaml
+
+    from spader_pipeline.pipelines.training.nodes import _merge
+
+    params = yaml.safe_load((conf_dir / "parameters_training.yml").read_text())
+    training = params["training"]
+    return _merge({**training["native"], "reward": training.get("reward") or {}}, params["train_grpo"]["method"])
+
+
+def _straightforward_settings(project: dict) -> dict:
+    """The trainer as it was before issue 10: everything trained, KL to a reference, whole passages."""
+    rollout = {**project["rollout"], "max_observation_chars": 2400, "max_response_tokens": 1536,
+               "max_document_chars": None}
+    return {**project, "trainable_layers": None, "kl_coef": 0.001, "rollout": rollout, "max_prompt_tokens": 1024}
+
+
+def _tiny_model_dir(data: Path, out: Path) -> Path:
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+
+    if (out / "config.json").is_file():
+        return out
+    rows = [json.loads(line) for line in (data / "03_primary/corpus.jsonl").read_text().splitlines()[:3000]]
+    return build_base_model((f"{r['title']}\n{r['contents']}" for r in rows), out, spec=TinyQwen3Spec())
+
+
+def bench_rl_step(args) -> None:
+    import pandas as pd
+
+    from spader_pipeline.agent.prompts import resolve_template
+    from spader_pipeline.agent.rollout import LocalSearch
+    from spader_pipeline.native import NativeTrainerConfig, train_native
+    from spader_pipeline.pipelines.training.nodes import samples_from_verl
+    from spader_pipeline.retrieval import load_retriever
+
+    data = Path(args.data)
+    if not (data / "05_model_input/verl/train.parquet").is_file():
+        print(f"--rl-step needs the default run's data under {data}: run `kedro run --pipeline "
+              "data_prep` and `--pipeline index_build` (and base_model, warm_start) first")
+        return
+    project = _project_settings(Path(args.conf))
+    samples = samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0)
+    index = json.loads((data / "06_models/retrieval/index_manifest.json").read_text())["index_dir"]
+    prompt = yaml_prompt(Path(args.conf))
+    template = resolve_template(prompt)
+    smollm2 = data / "06_models/warm_start" if (data / "06_models/warm_start/config.json").is_file() else data / "06_models/base_model"
+    models = {"smollm2": smollm2, "tiny": None}
+    for name in args.models.split(","):
+        path = models[name] or _tiny_model_dir(data, Path(tempfile.gettempdir()) / "bench_tiny_model")
+        for label, settings in (("straightforward", _straightforward_settings(project)), ("project", project)):
+            config = NativeTrainerConfig.from_mapping({
+                **settings, "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None, "resume": False,
+                "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
+            load = os.getloadavg()[0]
+            with tempfile.TemporaryDirectory() as run_dir:
+                result = train_native(config, model_path=path, samples=samples,
+                                      search=LocalSearch(load_retriever(index)), run_dir=run_dir,
+                                      prompt_template=template)
+            hist = result.history
+            med = {k: statistics.median(h[k] for h in hist)
+                   for k in ("perf/step_seconds", "perf/rollout_seconds", "perf/update_seconds")}
+            tokens = statistics.median(h["rollout/response_tokens"] for h in hist)
+            print(f"RL step {name:8s} {label:15s} {med['perf/step_seconds']:7.1f} s/step (rollout "
+                  f"{med['perf/rollout_seconds']:.1f} s, update {med['perf/update_seconds']:.1f} s; "
+                  f"{tokens:.0f} response tokens/trajectory; median of {len(hist)} steps; load {load:.1f} "
+                  f"→ {os.getloadavg()[0]:.1f})", flush=True)
+
+
+def yaml_prompt(conf_dir: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((conf_dir / "parameters.yml").read_text())["prompt"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--batch-tokens", type=int, default=6000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rl-step", action="store_true", help="time whole GRPO steps (needs --data)")
+    parser.add_argument("--rl-steps", type=int, default=3)
+    parser.add_argument("--models", default="smollm2,tiny")
+    parser.add_argument("--data", default="data")
+    parser.add_argument("--conf", default="conf/base")
     args = parser.parse_args()
+    if args.rl_step:
+        torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
+        bench_rl_step(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = _model()

@@ -72,8 +72,12 @@ class WarmStartConfig:
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     bf16: bool | str = "auto"
-    """bf16 autocast for the forward pass: ``"auto"`` = on for CUDA only (CPUs without native
-    bf16 units, such as AVX2-only machines, run bf16 autocast many times slower than fp32)"""
+    """bf16 autocast for the forward pass: ``"auto"`` = on for CUDA; on a CPU decided by a short
+    probe (:mod:`spader_pipeline.modeling.precision`: CPUs without native bf16 units, such as
+    AVX2-only machines, run bf16 autocast several times slower than fp32)"""
+    trainable_layers: int | None = None
+    """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model
+    (see :func:`spader_pipeline.modeling.base_model.train_top_layers`)"""
     max_length: int = 1024
     """examples are truncated to this many tokens"""
     seed: int = 0
@@ -148,11 +152,16 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
     if not examples:
         raise ValueError("warm start has no example with a trainable token")
     examples = [SFTExample(e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
+    from spader_pipeline.modeling.base_model import train_top_layers
+    from spader_pipeline.modeling.precision import resolve_bf16
+
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    trainable = train_top_layers(model, config.trainable_layers)
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.max_steps))
     device = next(model.parameters()).device
+    bf16 = resolve_bf16(config.bf16, device, model)
     model.train()
     start = time.perf_counter()
     step, tokens, seen, loss_sum, loss_n = 0, 0, 0, 0.0, 0
@@ -162,11 +171,11 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
             if step >= config.max_steps or (config.max_seconds and time.perf_counter() - start > config.max_seconds):
                 break
             ids, attn, loss_mask = (t.to(device) for t in collate([examples[i] for i in batch], pad_id))
-            with autocast(ids.device, config.bf16):
+            with autocast(ids.device, bf16):
                 loss, n_targets = masked_lm_loss(model, ids, attn, loss_mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
             optimizer.step()
             schedule.step()
             step += 1
@@ -192,7 +201,8 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
 
 
 def autocast(device: torch.device, bf16: bool | str):
-    """A bf16 autocast context for ``device``; ``bf16="auto"`` enables it on CUDA only."""
+    """A bf16 autocast context for ``device`` (``bf16="auto"``: on for CUDA only; resolve it first
+    with :func:`spader_pipeline.modeling.precision.resolve_bf16` to probe a CPU)."""
     enabled = device.type == "cuda" if bf16 == "auto" else bool(bf16)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 

@@ -46,10 +46,14 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
 def _curves_figure(histories: Mapping[str, list[dict]], window: int):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
-        for method, rows in histories.items():
+        for i, (method, rows) in enumerate(histories.items()):
             rows = [r for r in rows if key in r]
             if rows:
-                ax.plot([r["step"] for r in rows], smooth([r[key] for r in rows], window), label=method)
+                steps, values = [r["step"] for r in rows], [r[key] for r in rows]
+                color = f"C{i}"
+                # Each step as a faint point (short CPU runs have few), the moving average as the line.
+                ax.plot(steps, values, "o", color=color, alpha=0.25, markersize=3)
+                ax.plot(steps, smooth(values, window), color=color, label=f"{method} ({len(rows)} steps)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
