@@ -290,3 +290,31 @@ def test_defect4_search_failures_are_counted_per_trajectory(lm, search_url):
     assert (fields["up"][SEARCH_CALLS_FIELD], fields["up"][SEARCH_ERRORS_FIELD]) == (1, 0)
     assert (fields["down"][SEARCH_CALLS_FIELD], fields["down"][SEARCH_ERRORS_FIELD]) == (1, 1)
     assert fields["down"]["tool_call_counts"] == 1
+
+
+def test_defect9_token_builder_runs_off_the_event_loop(lm, search_url):
+    """Chat-template work (prompt, assistant turns, observations) runs in the thread pool, not on the
+    agent worker's event loop, as in verl's own agent loops."""
+    import threading
+
+    _, tokenizer = lm
+    loop = _loop(lm, search_url)
+    loop.server_manager = ScriptedServer(tokenizer)
+    builder, on_loop_thread = loop.continuous_token_builder, []
+
+    class Spy:
+        def __getattr__(self, name):
+            attr = getattr(builder, name)
+            if name not in ("build_initial_tokens", "merge_assistant_tokens", "merge_context_tokens"):
+                return attr
+
+            def call(*args, **kwargs):
+                on_loop_thread.append(threading.current_thread() is threading.main_thread())
+                return attr(*args, **kwargs)
+
+            return call
+
+    loop.continuous_token_builder = Spy()
+    output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
+    assert output.extra_fields["finish_reason"] == "answer"
+    assert len(on_loop_thread) >= 4 and not any(on_loop_thread)  # prompt, 2 turns, 1 observation

@@ -35,6 +35,7 @@ Typical use (training or evaluation)::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -286,7 +287,11 @@ class GeneratedTurn:
 
 
 class Generator:
-    """Base class of turn generators. Token-level generators override the three token hooks."""
+    """Base class of turn generators. Token-level generators override the three token hooks.
+
+    A hook may also be a coroutine (``async def``): the VERL agent loop runs its tokenizer work in
+    a thread pool that way, keeping the worker's event loop free, as verl's own loops do.
+    """
 
     token_level: bool = False
 
@@ -455,6 +460,11 @@ async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> 
     return outcome.text
 
 
+async def _hook(result: Any) -> Any:
+    """The result of a generator's token hook, awaited when the hook is a coroutine."""
+    return await result if inspect.isawaitable(result) else result
+
+
 def _finish(state: RolloutState, reason: FinishReason) -> None:
     state.finish_reason = reason
 
@@ -476,7 +486,7 @@ async def _advance(
             _finish(state, "error")
             continue
         start = state.response_length
-        generator.append_turn(state, turn)
+        await _hook(generator.append_turn(state, turn))
         parsed = parse_turn(turn.text)
         step = Step(
             turn=len(state.steps) + 1,
@@ -509,7 +519,7 @@ async def _advance(
     for (state, step), text in zip(pending, observations, strict=True):
         previous = list(state.messages)
         state.messages.append({"role": "user", "content": text})
-        if not generator.append_observation(state, previous):
+        if not await _hook(generator.append_observation(state, previous)):
             state.messages.pop()
             _finish(state, "token_budget")
             continue
@@ -535,7 +545,7 @@ async def run_rollouts(
     """
     states = [new_state(sample, template, config, system) for sample in samples]
     for state in states:
-        generator.start(state)
+        await _hook(generator.start(state))
     active = list(states)
     while active:
         await _advance(active, generator, search, config)

@@ -18,6 +18,7 @@ observation, head kept), ``rollout.prompt_length`` (prompt tokens, left-truncate
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,14 +32,13 @@ from spader_pipeline.verl_plugin.search_tool import SearchTool
 from spader_pipeline.verl_plugin.trajectory import MASK_FIELD, SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
 AGENT_NAME = "spader_search"
-#: how agent.rollout.observe_search marks a failure of the retrieval service itself (not of the query)
-SERVICE_FAILURE_PREFIX = "search failed"
 
 
 def search_counts(steps: Sequence[Any]) -> tuple[int, int]:
-    """``(calls, failures)``: searches sent to the retrieval service, and those the service failed."""
+    """``(calls, failures)``: searches sent to the retrieval service, and those the service itself
+    failed (``error_kind == "search_failed"``; a refused query is the agent's error, not a failure)."""
     calls = [s for s in steps if s.kind == "search" and s.queries]
-    failures = [s for s in calls if (s.error or "").startswith(SERVICE_FAILURE_PREFIX)]
+    failures = [s for s in calls if s.error_kind == "search_failed"]
     return len(calls), len(failures)
 
 
@@ -55,14 +55,20 @@ class _ServerGenerator(Generator):
         self.generate_seconds = 0.0
         self.num_preempted = -1
 
-    def start(self, state: RolloutState) -> None:
-        self.layout.start(state)
+    # Token hooks run VERL's Continuous-Token builder (chat template, tokenizer) in the default
+    # thread pool, as verl's own agent loops do: the worker's event loop keeps serving the other
+    # trajectories' turns and searches meanwhile.
 
-    def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
-        self.layout.append_turn(state, turn)
+    async def start(self, state: RolloutState) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.layout.start, state)
 
-    def append_observation(self, state: RolloutState, previous: list[dict[str, str]]) -> bool:
-        return self.layout.append_observation(state, previous)
+    async def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.layout.append_turn, state, turn)
+
+    async def append_observation(self, state: RolloutState, previous: list[dict[str, str]]) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.layout.append_observation, state, previous
+        )
 
     async def generate(self, states: Sequence[RolloutState]) -> list[GeneratedTurn]:
         turns = []
