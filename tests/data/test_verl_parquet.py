@@ -65,3 +65,16 @@ def test_eval_partitions(qa):
     parts = eval_partitions(qa, ["validation", "test"])
     assert sorted(parts) == ["embedded_validation", "mintaka_test"]
     assert list(parts["mintaka_test"].columns) == ["id", "question", "ground_truth", "data_source"]
+
+
+def test_ground_truth_lists_from_storage_shapes():
+    """One normalisation of ``QARow.ground_truth`` for every reader of stored rows."""
+    import numpy as np
+
+    from spader_pipeline.data.schema import ground_truth_lists
+
+    stored = np.array([np.array(["Ghana", "Republic of Ghana"], dtype=object), np.array(["Togo"], dtype=object)],
+                      dtype=object)
+    assert ground_truth_lists(stored) == [["Ghana", "Republic of Ghana"], ["Togo"]]
+    assert ground_truth_lists(["Ghana", "Togo"]) == [["Ghana"], ["Togo"]]  # a flat list of names
+    assert ground_truth_lists([[1, "2"]]) == [["1", "2"]]

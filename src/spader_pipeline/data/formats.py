@@ -8,13 +8,9 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline.agent.prompts import render_prompt
+from spader_pipeline.data.schema import ground_truth_lists
 
 EVAL_FIELDS = ("id", "question", "ground_truth", "data_source")
-
-
-def _plain(ground_truth: Any) -> list[list[str]]:
-    """Ground truth as plain Python lists (parquet round-trips give numpy arrays)."""
-    return [[str(form) for form in entity] for entity in ground_truth]
 
 
 def eval_partitions(qa: pd.DataFrame, splits: Sequence[str]) -> dict[str, pd.DataFrame]:
@@ -23,7 +19,7 @@ def eval_partitions(qa: pd.DataFrame, splits: Sequence[str]) -> dict[str, pd.Dat
     selected = qa[qa["split"].isin(list(splits))]
     for (source, split), group in selected.groupby(["data_source", "split"], sort=True):
         table = group.loc[:, list(EVAL_FIELDS)].copy()
-        table["ground_truth"] = table["ground_truth"].map(_plain)
+        table["ground_truth"] = table["ground_truth"].map(ground_truth_lists)
         partitions[f"{source}_{split}"] = table.reset_index(drop=True)
     return partitions
 
@@ -47,7 +43,7 @@ def verl_rows(
                 "data_source": row.data_source,
                 "prompt": render_prompt(template, row.question),
                 "ability": "multi_answer_search",
-                "reward_model": {"style": "rule", "ground_truth": _plain(row.ground_truth)},
+                "reward_model": {"style": "rule", "ground_truth": ground_truth_lists(row.ground_truth)},
                 "extra_info": {"index": index, "id": row.id, "split": split, "question": row.question},
                 "agent_name": agent_name,
             }

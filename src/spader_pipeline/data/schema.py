@@ -31,6 +31,12 @@ class QARow(TypedDict):
     split: str
 
 
+def ground_truth_lists(value: Any) -> list[list[str]]:
+    """``QARow.ground_truth`` as plain Python lists of strings, from what storage hands back: lists,
+    numpy arrays (parquet round trips) or a flat list of names (each name its own entity)."""
+    return [[entity] if isinstance(entity, str) else [str(form) for form in entity] for entity in list(value)]
+
+
 def make_id(data_source: str, native_id: Any) -> str:
     """Globally unique id: the data source name, a colon, and the source's own id."""
     return f"{data_source}:{native_id}"

@@ -29,6 +29,7 @@ from spader_pipeline.agent.rollout import (
     run_rollouts,
 )
 from spader_pipeline.algorithms.matching import normalize_ground_truth
+from spader_pipeline.data.schema import ground_truth_lists
 from spader_pipeline.evaluation.metrics import sample_metrics
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def trajectory_record(
     record: dict[str, Any] = {
         "id": str(sample["id"]),
         "question": str(sample["question"]),
-        "ground_truth": [list(e) for e in sample["ground_truth"]],
+        "ground_truth": ground_truth_lists(sample["ground_truth"]),
         "data_source": sample.get("data_source"),
         "status": "ok",
         "finish_reason": trajectory.finish_reason,
@@ -86,7 +87,7 @@ def failure_record(sample: Mapping[str, Any], error: str, attempts: int) -> dict
     return {
         "id": str(sample["id"]),
         "question": str(sample["question"]),
-        "ground_truth": [list(e) for e in sample["ground_truth"]],
+        "ground_truth": ground_truth_lists(sample["ground_truth"]),
         "data_source": sample.get("data_source"),
         "status": "failed",
         "error": error,

@@ -20,6 +20,7 @@ from spader_pipeline.agent.protocol import think_text
 from spader_pipeline.algorithms import SpaderRewardConfig, discover_entities, score_answers
 from spader_pipeline.algorithms.methods import RewardInputs, method_advantages, method_rewards
 from spader_pipeline.algorithms.steps import segment_steps
+from spader_pipeline.data.schema import ground_truth_lists
 
 
 @dataclass
@@ -87,7 +88,7 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
             response_ids[i, : resp_len[i]] = torch.tensor(t.response_ids, dtype=torch.long)
             response_mask[i, : resp_len[i]] = torch.tensor(t.response_mask, dtype=torch.float32)
 
-    gts = [_ground_truth(s["ground_truth"]) for s in samples]
+    gts = [ground_truth_lists(s["ground_truth"]) for s in samples]
     scores = [score_answers(list(t.predicted or ()), gt) for t, gt in zip(trajectories, gts, strict=True)]
     format_ok = torch.tensor([t.predicted is not None for t in trajectories])
     step_texts = [["\n".join(step.retrieved_texts) for step in t.steps] for t in trajectories]
@@ -119,17 +120,6 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.float32),
         num_searches=torch.tensor([t.num_searches for t in trajectories], dtype=torch.float32),
     )
-
-
-def _ground_truth(value: Any) -> list[list[str]]:
-    """``[[alias, ...], ...]`` from lists, numpy arrays (parquet) or a flat list of names."""
-    out: list[list[str]] = []
-    for entity in list(value):
-        if isinstance(entity, str):
-            out.append([entity])
-        else:
-            out.append([str(a) for a in list(entity)])
-    return out
 
 
 @dataclass

@@ -48,6 +48,7 @@ from spader_pipeline.algorithms.methods import (
 )
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig
 from spader_pipeline.algorithms.steps import segment_steps
+from spader_pipeline.data.schema import ground_truth_lists
 
 from .estimators import verl_options
 from .trajectory import MASK_FIELD, TrajectoryRecord, read_trajectory
@@ -157,8 +158,7 @@ class SpaderRewardManager(RewardManagerBase):
             extra = item.non_tensor_batch.get("tool_extra_fields", None)
             if isinstance(extra, Mapping) and extra.get(MASK_FIELD) is not None:
                 mask = torch.as_tensor(extra[MASK_FIELD])[:valid]
-        ground_truth = item.non_tensor_batch["reward_model"]["ground_truth"]
-        ground_truth = ground_truth.tolist() if isinstance(ground_truth, np.ndarray) else ground_truth
+        ground_truth = ground_truth_lists(item.non_tensor_batch["reward_model"]["ground_truth"])
         record = read_trajectory(
             responses[:valid],
             mask,

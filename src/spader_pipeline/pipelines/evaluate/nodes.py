@@ -18,6 +18,7 @@ import mlflow
 import pandas as pd
 
 from spader_pipeline import tracking
+from spader_pipeline.data.schema import ground_truth_lists
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import entity_corpus_frequency
 from spader_pipeline.evaluation.models import ModelSpec
@@ -33,7 +34,7 @@ TABLE_HEAD = ["model", "dataset", "num_samples", "num_failed", "precision", "rec
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     rows = []
     for row in frame.to_dict(orient="records"):
-        gt = [[str(a) for a in entity] for entity in row["ground_truth"]]
+        gt = ground_truth_lists(row["ground_truth"])
         rows.append(
             {
                 "id": str(row["id"]),

@@ -16,6 +16,7 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
+from spader_pipeline.data.schema import ground_truth_lists
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,7 @@ def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int =
     rows = []
     for row in frame.to_dict(orient="records"):
         extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
-        gt = [[str(a) for a in (entity if not isinstance(entity, str) else [entity])]
-              for entity in list(reward.get("ground_truth", []))]
+        gt = ground_truth_lists(reward.get("ground_truth", []))
         rows.append({"id": str(extra.get("id", len(rows))), "question": str(extra["question"]),
                      "ground_truth": gt, "data_source": row.get("data_source")})
     if limit and len(rows) > limit:
