@@ -16,6 +16,8 @@ repeated searches) are laid out twice:
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import json
 import random
 from pathlib import Path
@@ -145,9 +147,18 @@ def _data_proto(tok, trajectories, samples) -> DataProto:
     )
 
 
-def _verl_config(method: str, overrides: list[str]):
+@functools.cache
+def _composed(method: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "base" / "verl"), version_base=None):
-        return compose(config_name=method, overrides=overrides)
+        return compose(config_name=method)
+
+
+def _verl_config(method: str, updates: dict[str, object]):
+    """The method's overlay composed on verl's ppo_trainer (once per method), with ``updates``."""
+    config = copy.deepcopy(_composed(method))
+    for key, value in updates.items():
+        OmegaConf.update(config, key, value)
+    return config
 
 
 def _verl_path(tok, data: DataProto, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,14 +199,14 @@ def kedro_params():
 
 
 # the paper configurations, and one where every method pays a tool cost (its outcome-level form)
-SETTINGS = {"paper": ({}, []), "cost": ({"tool_round_cost": 0.05}, ["reward.reward_kwargs.tool_round_cost=0.05"])}
+SETTINGS = {"paper": ({}, {}), "cost": ({"tool_round_cost": 0.05}, {"reward.reward_kwargs.tool_round_cost": 0.05})}
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("method", method_names())
 def test_native_and_verl_give_identical_token_rewards_and_advantages(scripted, kedro_params, method, setting):
     tok, trajectories, samples = scripted
-    kedro_reward, hydra_overrides = SETTINGS[setting]
+    kedro_reward, verl_updates = SETTINGS[setting]
     block = kedro_params[f"train_{method}"]["method"]
     reward = reward_config_from_mapping(method, {**kedro_params["training"]["reward"], **block["reward"],
                                                  **kedro_reward})
@@ -203,7 +214,7 @@ def test_native_and_verl_give_identical_token_rewards_and_advantages(scripted, k
     native_batch = build_batch(trajectories, samples, pad_id=tok.pad_token_id)
     native = compute_advantages(native_batch, method, global_step=GLOBAL_STEP, reward=reward, options=options)
 
-    config = _verl_config(method, hydra_overrides)
+    config = _verl_config(method, verl_updates)
     assert config.algorithm.adv_estimator == get_method(method).estimator
     rewards, advantages = _verl_path(tok, _data_proto(tok, trajectories, samples), config)
 
@@ -223,7 +234,7 @@ def test_verl_overlay_and_kedro_method_block_define_the_same_method(kedro_params
 
     block = kedro_params[f"train_{method}"]["method"]
     kedro_reward = reward_config_from_mapping(method, {**kedro_params["training"]["reward"], **block["reward"]})
-    verl = ManagerSettings.from_config(OmegaConf.create(OmegaConf.to_container(_verl_config(method, []))))
+    verl = ManagerSettings.from_config(_verl_config(method, {}))
     assert verl.method == method
     assert verl.reward == kedro_reward
     assert verl.options == options_from_mapping(method, block.get("options"))
