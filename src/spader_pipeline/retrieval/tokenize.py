@@ -47,14 +47,20 @@ class Tokenizer:
         self.vocab: dict[str, int] = dict(vocab or {})
 
     def tokens(self, text: str) -> list[str]:
-        words = [w for w in _WORD.findall(text.lower()) if w not in self._stop]
+        words = _WORD.findall(text.lower())
+        if self._stop:
+            words = [w for w in words if w not in self._stop]
         return self._stem(words) if self._stem and words else words
 
     def ids(self, text: str, *, grow: bool = False) -> list[int]:
         vocab = self.vocab
-        if grow:
-            return [vocab.setdefault(t, len(vocab)) for t in self.tokens(text)]
-        return [i for t in self.tokens(text) if (i := vocab.get(t)) is not None]
+        found = list(map(vocab.get, self.tokens(text)))  # one C-level pass; new tokens come back as None
+        if None not in found:
+            return found
+        if not grow:
+            return [i for i in found if i is not None]
+        tokens = self.tokens(text)
+        return [i if i is not None else vocab.setdefault(t, len(vocab)) for i, t in zip(found, tokens, strict=True)]
 
     def query_terms(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Distinct known token ids of a query and how often each occurs (a bag of words, as
