@@ -89,3 +89,49 @@ def test_checkpoint_is_an_external_model_of_the_training_run(experiment, tmp_pat
     manifest = {"method": "spader", "mlflow_run_id": rid, "mlflow_model_id": model_id, "path": str(tmp_path)}
     assert tracking.training_link_tags(manifest) == {"method": "spader", "training_run_id": rid,
                                                      "checkpoint.path": str(tmp_path), "checkpoint.model_id": model_id}
+
+
+VERL_TRACKER = """
+from verl.utils.tracking import Tracking
+tracker = Tracking(project_name="spader", experiment_name="train_spader", default_backend=["mlflow"],
+                   config={"algorithm": {"adv_estimator": "spa"}})
+for step in (1, 2):
+    tracker.log({"critic/score/mean": 0.1 * step, "reward/mean": 0.2 * step}, step=step)
+"""
+
+
+@pytest.mark.slow
+def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(experiment, tmp_path, monkeypatch, project_root):
+    """train_policy with backend verl: the launcher hands the method run's id to the VERL process,
+    whose own MLflow tracker (verl.utils.tracking, run here for real) logs into that run. Only the
+    GPU training process is replaced: by verl's tracker alone, with the launcher's environment."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from spader_pipeline.launch import verl as launch
+    from spader_pipeline.pipelines.training.nodes import train_policy
+
+    def fake_verl(argv, env, log_path, **kwargs):
+        subprocess.run([sys.executable, "-c", VERL_TRACKER], env=dict(env), check=True, timeout=600)
+        (tmp_path / "out/train_spader/checkpoints/global_step_2/actor").mkdir(parents=True)
+
+    monkeypatch.setattr(launch, "run_streaming", fake_verl)
+    monkeypatch.chdir(project_root)  # the launcher reads conf/base/verl
+    training = {"backend": "verl", "output_dir": str(tmp_path / "out"),
+                "verl": {"retrieval_url": "http://127.0.0.1:9/", "n_gpus_per_node": 1}}
+    method = {"method": "spader", "reward": {"alpha": 1.0}, "options": {"gamma": 0.9}}
+    prompt = {"template": "t", "templates": {"t": "{question}"}}
+    (tmp_path / "init").mkdir()
+    (tmp_path / "init/config.json").write_text('{"model_type": "qwen3"}')
+    with mlflow.start_run(run_name="train_spader") as parent:
+        manifest, history, _ = train_policy({"path": str(tmp_path / "init")}, pd.DataFrame(), {}, method, training, prompt)
+    run = mlflow.get_run(manifest["mlflow_run_id"])
+    assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert (run.info.run_name, run.data.tags["backend"], run.data.tags["method"]) == ("spader seed0", "verl", "spader")
+    client = mlflow.MlflowClient()
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2]
+    assert run.data.params["algorithm/adv_estimator"] == "spa" and run.data.params["options.gamma"] == "0.9"
+    assert manifest["backend"] == "verl" and manifest["path"] is None  # merged (and linked) by the merge pipeline
