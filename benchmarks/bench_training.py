@@ -194,7 +194,12 @@ def bench_rl_step(args) -> None:
         return
     project = _project_settings(Path(args.conf))
     samples = samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0)
-    index = json.loads((data / "06_models/retrieval/index_manifest.json").read_text())["index_dir"]
+    manifest = data / "06_models/retrieval/index_manifest.json"
+    if manifest.is_dir():  # a versioned dataset: the newest version
+        manifest = sorted(manifest.glob("*/index_manifest.json"))[-1]
+    index = json.loads(manifest.read_text())["index_dir"]
+    if not Path(index).is_absolute():
+        index = str(data.parent / index)
     prompt = yaml_prompt(Path(args.conf))
     template = resolve_template(prompt)
     smollm2 = data / "06_models/warm_start" if (data / "06_models/warm_start/config.json").is_file() else data / "06_models/base_model"
