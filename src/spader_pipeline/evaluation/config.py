@@ -12,21 +12,8 @@ from typing import Any
 
 from spader_pipeline.evaluation.metrics import DEFAULT_LONG_TAIL_EDGES
 from spader_pipeline.evaluation.models import ModelSpec
+from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings
 from spader_pipeline.typed_config import from_mapping
-
-
-@dataclass(frozen=True)
-class EvalRetrievalSettings:
-    """The retrieval service the agents search during evaluation."""
-
-    url: str | None = None
-    """a running service; ``None`` starts one on the index of ``index_manifest`` for the evaluation"""
-    timeout: float = 30.0
-    """seconds per request"""
-    max_retries: int = 3
-    """retries of a failed request (with backoff) before the search counts as failed"""
-    startup_timeout: float = 180.0
-    """seconds the started service may take to load the index"""
 
 
 @dataclass(frozen=True)
@@ -66,7 +53,7 @@ class EvaluationConfig:
     """evaluate at most this many questions per dataset (file order)"""
     prompt_template: str | None = None
     """template for models that name none (``None``: ``prompt.template``)"""
-    retrieval: EvalRetrievalSettings = field(default_factory=EvalRetrievalSettings)
+    retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     rollout: Mapping[str, Any] = field(default_factory=dict)
     """trajectory limits (:class:`spader_pipeline.agent.rollout.RolloutConfig`); a model may override them"""
     runner: RunnerSettings = field(default_factory=RunnerSettings)
@@ -80,7 +67,7 @@ class EvaluationConfig:
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any] | None) -> EvaluationConfig:
         values = dict(params or {})
-        values["retrieval"] = from_mapping(EvalRetrievalSettings, values.get("retrieval"), where="evaluate.retrieval")
+        values["retrieval"] = retrieval_settings(values.get("retrieval"), where="evaluate.retrieval")
         values["runner"] = from_mapping(RunnerSettings, values.get("runner"), where="evaluate.runner")
         long_tail = dict(values.get("long_tail") or {})
         if "edges" in long_tail:

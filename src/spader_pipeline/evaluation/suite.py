@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.rollout import RolloutConfig
-from spader_pipeline.evaluation.config import EvalRetrievalSettings, EvaluationConfig
+from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import aggregate
 from spader_pipeline.evaluation.models import ModelSpec, open_generator
 from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint
+from spader_pipeline.retrieval.settings import RetrievalSettings, service_url
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +81,9 @@ def resume_key(
 
 
 @contextlib.contextmanager
-def retrieval_service(settings: EvalRetrievalSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
+def retrieval_service(settings: RetrievalSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
     """The configured service URL, or a service started on the index for the duration."""
-    if settings.url:
-        yield settings.url
-        return
-    from spader_pipeline.retrieval import running_service
-
-    with running_service(index_manifest["index_dir"], startup_timeout=settings.startup_timeout) as url:
+    with service_url(settings, index_manifest["index_dir"]) as url:
         yield url
 
 

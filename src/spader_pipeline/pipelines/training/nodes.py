@@ -17,6 +17,7 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +43,16 @@ def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int =
 
 
 @contextlib.contextmanager
-def search_backend(params: Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[Any]:
-    """The search backend for rollouts: the in-process index (``mode: local``, fastest), the
-    retrieval service started on the index (``mode: service``), or a running one (``url``)."""
-    params = dict(params or {})
-    if params.get("url"):
+def search_backend(params: RetrievalSettings | Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[Any]:
+    """The search backend for rollouts (:class:`~spader_pipeline.retrieval.settings.RetrievalSettings`):
+    a running service (``url``), the in-process index (``mode: local``, fastest), or the retrieval
+    service started on the index (``mode: service``)."""
+    settings = retrieval_settings(params, where="search")
+    if settings.url or settings.mode == "service":
         from spader_pipeline.retrieval import RetrievalClient
 
-        yield RetrievalClient(params["url"], timeout=params.get("timeout", 30.0))
-    elif params.get("mode", "local") == "service":
-        from spader_pipeline.retrieval import RetrievalClient, running_service
-
-        with running_service(index_manifest["index_dir"]) as url:
-            yield RetrievalClient(url, timeout=params.get("timeout", 30.0))
+        with service_url(settings, index_manifest["index_dir"]) as url:
+            yield RetrievalClient(url, timeout=settings.timeout, max_retries=settings.max_retries)
     else:
         from spader_pipeline.agent.rollout import LocalSearch
         from spader_pipeline.retrieval import load_retriever

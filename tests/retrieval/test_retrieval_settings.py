@@ -1,0 +1,31 @@
+"""One retrieval-settings type for the warm start, RL rollouts and evaluation."""
+
+from __future__ import annotations
+
+import pytest
+
+from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
+
+
+def test_unknown_keys_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match=r"unknown evaluate.retrieval settings \['retrieval_url'\]"):
+        retrieval_settings({"retrieval_url": "http://x"}, where="evaluate.retrieval")
+    with pytest.raises(ValueError, match="mode"):
+        RetrievalSettings(mode="remote")
+    assert retrieval_settings({"mode": "local"}, where="search").mode == "local"
+
+
+def test_service_url_prefers_the_configured_url_and_refuses_local_mode(tmp_path):
+    with service_url(RetrievalSettings(url="http://10.0.0.2:8000"), tmp_path) as url:
+        assert url == "http://10.0.0.2:8000"
+    with pytest.raises(ValueError, match="HTTP"), service_url(RetrievalSettings(mode="local"), tmp_path):
+        pass
+
+
+def test_service_url_starts_a_service_on_the_index(bm25_index):
+    import httpx
+
+    with service_url(RetrievalSettings(), bm25_index) as url:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
