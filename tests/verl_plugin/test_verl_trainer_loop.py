@@ -1,0 +1,334 @@
+"""verl 0.9.1's own trainer loop on CPU, for every method: ``RayPPOTrainer.fit()``, 2 steps + validation.
+
+Real: Hydra composition of ``conf/base/verl/<method>.yaml`` with the overrides the launcher generates
+(:func:`spader_pipeline.launch.verl.verl_parameters` → ``build_overrides``), verl's ``main()`` checks
+(``validate_config``) and its legacy ``TaskRunner.run`` (datasets, ``RLHFDataset`` over parquet written
+by our ``data_prep`` format, dataloaders, ``RayPPOTrainer``), ``AgentLoopWorker`` running the
+``spader_search`` loop and ``SearchTool`` against our retrieval service on 127.0.0.1,
+``RewardLoopWorker`` with the ``spader`` reward manager, ``GroupRewardAgentLoopManager`` (loaded by
+verl from ``agent_loop_manager_class``), verl's LLM server manager / load balancer / client,
+``compute_advantage`` with our estimators, verl's metrics and file tracker.
+
+Replaced (see :mod:`verl_cpu_boundary`): the LLM server engine, the FSDP actor/ref worker group and
+the checkpoint (weight-sync) manager. One Ray session serves the four methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("verl")
+ray = pytest.importorskip("ray")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "algorithms"))
+
+from reference_loops import loop_spa  # noqa: E402
+from verl_cpu_boundary import (  # noqa: E402
+    SERVER_NAME,
+    CpuResourcePoolManager,
+    RecordingWorkerGroup,
+    ScriptedReplica,
+    start_scripted_server,
+)
+
+pytestmark = pytest.mark.slow
+
+METHODS = ("grpo", "spader", "calibadv", "tspo")
+TOOL_COST = 0.2  # scaled up (the configs use 0.01) so it is visible; only where the method pays one
+FREE_STEPS = 2  # the schedule: step 1 is free, step 2 pays the full cost (no ramp)
+PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN = 512, 256, 768
+
+DOCS = [
+    ("Ghana", "Country in West Africa. Accra is the capital of Ghana."),
+    ("Togo", "Country in West Africa. Lome is the capital of Togo."),
+    ("Benin", "Country in West Africa. Porto-Novo is the capital of Benin."),
+    ("Senegal", "Country in West Africa. Dakar is the capital of Senegal."),
+    ("Kenya", "Country in East Africa. Nairobi is the capital of Kenya."),
+    ("Hamlet", "Play by William Shakespeare. A prince of Denmark seeks revenge."),
+]
+QUESTIONS = [
+    ("train", "t0", "Which countries are in West Africa?", [["Ghana"], ["Togo"], ["Benin"], ["Senegal"]]),
+    ("train", "t1", "Which country has Nairobi as its capital?", [["Kenya"]]),
+    ("train", "t2", "Which plays did William Shakespeare write?", [["Hamlet"]]),
+    ("train", "t3", "Which West Africa country has Dakar as capital?", [["Senegal"]]),
+    ("validation", "v0", "Which countries in West Africa have a capital?", [["Ghana"], ["Togo"], ["Benin"]]),
+    ("validation", "v1", "Which play is about a prince of Denmark?", [["Hamlet"]]),
+    ("validation", "v2", "Which country in East Africa is there?", [["Kenya"]]),
+]
+
+
+def _template() -> str:
+    import yaml
+
+    prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
+    from spader_pipeline.agent.prompts import resolve_template
+
+    return resolve_template(prompt)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Tiny Qwen3 + tokenizer, a 6-document BM25 index served on 127.0.0.1, VERL parquet files."""
+    from spader_pipeline.data.formats import verl_rows
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+    from spader_pipeline.retrieval import build_index_from_file, running_service
+
+    root = tmp_path_factory.mktemp("verl-loop")
+    template = _template()
+    texts = [f"{t}\n{c}" for t, c in DOCS] + [template] + [q for *_, q, _ in QUESTIONS]
+    texts += ['<think>I should search.</think><tool_call>["x"]</tool_call><answer>["Ghana"]</answer>'] * 3
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=4096)
+    model_dir = build_base_model(texts, root / "model", spec=spec, vocab_size=700, min_frequency=1)
+
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "title": t, "contents": c}) + "\n"
+                              for i, (t, c) in enumerate(DOCS)))
+    build_index_from_file(corpus, root / "bm25", "bm25")
+
+    qa = pd.DataFrame([{"split": s, "id": i, "question": q, "ground_truth": gt, "data_source": "embedded"}
+                       for s, i, q, gt in QUESTIONS])
+    data = root / "verl"
+    data.mkdir()
+    verl_rows(qa, "train", template, "spader_search").to_parquet(data / "train.parquet")
+    verl_rows(qa, "validation", template, "spader_search").to_parquet(data / "validation.parquet")
+
+    with running_service(root / "bm25") as url:
+        yield {"root": root, "model": model_dir, "data": data, "url": url}
+
+
+@pytest.fixture(scope="module")
+def ray_session(workspace):
+    """One local Ray for the four methods (workers find the test helpers on PYTHONPATH)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    paths = [str(HERE), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env = {
+        "PYTHONPATH": os.pathsep.join(paths),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VERL_LOGGING_LEVEL": "WARN",
+    }
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    try:
+        yield start_scripted_server(str(workspace["model"]), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
+    finally:
+        ray.shutdown()
+
+
+def project_parameters() -> dict:
+    from kedro.config import OmegaConfigLoader
+
+    return OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="base")["parameters"]
+
+
+def method_block(method: str) -> dict:
+    """``train_<method>.method`` of the project's parameters, its tool cost scaled to :data:`TOOL_COST`."""
+    block = dict(project_parameters()[f"train_{method}"]["method"])
+    reward = dict(block.get("reward") or {})
+    if reward.get("tool_round_cost"):
+        reward["tool_round_cost"] = TOOL_COST
+    return {**block, "reward": reward}
+
+
+def pays_tool_cost(method: str) -> bool:
+    return bool(method_block(method)["reward"].get("tool_round_cost"))
+
+
+def _compose(method: str, ws: dict, run_dir: Path):
+    """The method's overlay + the launcher's overrides + CPU-test sizes, composed by Hydra."""
+    from hydra import compose, initialize_config_dir
+
+    from spader_pipeline.launch.verl import verl_parameters, write_tool_config
+    from spader_pipeline.verl_plugin.overrides import build_overrides
+
+    tool_config = write_tool_config(ROOT / "conf/base/verl/tool_config/search_tool.yaml", ws["url"],
+                                    run_dir / "search_tool.yaml")
+    shared = project_parameters()["training"]
+    training = {
+        "reward": {**shared["reward"], "cost_free_steps": FREE_STEPS, "cost_rampup_steps": 0},
+        "verl": {
+            "train_files": str(ws["data"] / "train.parquet"),
+            "val_files": str(ws["data"] / "validation.parquet"),
+            "n_gpus_per_node": 1,
+            "nnodes": 1,
+            "logger": ["file"],
+            "total_training_steps": 2,
+            "config_dir": str(ROOT / "conf/base/verl"),
+            "overrides": [
+                "data.train_batch_size=2",
+                f"data.max_prompt_length={PROMPT_LENGTH}",
+                f"data.max_response_length={RESPONSE_LENGTH}",
+                "data.dataloader_num_workers=0",
+                "data.validation_shuffle=false",
+                "actor_rollout_ref.rollout.n=4",
+                f"actor_rollout_ref.rollout.max_model_len={MAX_MODEL_LEN}",
+                # SPADER's group terms run with 2 workers: verl pads the 3 validation prompts to 4
+                f"actor_rollout_ref.rollout.agent.num_workers={2 if method == 'spader' else 1}",
+                "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+                "+actor_rollout_ref.rollout.checkpoint_manager_class=verl_cpu_boundary.NoopCheckpointManager",
+                "reward.num_workers=1",
+                "trainer.save_freq=-1",
+                "trainer.test_freq=2",
+                "trainer.resume_mode=disable",
+                "trainer.device=cpu",
+            ],
+        },
+    }
+    params = verl_parameters({"path": str(ws["model"])}, method_block(method), training, run_dir,
+                             tool_config_path=tool_config)
+    with initialize_config_dir(config_dir=str(ROOT / "conf/base/verl"), version_base=None):
+        return compose(config_name=method, overrides=build_overrides(params))
+
+
+def run_trainer_loop(method: str, ws: dict, run_dir: Path) -> tuple[list[dict], object]:
+    """verl's ``main()`` checks and ``TaskRunner.run`` with the GPU boundaries replaced; returns the
+    metrics verl's file tracker logged and the composed config."""
+    from verl.trainer.main_ppo_v0 import BaseTaskRunner, TaskRunner
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    config = _compose(method, ws, run_dir)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+    class CpuTaskRunner(BaseTaskRunner):
+        run = TaskRunner.__ray_metadata__.modified_class.run  # verl's own, unchanged
+
+        def add_actor_rollout_worker(self, config):
+            # verl's role mapping; only the worker group that would start FSDP workers is swapped
+            actor_rollout_cls, _ = super().add_actor_rollout_worker(config)
+            return actor_rollout_cls, RecordingWorkerGroup
+
+        def init_resource_pool_mgr(self, config):
+            spec = {"global_pool": [config.trainer.n_gpus_per_node] * config.trainer.nnodes}
+            return CpuResourcePoolManager(resource_pool_spec=spec, mapping=self.mapping)
+
+    RolloutReplicaRegistry.register("sglang", lambda: ScriptedReplica)
+    RecordingWorkerGroup.calls = []
+    metrics_path = run_dir / "metrics.jsonl"
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    try:
+        CpuTaskRunner().run(config)
+    finally:
+        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
+        # verl names its workers (reward_loop_worker_0, ...): free the names for the next method
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"] != SERVER_NAME:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    return [json.loads(line) for line in metrics_path.read_text().splitlines()], config
+
+
+@pytest.fixture(scope="module")
+def runs(workspace, ray_session, tmp_path_factory):
+    out = {}
+    for method in METHODS:
+        run_dir = tmp_path_factory.mktemp(f"run-{method}")
+        start = time.perf_counter()
+        metrics, config = run_trainer_loop(method, workspace, run_dir)
+        print(f"{method}: trainer loop {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        out[method] = {"metrics": metrics, "calls": list(RecordingWorkerGroup.calls), "config": config}
+    return out
+
+
+def _updates(run) -> list:
+    return [td for name, td in run["calls"] if name == "update_actor"]
+
+
+def _non_tensor(td, key: str) -> np.ndarray:
+    """A per-row non-tensor field of a recorded TensorDict as verl's 1-d object array."""
+    from verl.utils import tensordict_utils as tu
+
+    values = tu.get(td, key)
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+def _row_fields(td) -> dict[str, np.ndarray]:
+    """Every per-row non-tensor field (``uid``, reward extras, agent-loop fields) of a recorded batch."""
+    from verl.utils import tensordict_utils as tu
+
+    rows = td["advantages"].shape[0]
+    keys = [k for k in td.keys() if not isinstance(td.get(k), torch.Tensor)]
+    return {k: _non_tensor(td, k) for k in keys if isinstance(tu.get(td, k), list) and len(tu.get(td, k)) == rows}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_trainer_loop_trains_two_steps_and_validates(runs, method):
+    run = runs[method]
+    assert [m["step"] for m in run["metrics"]] == [0, 1, 2]  # validation before training, then 2 steps
+    before, *train = (m["data"] for m in run["metrics"])
+    assert "val-core/embedded/reward/mean@1" in before, sorted(before)
+    assert "val-aux/embedded/f1/mean@1" in before
+    assert "val-core/embedded/reward/mean@1" in train[-1]  # the last step validates too
+    for data in train:
+        assert {"critic/advantages/mean", "critic/score/mean", "timing_s/gen", "num_turns/mean"} <= set(data)
+        # the retrieval service answered every search (defect 4: the rate reaches verl's metrics)
+        assert data["timing_s/search/calls"] > 0 and data["timing_s/search/error_rate"] == 0.0
+        assert data["tool_call_counts/max"] >= 1
+    names = [name for name, _ in run["calls"]]
+    assert names.count("update_actor") == 2 and names.count("compute_log_prob") == 2
+    assert names.count("compute_ref_log_prob") == 2  # KL loss: the reference policy is used
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_actor_gets_advantages_only_on_model_tokens(runs, method):
+    for td in _updates(runs[method]):
+        adv, mask = td["advantages"], td["response_mask"]
+        assert adv.shape == mask.shape and adv.shape[0] == 8  # 2 prompts x 4 rollouts
+        assert torch.all(adv[mask == 0] == 0), "advantage on an observation or padding token"
+        assert torch.any(adv != 0), "no learning signal"
+        observed = (mask == 0) & (td["responses"] != 0)  # observation tokens inside the response
+        assert observed.any()
+
+
+def test_spa_step_advantages_match_an_independent_computation(runs):
+    gamma = float(runs["spader"]["config"].algorithm.spa.gamma)
+    for td in _updates(runs["spader"]):
+        expected, _ = loop_spa(td["token_level_rewards"], td["response_mask"], list(_non_tensor(td, "uid")),
+                               gamma=gamma)
+        torch.testing.assert_close(td["advantages"], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_global_step_reaches_the_reward(runs, method):
+    """Step 1 is inside the free steps, step 2 pays the tool cost: the actor's rewards must show it
+    (re-assembled through verl's reward-manager interface at a chosen step)."""
+    from verl import DataProto
+    from verl.trainer.ppo.reward import resolve_reward_manager_cls
+
+    run = runs[method]
+    reward_cls = resolve_reward_manager_cls(run["config"])
+    reward_cls.configure(run["config"])
+    charged = []
+    for step, td in enumerate(_updates(run), start=1):
+        non_tensor = _row_fields(td)
+
+        def assembled(global_step, td=td, non_tensor=non_tensor):
+            data = DataProto.from_dict(tensors={"response_mask": td["response_mask"]}, non_tensors=non_tensor,
+                                       meta_info={"global_steps": global_step})
+            return reward_cls.assemble_rm_scores(data, [0.0] * len(data))
+
+        torch.testing.assert_close(td["token_level_scores"], assembled(step))
+        charged.append(not torch.allclose(assembled(step), assembled(0)))
+    assert charged == [False, pays_tool_cost(method)]
+
