@@ -47,7 +47,7 @@ class _Batcher:
         self.max_queries = settings.batch_max_queries
         self.window = settings.batch_window_ms / 1000.0
         self.slots = settings.search_threads
-        self.executor = ThreadPoolExecutor(max_workers=settings.search_threads, thread_name_prefix="search")
+        self.executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="search")
         self.pending: list[tuple[RetrieveRequest, asyncio.Future]] = []
         self.running = 0
         self.scheduled = False
@@ -78,6 +78,11 @@ class _Batcher:
 
     def _finish(self, loop: asyncio.AbstractEventLoop, batch, done) -> None:
         self.running -= 1
+        self._deliver(batch, done)
+        if self.pending:
+            self._start(loop)
+
+    def _deliver(self, batch, done) -> None:
         try:
             results = done.result()
         except Exception as err:  # the first stage itself failed: every request of the batch gets a 500
@@ -86,8 +91,6 @@ class _Batcher:
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
-        if self.pending:
-            self._start(loop)
 
     def run_batch(self, requests: list[RetrieveRequest]) -> list[bytes | RequestError]:
         """Worker thread: one first-stage call for every query of every (non-reranked) request."""
@@ -209,5 +212,5 @@ def serve(searcher: Searcher, settings: ServiceSettings) -> None:
     uvicorn.run(
         create_app(searcher, settings), host=settings.host, port=settings.port, log_level=settings.log_level,
         limit_concurrency=settings.limit_concurrency, access_log=False, timeout_keep_alive=30,
-        loop="auto", http="auto", lifespan="on",
+        loop="auto", http="auto", lifespan="on", proxy_headers=False, server_header=False, date_header=False,
     )
