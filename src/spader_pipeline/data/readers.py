@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,28 +76,31 @@ def _unparsable(data_source: str, split: str, number: int, record: Any) -> dict[
     }
 
 
-def read_qampari(path: Path, data_source: str, split: str) -> list[QARow]:
+def _collect(
+    items: Iterable[tuple[int, Any]], data_source: str, split: str, parse: Callable[[int, dict], dict[str, Any]]
+) -> list[QARow]:
+    """One row per ``(number, record)``: ``parse`` reads a JSON object into ``id``, ``question`` and
+    ``ground_truth`` (and may override ``data_source``/``split``); anything else becomes an
+    unparsable row that validation quarantines."""
     rows: list[QARow] = []
-    for number, record in _iter_jsonl(path):
-        if not isinstance(record, dict):
+    for number, record in items:
+        if isinstance(record, dict):
+            rows.append({"data_source": data_source, "split": split, **parse(number, record)})
+        else:
             rows.append(_unparsable(data_source, split, number, record))
-            continue
-        entities = []
-        for answer in record.get("answer_list") or []:
-            if not isinstance(answer, dict):
-                entities.append([])
-                continue
-            entities.append(dedupe_forms([answer.get("answer_text"), *(answer.get("aliases") or [])]))
-        rows.append(
-            {
-                "id": make_id(data_source, record.get("qid", f"line{number}")),
-                "question": str(record.get("question_text") or "").strip(),
-                "ground_truth": entities,
-                "data_source": data_source,
-                "split": split,
-            }
-        )
     return rows
+
+
+def read_qampari(path: Path, data_source: str, split: str) -> list[QARow]:
+    def parse(number: int, record: dict) -> dict[str, Any]:
+        entities = [
+            dedupe_forms([answer.get("answer_text"), *(answer.get("aliases") or [])]) if isinstance(answer, dict) else []
+            for answer in record.get("answer_list") or []
+        ]
+        return {"id": make_id(data_source, record.get("qid", f"line{number}")),
+                "question": str(record.get("question_text") or "").strip(), "ground_truth": entities}
+
+    return _collect(_iter_jsonl(path), data_source, split, parse)
 
 
 def _mintaka_surface_forms(item: Any) -> list[str]:
@@ -118,27 +121,18 @@ def read_mintaka(path: Path, data_source: str, split: str, count_as: str = "enti
         records = json.load(handle)
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a JSON list of Mintaka questions")
-    rows: list[QARow] = []
-    for number, record in enumerate(records, start=1):
-        if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number, record))
-            continue
+
+    def parse(number: int, record: dict) -> dict[str, Any]:
         answer = record.get("answer") or {}
         items = answer.get("answer") if isinstance(answer, dict) else None
         supporting = answer.get("supportingEnt") if isinstance(answer, dict) else None
         if count_as == "entities" and supporting:
             items = supporting
-        entities = [_mintaka_surface_forms(item) for item in (items or [])]
-        rows.append(
-            {
-                "id": make_id(data_source, record.get("id", f"item{number}")),
+        return {"id": make_id(data_source, record.get("id", f"item{number}")),
                 "question": str(record.get("question") or "").strip(),
-                "ground_truth": entities,
-                "data_source": data_source,
-                "split": split,
-            }
-        )
-    return rows
+                "ground_truth": [_mintaka_surface_forms(item) for item in (items or [])]}
+
+    return _collect(enumerate(records, start=1), data_source, split, parse)
 
 
 def read_webqsp(path: Path, data_source: str, split: str) -> list[QARow]:
@@ -148,15 +142,12 @@ def read_webqsp(path: Path, data_source: str, split: str) -> list[QARow]:
     questions = document.get("Questions") if isinstance(document, dict) else None
     if not isinstance(questions, list):
         raise ValueError(f"{path}: expected a WebQSP object with a 'Questions' list")
-    rows: list[QARow] = []
-    for number, question in enumerate(questions, start=1):
-        if not isinstance(question, dict):
-            rows.append(_unparsable(data_source, split, number, question))
-            continue
+
+    def parse(number: int, question: dict) -> dict[str, Any]:
         entities: list[list[str]] = []
         seen: set[str] = set()
-        for parse in question.get("Parses") or []:
-            for answer in (parse or {}).get("Answers") or []:
+        for parse_ in question.get("Parses") or []:
+            for answer in (parse_ or {}).get("Answers") or []:
                 if not isinstance(answer, dict):
                     entities.append([])
                     continue
@@ -171,64 +162,39 @@ def read_webqsp(path: Path, data_source: str, split: str) -> list[QARow]:
                 else:
                     entities.append(dedupe_forms([answer.get("EntityName"), argument]))
         text = question.get("RawQuestion") or question.get("ProcessedQuestion") or ""
-        rows.append(
-            {
-                "id": make_id(data_source, question.get("QuestionId", f"q{number}")),
-                "question": str(text).strip(),
-                "ground_truth": entities,
-                "data_source": data_source,
-                "split": split,
-            }
-        )
-    return rows
+        return {"id": make_id(data_source, question.get("QuestionId", f"q{number}")),
+                "question": str(text).strip(), "ground_truth": entities}
+
+    return _collect(enumerate(questions, start=1), data_source, split, parse)
 
 
 def read_quest(path: Path, data_source: str, split: str) -> list[QARow]:
     """QUEST jsonl: the answer set is the list of relevant Wikipedia titles (``docs``)."""
-    rows: list[QARow] = []
-    for number, record in _iter_jsonl(path):
-        if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number, record))
-            continue
-        docs = record.get("docs") or []
-        rows.append(
-            {
-                "id": make_id(data_source, f"{split}-{number}"),
+
+    def parse(number: int, record: dict) -> dict[str, Any]:
+        return {"id": make_id(data_source, f"{split}-{number}"),
                 "question": str(record.get("query") or "").strip(),
-                "ground_truth": [title_aliases(str(d)) if d else [] for d in docs],
-                "data_source": data_source,
-                "split": split,
-            }
-        )
-    return rows
+                "ground_truth": [title_aliases(str(d)) if d else [] for d in record.get("docs") or []]}
+
+    return _collect(_iter_jsonl(path), data_source, split, parse)
 
 
 def read_unified(path: Path, data_source: str, split: str) -> list[QARow]:
     """Our own jsonl (also the reference evaluation format: ``question_text`` is accepted)."""
-    rows: list[QARow] = []
-    for number, record in _iter_jsonl(path):
-        if not isinstance(record, dict):
-            rows.append(_unparsable(data_source, split, number, record))
-            continue
+
+    def parse(number: int, record: dict) -> dict[str, Any]:
         raw_truth = record.get("ground_truth")
         if isinstance(raw_truth, list):
-            truth = [
-                dedupe_forms(entity if isinstance(entity, list) else [entity]) for entity in raw_truth
-            ]
+            truth = [dedupe_forms(entity if isinstance(entity, list) else [entity]) for entity in raw_truth]
         else:
             truth = raw_truth  # left as is: validation reports the wrong type
         source = record.get("data_source") or data_source
         native = str(record.get("id", f"line{number}"))
-        rows.append(
-            {
-                "id": native if native.startswith(f"{source}:") else make_id(source, native),
+        return {"id": native if native.startswith(f"{source}:") else make_id(source, native),
                 "question": str(record.get("question") or record.get("question_text") or "").strip(),
-                "ground_truth": truth,
-                "data_source": source,
-                "split": record.get("split") or split,
-            }
-        )
-    return rows
+                "ground_truth": truth, "data_source": source, "split": record.get("split") or split}
+
+    return _collect(_iter_jsonl(path), data_source, split, parse)
 
 
 READERS: dict[str, Callable[..., list[QARow]]] = {
