@@ -24,6 +24,7 @@ import numpy as np
 
 from spader_pipeline.retrieval.corpus import Passage
 from spader_pipeline.retrieval.tokenize import Tokenizer
+from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,7 @@ class BM25Params:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> BM25Params:
-        values = dict(values or {})
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown bm25 parameters: {sorted(unknown)}")
-        return cls(**values)
+        return from_mapping(cls, values, where="bm25")
 
     def __post_init__(self) -> None:
         if self.shard_docs is not None and self.shard_docs < 1:
@@ -213,34 +210,36 @@ def build_bm25_sharded(passages: Iterable[Passage], out_dir: str | Path, params:
     k1, b = params.k1, params.b
 
     # Pass 2: score each shard with the global statistics; sort its postings by term (CSC).
-    shard_indptr: list[np.ndarray] = []
+    indptr = np.zeros(n_vocab + 1, dtype=np.int64)  # global column starts, summed over the shards
     offset = 0
     for k, size in enumerate(shard_sizes):
         doc = np.load(work / f"{k}.doc.npy")
         term = np.load(work / f"{k}.term.npy")
-        tf = np.load(work / f"{k}.tf.npy").astype(np.float32).astype(np.float64)
+        tf = np.load(work / f"{k}.tf.npy")
         length = np.load(work / f"{k}.len.npy")
         weights = np.empty(doc.shape[0], dtype=np.float32)
         for s in range(0, doc.shape[0], _MERGE_BLOCK):  # bounded float64 temporaries
             e = min(s + _MERGE_BLOCK, doc.shape[0])
             l_d = length[doc[s:e]].astype(np.float64)
-            tfc = tf[s:e] / (k1 * ((1 - b) + b * l_d / avg_doc_len) + tf[s:e])  # bm25s _score_tfc_robertson
+            tf_d = tf[s:e].astype(np.float32).astype(np.float64)  # bm25s counts in float32
+            tfc = tf_d / (k1 * ((1 - b) + b * l_d / avg_doc_len) + tf_d)  # bm25s _score_tfc_robertson
             weights[s:e] = idf[term[s:e]].astype(np.float64) * tfc
         del tf, length
         order = np.argsort(term, kind="stable")  # by term; documents stay ascending within a term
         np.save(work / f"{k}.data.npy", weights[order])
         del weights
         np.save(work / f"{k}.rows.npy", (doc[order].astype(np.int64) + offset).astype(np.int32))
-        indptr = np.zeros(n_vocab + 1, dtype=np.int64)
-        np.cumsum(np.bincount(term, minlength=n_vocab), out=indptr[1:])
-        shard_indptr.append(indptr)
+        own = np.zeros(n_vocab + 1, dtype=np.int64)
+        np.cumsum(np.bincount(term, minlength=n_vocab), out=own[1:])
+        np.save(work / f"{k}.indptr.npy", own)  # on disk: [V+1] per shard adds up for large vocabularies
+        indptr += own
+        del own
         for name in ("doc", "term", "tf", "len"):
             (work / f"{k}.{name}.npy").unlink()
         del doc, term, order
         offset += size
 
     # Pass 3: merge the shards' columns into one CSC, block by block, with sequential writes.
-    indptr = np.sum(shard_indptr, axis=0)
     nnz = int(indptr[-1])
     model = bm25s.BM25(k1=params.k1, b=params.b, method=params.method)
     model.scores = {"data": np.zeros(0, np.float32), "indices": np.zeros(0, np.int32),
@@ -251,8 +250,10 @@ def build_bm25_sharded(passages: Iterable[Passage], out_dir: str | Path, params:
     np.save(out_dir / "indptr.csc.index.npy", indptr)
     data_files = [work / f"{k}.data.npy" for k in range(len(shard_sizes))]
     row_files = [work / f"{k}.rows.npy" for k in range(len(shard_sizes))]
+    indptr_files = [work / f"{k}.indptr.npy" for k in range(len(shard_sizes))]
     data_off = [_npy_data_offset(f) for f in data_files]
     row_off = [_npy_data_offset(f) for f in row_files]
+    indptr_off = [_npy_data_offset(f) for f in indptr_files]
     bounds = np.unique(np.concatenate([
         np.searchsorted(indptr, np.arange(0, nnz, _MERGE_BLOCK), side="right") - 1, [n_vocab]]))
     bounds = bounds[bounds >= 0]
@@ -264,19 +265,20 @@ def build_bm25_sharded(passages: Iterable[Passage], out_dir: str | Path, params:
             block_data = np.empty(int(indptr[v1] - base), dtype=np.float32)
             block_rows = np.empty(block_data.shape[0], dtype=np.int32)
             before = np.zeros(v1 - v0, dtype=np.int64)  # entries of earlier shards in each column
-            for k, own in enumerate(shard_indptr):
-                counts = np.diff(own[v0 : v1 + 1])
-                start, stop = int(own[v0]), int(own[v1])
+            for k, (own_file, own_off) in enumerate(zip(indptr_files, indptr_off, strict=True)):
+                own = _read_range(own_file, own_off, np.int64, v0, v1 + 1)  # this block's column starts
+                counts = np.diff(own)
+                start, stop = int(own[0]), int(own[-1])
                 if stop > start:
                     column_start = np.repeat(indptr[v0:v1] - base + before, counts)
-                    within = np.arange(stop - start) - np.repeat(own[v0:v1] - start, counts)
+                    within = np.arange(stop - start) - np.repeat(own[:-1] - start, counts)
                     pos = column_start + within
                     block_data[pos] = _read_range(data_files[k], data_off[k], np.float32, start, stop)
                     block_rows[pos] = _read_range(row_files[k], row_off[k], np.int32, start, stop)
                 before += counts
             block_data.tofile(fd)
             block_rows.tofile(fi)
-    for f in (*data_files, *row_files):
+    for f in (*data_files, *row_files, *indptr_files):
         f.unlink()
     work.rmdir()
     (out_dir / TOKENIZER_FILE).write_text(
