@@ -60,7 +60,7 @@ def test_parameters_come_from_config(tmp_path, corpus_path):
     assert a[0].title == b[0].title == "Danube"
     assert a[0].score != pytest.approx(b[0].score)
     assert read_manifest(tmp_path / "b")["parameters"]["k1"] == 2.0
-    with pytest.raises(ValueError, match="unknown bm25 parameters"):
+    with pytest.raises(ValueError, match="unknown bm25 settings"):
         build_index_from_file(corpus_path, tmp_path / "c", "bm25", {"bm25": {"k_one": 1}}, show_progress=False)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from spader_pipeline.retrieval.bm25 import passage_text
 from spader_pipeline.retrieval.corpus import Passage
+from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,7 @@ class DenseParams:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> DenseParams:
-        values = dict(values or {})
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown dense parameters: {sorted(unknown)}")
-        return cls(**values)
+        return from_mapping(cls, values, where="dense")
 
     def resolved_model_path(self) -> str:
         return str(embedded_encoder_path()) if self.model_path == EMBEDDED_ENCODER else self.model_path
