@@ -18,6 +18,7 @@ from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.schema import ground_truth_lists
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
+from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def warm_start(
                                        max_length=params.get("max_length"))
     logger.info("warm start on %d demonstrations (%s)", len(examples), source)
     summary = train_sft(
-        model, examples, WarmStartConfig(**params.get("sft", {})), pad_id=tokenizer.pad_token_id,
+        model, examples, from_mapping(WarmStartConfig, params.get("sft"), where="warm_start.sft"), pad_id=tokenizer.pad_token_id,
         on_log=lambda step, m: tracking.log_metrics(m, step=step, prefix="warm_start/train"),
     )
     out = Path(params["output_dir"])
