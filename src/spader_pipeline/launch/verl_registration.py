@@ -62,7 +62,7 @@ def format_reports(reports: Mapping[str, Mapping]) -> str:
 
 
 def check_workers_registered(timeout: float = 300.0) -> None:
-    """Raise :class:`PluginNotRegisteredError` unless the plugin registers on every alive Ray node.
+    """Raise :class:`PluginNotRegisteredError` unless the plugin registers on every alive Ray node with CPUs.
 
     Uses the running Ray session (call it from inside a verl run, e.g. the agent-loop manager).
     """
@@ -70,7 +70,8 @@ def check_workers_registered(timeout: float = 300.0) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0)(_node_report)
-    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    # the nodes verl places its agent-loop workers on (AgentLoopManager._init_agent_loop_workers)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
     refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
             for node in nodes}
     reports = {}
