@@ -75,7 +75,7 @@ class MlflowTrackingHooks:
         tags = {
             "kedro.pipeline": pipeline_name,
             "kedro.env": self._env,
-            "kedro.session_id": str(run_params.get("session_id", "")),
+            "kedro.session_id": str(run_params.get("run_id") or run_params.get("session_id") or ""),
             "git.commit": tracking.git_commit(self._project_path),
         }
         lone = lone_method_node(pipeline)
