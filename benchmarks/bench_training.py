@@ -206,7 +206,9 @@ def bench_rl_step(args) -> None:
     models = {"smollm2": smollm2, "tiny": None}
     for name in args.models.split(","):
         path = models[name] or _tiny_model_dir(data, Path(tempfile.gettempdir()) / "bench_tiny_model")
-        for label, settings in (("straightforward", _straightforward_settings(project)), ("project", project)):
+        configs = {"straightforward": _straightforward_settings(project), "project": project}
+        for label in args.configs.split(","):
+            settings = configs[label]
             config = NativeTrainerConfig.from_mapping({
                 **settings, "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None, "resume": False,
                 "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
@@ -236,15 +238,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--batch-tokens", type=int, default=6000)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rl-step", action="store_true", help="time whole GRPO steps (needs --data)")
     parser.add_argument("--rl-steps", type=int, default=3)
     parser.add_argument("--models", default="smollm2,tiny")
+    parser.add_argument("--configs", default="straightforward,project")
     parser.add_argument("--data", default="data")
     parser.add_argument("--conf", default="conf/base")
     args = parser.parse_args()
-    if args.rl_step:
-        torch.set_num_threads(max(args.threads, os.cpu_count() or 1))
+    if args.rl_step:  # --threads 1 on an oversubscribed machine (2-thread barriers stall under load)
+        torch.set_num_threads(args.threads)
         bench_rl_step(args)
         return
     torch.set_num_threads(args.threads)
