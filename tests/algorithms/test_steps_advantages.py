@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference_loops import loop_spa, loop_steps
 
@@ -130,6 +130,7 @@ def test_spa_edge_cases():
     group_size=st.integers(1, 5),
     gamma=st.sampled_from([1.0, 0.9, 0.5]),
 )
+@example(seed=436, n_groups=1, group_size=2, gamma=0.5)  # Var_t near ε: float32 statistics were 2e-5 off
 def test_spa_equals_reference_loop(seed, n_groups, group_size, gamma):
     g = torch.Generator().manual_seed(seed)
     bsz, length = n_groups * group_size, 24

@@ -53,14 +53,19 @@ def spa_step_advantage(
     gamma: float = 1.0,
     epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step-level SPA: ``[B, S]`` rewards and mask → ``(advantages [B, S], returns [B, S])``."""
-    returns = discounted_step_returns(step_rewards, step_mask, gamma)
+    """Step-level SPA: ``[B, S]`` rewards and mask → ``(advantages [B, S], returns [B, S])``.
+
+    The group statistics run in float64 (``[B, S]`` is small): with ``Var_t`` near ``ε``, float32
+    centring errors would be amplified by ``1/sqrt(Var_t + ε)``.
+    """
+    returns = discounted_step_returns(step_rewards.double(), step_mask, gamma)
     groups = group_index(index, device=step_rewards.device)
     mu = groups.mean(returns)
     centred = returns - mu
     var = groups.mean(centred * centred)
     adv = centred / torch.sqrt(var + epsilon)
-    return adv * step_mask.to(adv.dtype), returns
+    adv = adv * step_mask.to(adv.dtype)
+    return adv.to(step_rewards.dtype), returns.to(step_rewards.dtype)
 
 
 @torch.no_grad()
