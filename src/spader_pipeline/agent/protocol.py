@@ -9,7 +9,7 @@ The environment answers a search with ONE observation format, :func:`format_obse
 malformed turn with :func:`format_error_observation`. Both are used verbatim by the project's
 rollout (:mod:`spader_pipeline.agent.rollout`), by the VERL tool and agent loop
 (:mod:`spader_pipeline.verl_plugin`) and therefore by evaluation, so a model sees the same text in
-training and at test time (the SPADER reference shows the model two different formats; spec §9.5).
+training and at test time (the SPADER reference code, KhanCold/spader, shows the model two different formats).
 
 Everything here is pure and total: parsers never raise, whatever the model wrote.
 
@@ -238,7 +238,7 @@ def think_text(text: str) -> str:
 def count_search_calls(turns: Iterable[object]) -> int:
     """Number of assistant turns in ``turns`` that performed a search (each turn executes at most one call).
 
-    Pass the assistant turns only: the prompt's example call must not be counted (spec §9.6).
+    Pass the assistant turns only: the prompt's example call must not be counted (the SPADER reference's evaluation counted it).
     """
     return sum(1 for t in turns if parse_turn(t).kind == "search")
 
@@ -317,7 +317,7 @@ def format_observation(
 
     The query strings are deliberately *not* echoed: the observation then contains only retrieved
     text plus fixed framing, so nothing the model wrote can be mistaken for discovered evidence
-    (spec §9.4). ``max_chars`` optionally caps the body (head kept, closing tag always present).
+    (the SPADER reference paid for entity names echoed from queries). ``max_chars`` optionally caps the body (head kept, closing tag always present).
     """
     lines: list[str] = []
     for q_index, result in enumerate(results, start=1):

@@ -1,4 +1,4 @@
-"""The character budget of SPADER-style responses (spec §1.6), made to hold exactly.
+"""The character budget of SPADER-style responses (its retrieval server; docs/retrieval.md), made to hold exactly.
 
 The reference walks candidates rank-major (every query's rank-0 passage, then every rank-1
 passage, ...) and stops at the first one that does not fit, but it measures each passage at
