@@ -6,7 +6,7 @@ its normalised aliases, and as *found in a document* when any normalised alias o
 normalised document text as a whole-word sequence (reference defect 3: "entity b" never matches
 "entity beatles").
 
-Normalisation follows SPADER's evaluation code (spec §3.1, the SQuAD recipe plus quote/dash
+Normalisation follows SPADER's evaluation code (KhanCold/spader: the SQuAD recipe plus quote/dash
 folding). Document matching runs one Aho-Corasick automaton over all texts at once, so its cost is
 linear in the text length and independent of the number of aliases.
 """
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Normalisation (spec §3.1)
+# Normalisation (SPADER's evaluation code; docs/metrics.md)
 # --------------------------------------------------------------------------------------------
 
 _QUOTE_FOLD = {"\u2019": "'", "\u2018": "'", "\u201d": '"', "\u201c": '"'}
@@ -63,7 +63,7 @@ _JOIN = f" {_SEP} "
 
 
 def normalize_answer(text: object) -> str:
-    """Normalise an answer or document string (spec §3.1).
+    """Normalise an answer or document string (SPADER's evaluation recipe, docs/metrics.md).
 
     ``None`` → ``""``; other non-strings → ``str(x)``; lowercase; fold curly quotes and the two-character
     quote forms; delete ASCII punctuation plus em dash, en dash and hyphen; replace the whole words
@@ -119,7 +119,7 @@ class GroundTruth:
         aliases: per entity, the tuple of distinct non-empty normalised aliases (input order kept).
         canonical: per entity, its first non-empty raw alias (for reporting).
     Entities with no non-empty alias are dropped and entities with identical alias sets are merged,
-    as in the reference evaluation (spec §6.4).
+    as in the reference evaluation (docs/metrics.md).
     """
 
     aliases: tuple[tuple[str, ...], ...]
@@ -205,7 +205,7 @@ class AnswerScore:
     """Alias-aware set scores of one predicted answer list against one ground truth.
 
     Precision definitions (``precision_mode`` of :func:`score_answers`):
-      * ``"prediction"`` (default, = reference evaluation, spec §6.4): a distinct normalised prediction is
+      * ``"prediction"`` (default, = reference evaluation, docs/metrics.md): a distinct normalised prediction is
         correct when it equals any alias of any entity; precision = correct predictions / distinct
         predictions. Two aliases of the same entity both count as correct.
       * ``"entity"``: each correct prediction is credited to at most one entity and each entity at most

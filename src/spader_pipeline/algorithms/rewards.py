@@ -1,6 +1,6 @@
 """Rewards for multi-answer search agents: final-answer F1 and SPADER's diversity-aware exploration reward.
 
-SPADER (arXiv 2606.00593; spec §3.3). For trajectory ``i`` of a prompt group, decision step ``t``
+SPADER (arXiv 2606.00593; docs/algorithms.md). For trajectory ``i`` of a prompt group, decision step ``t``
 (the ``t``-th run of model tokens) and the documents retrieved by that step's tool call:
 
 * ``found_{i,t}`` — ground-truth entities with an alias in those **retrieved documents** (whole words,
@@ -13,7 +13,7 @@ SPADER (arXiv 2606.00593; spec §3.3). For trajectory ``i`` of a prompt group, d
   reference never received the step, so the cost was never applied).
 * the final step additionally receives ``w_F·F1`` (or ``−format_penalty`` on a format error).
 
-``|GT|`` is the number of distinct normalised entities (the reference used the raw list length, §9.10).
+``|GT|`` is the number of distinct normalised entities (the SPADER reference used the raw list length).
 Everything is batch-vectorised: discovery is one Aho-Corasick pass per prompt group
 (:mod:`.matching`), the rest is tensor algebra over ``found`` of shape ``[B, S, E]``.
 """
@@ -48,7 +48,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SpaderRewardConfig:
-    """Hyper-parameters of the SPADER reward (defaults = the paper's Qwen3 configs, spec §3.3).
+    """Hyper-parameters of the SPADER reward (defaults = the paper's Qwen3 configs).
 
     Attributes:
         alpha, beta, lam: novelty weight ``α + β·exp(−λ·(N(e)−1))``.
@@ -57,7 +57,7 @@ class SpaderRewardConfig:
         cost_rampup_steps: steps over which the cost ramps linearly from 0 to ``c``.
         final_answer_weight: ``w_F`` on the final-answer F1.
         format_penalty: reward ``−format_penalty`` replaces ``w_F·F1`` on a format error (the SPADER
-            reference code used 0, its GRPO baseline and the paper's figure −1; spec §9.2).
+            reference code used 0, its GRPO baseline and the paper's figure −1).
         enable_exploration: ``False`` reduces the reward to the final-answer term (the GRPO reward).
     """
 
@@ -81,7 +81,7 @@ class SpaderRewardConfig:
 
 
 def tool_cost_coefficient(global_step: int, *, cost: float, free_steps: int, rampup_steps: int) -> float:
-    """Warm-up schedule of the tool cost ``c_eff(s)`` (spec §3.3 step 5).
+    """Warm-up schedule of the tool cost ``c_eff(s)`` (SPADER, arXiv 2606.00593).
 
     ``0`` while ``s < free_steps``; ``c·(s − free_steps)/rampup_steps`` during the ramp; ``c`` afterwards.
     """

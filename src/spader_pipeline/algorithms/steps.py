@@ -2,9 +2,9 @@
 
 A response is ``[model turn][observation][model turn]…[model turn][padding]``; ``response_mask`` is 1
 on model tokens and 0 on observation and padding tokens. Every maximal run of 1s is one *decision
-step*; its last token is the step's *anchor* (where SPADER places step rewards, spec §3.3 and §4.1),
-and the last run is the answer step. The reference walks every token with ``tensor.item()`` (spec
-§9.9); here the segmentation is a handful of batched tensor ops (reference defect 7).
+step*; its last token is the step's *anchor* (where SPADER places step rewards; docs/algorithms.md),
+and the last run is the answer step. The SPADER reference walks every token with ``tensor.item()``;
+here the segmentation is a handful of batched tensor ops (reference defect 7).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CalibAdv — calibrated GRPO advantages for deep search (arXiv 2604.18235; code wujwyi/CalibAdv).
 
-Spec: ``calibadv_tspo_searchr1_spec.md`` §1.5–1.6, defaults from the released script (§1.8):
+As in the paper and its code; defaults from the released training script (docs/algorithms.md):
 silver threshold 0.7, think-similarity 0.5, more than one repeated document voids a turn, ε = 1e-6,
 ``target_ratio`` λ = 1.0, soft penalty applied before rebalancing.
 

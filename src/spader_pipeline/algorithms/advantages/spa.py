@@ -1,4 +1,4 @@
-"""SPA — SPADER's Step-wise Peer Advantage (arXiv 2606.00593; reference ``masked_step_grpo``, spec §4.1).
+"""SPA — SPADER's Step-wise Peer Advantage (arXiv 2606.00593; reference ``masked_step_grpo``; docs/algorithms.md).
 
 For trajectory ``i`` with decision steps ``t = 0..K_i−1`` (maximal runs of model tokens) and step
 reward ``r_{i,t}`` read at each step's anchor (its last token):
@@ -9,7 +9,7 @@ reward ``r_{i,t}`` read at each step's anchor (its last token):
 * ``A_{i,t} = (G_{i,t} − μ_t) / sqrt(Var_t + ε)`` for real steps, 0 otherwise;
 * every model token of step ``t`` receives ``A_{i,t}``; observation and padding tokens get 0.
 
-Consequences kept on purpose for fidelity (spec §4.1, §9.8): singleton groups give 0, steps are aligned
+Consequences kept on purpose for fidelity to the SPADER reference code: singleton groups give 0, steps are aligned
 by index across peers, a lone long trajectory gets ``±sqrt(n−1)`` on its late steps.
 """
 

@@ -1,8 +1,8 @@
 """TSPO / FOLR — **PROPOSAL**, not a reproduction (arXiv 2601.22776).
 
 Only the abstract of "Breaking the Double Homogenization Dilemma in Multi-turn Search Policy
-Optimization" is public; its code is not. This module implements the design proposed in
-``calibadv_tspo_searchr1_spec.md`` §2.2, every constant a tunable flagged UNVERIFIED:
+Optimization" is public; its code is not. This module implements our proposed design (built on
+Search-R1's outcome and retrieval check; docs/algorithms.md), every constant a tunable flagged UNVERIFIED:
 
 * **First-Occurrence Latent Reward**: trajectory ``i`` earns ``ℓ_i = α·1[k*_i exists]`` at the step
   ``k*_i`` whose observation first contains a gold answer (the reward side finds ``k*``; see
