@@ -14,10 +14,10 @@ Compared, on identical inputs, in one run:
 
 * **SPA**: ``algorithms.advantages.spa_advantage`` vs a per-token loop in the reference's style
   (step spans found with one ``tensor.item()`` per token, per-group per-step Python statistics,
-  per-token writes; spec §4.1, §9.9).
+  per-token writes, as the SPADER reference code does).
 * **SPADER reward** (step extraction + discovery in retrieved documents + group novelty + tool cost +
   token placement): ``algorithms.rewards.discover_entities`` + ``spader_rewards`` vs the published
-  reward manager's loop (spec §3.3): one ``.item()`` per token for the steps, the step's tool text
+  reward manager's loop (KhanCold/spader): one ``.item()`` per token for the steps, the step's tool text
   normalised per trajectory and step, one substring test per entity, alias and step, ``N(e)``
   counted over the batch per new entity.
 * **discovery only**: the same discovery part of both (normalisation + matching), shown separately.
@@ -160,7 +160,7 @@ def loop_spa(rewards, mask, index, gamma=1.0, eps=1e-6):
 
 def loop_discovery(ground_truths, docs):
     """Per trajectory and step: normalise the step's tool text (its documents, one per line), then one
-    whole-word substring test per entity and alias (spec §3.3 step 2, with the project's alias-aware,
+    whole-word substring test per entity and alias (the SPADER reference's discovery, with the project's alias-aware,
     word-bounded matching so that both sides compute the same thing)."""
     found = []
     for gt_raw, step_docs in zip(ground_truths, docs, strict=True):

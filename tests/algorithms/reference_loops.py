@@ -1,4 +1,4 @@
-"""Straightforward per-token / per-entity Python loops of the reference formulas (spec §3.3, §4.1).
+"""Straightforward per-token / per-entity Python loops of the reference formulas (SPADER, arXiv 2606.00593).
 
 Independent of the vectorised code under test: used by the equivalence tests and the benchmark.
 Kept deliberately literal (one ``.item()`` per token, one substring test per entity and step).

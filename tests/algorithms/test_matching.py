@@ -187,7 +187,7 @@ def test_find_entities_batched_matches_per_item():
 
 
 def _spec_normalize(text):
-    """Literal spec §3.1 recipe (regex path only), to check the fast path against."""
+    """Literal SPADER evaluation recipe (docs/metrics.md) (regex path only), to check the fast path against."""
     import string as _s
 
     if text is None:

@@ -25,7 +25,7 @@ from spader_pipeline.algorithms.rewards import (
 
 
 def test_novelty_weight_table():
-    """Spec §3.3 table for α=1, β=4, λ=1."""
+    """The SPADER novelty-weight table (docs/algorithms.md) for α=1, β=4, λ=1."""
     n = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 13])
     expected = [5.0, 2.4715, 1.5413, 1.1991, 1.0733, 1.0270, 1.0099, 1.0036, 1.0000]
     np.testing.assert_allclose(novelty_weight(n, alpha=1, beta=4, lam=1), expected, atol=1e-4)

@@ -89,7 +89,7 @@ def _spec_vector():
 
 
 def test_spa_spec_test_vector():
-    """Spec §4.1 worked vector: one group of 3, γ = 0.9."""
+    """The SPADER reference's worked SPA vector (docs/algorithms.md): one group of 3, γ = 0.9."""
     r, m = _spec_vector()
     adv, ret = spa_advantage(r, m, ["u"] * 3, gamma=0.9)
     np.testing.assert_allclose(ret[0, [1, 5, 9]], [1.373, 0.97, 0.8], atol=1e-6)
@@ -163,7 +163,7 @@ def test_grpo_core_formula():
 
 
 def test_calibadv_spec_worked_example():
-    """Spec §1.6: rewards [1,0,0,0,0]; a negative rollout with 2 searches, first returning 2/3 new silver docs."""
+    """CalibAdv's worked example (arXiv 2604.18235; docs/algorithms.md): rewards [1,0,0,0,0]; a negative rollout with 2 searches, first returning 2/3 new silver docs."""
     length = 60
     rows = [[(0, 20)]] + [
         [(0, 5), (10, 15), (20, 45)]

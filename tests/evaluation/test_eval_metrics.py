@@ -17,7 +17,7 @@ GT = [["Entity A", "Alias A"], ["Entity B"], ["The Beatles", "Beatles"]]
 
 
 def test_spec_worked_check_with_aliases_and_one_real_search():
-    # spec §6.4: P 0.75, R 0.667, F1 0.706. Our search count is 1 (the prompt's example call is
+    # SPADER's evaluation harness (docs/metrics.md): P 0.75, R 0.667, F1 0.706. Our search count is 1 (the prompt's example call is
     # not counted), so searches per correct entity is 1/2, not the reference's 3/2.
     m = sample_metrics(
         predicted=["Entity A", "Alias A", "Beatles", "Foo"],

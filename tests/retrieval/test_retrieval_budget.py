@@ -1,4 +1,4 @@
-"""The SPADER character budget (spec §1.6) must hold for every rendering a client shows."""
+"""The SPADER character budget (docs/retrieval.md) must hold for every rendering a client shows."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ entry = st.one_of(doc, scored)
 
 
 def reference_truncate(queries, candidates, max_chars):
-    """The reference server's walk (spec §1.6): entries measured at top-level indentation, stop at
+    """The reference server's walk (KhanCold/spader): entries measured at top-level indentation, stop at
     the first candidate that does not fit."""
     total = len(json.dumps([{"query": q, "documents": []} for q in queries], indent=2, ensure_ascii=False))
     order = sorted(((r, q) for q, docs in enumerate(candidates) for r in range(len(docs))))

@@ -82,7 +82,7 @@ def test_reranker_reorders_candidates_by_its_own_scores(bm25_index, cross_encode
 
 @pytest.mark.slow
 def test_dense_index_served_over_http(dense_index):
-    # The reference server raises TypeError on every dense request (spec §2.2, §9.7).
+    # The reference server raises TypeError on every dense request (SPADER reference code, KhanCold/spader).
     import httpx
 
     from spader_pipeline.retrieval import running_service
