@@ -102,7 +102,7 @@ def _docs(n_queries, per_query, size):
 @pytest.mark.parametrize("n_queries", [1, 2, 3, 5, 10])
 def test_reference_walk_overshoots_where_ours_holds(n_queries):
     queries = [f"query number {i}" for i in range(n_queries)]
-    candidates = _docs(n_queries, 5, 640)  # ~700-character passages, as in the spec's table
+    candidates = _docs(n_queries, 5, 640)  # ~700-character passages, as SPADER's server returns
     ours = apply_budget(queries, candidates, 10000)
     assert len(render(ours)) <= 10000
     reference = reference_truncate(queries, candidates, 10000)
