@@ -141,7 +141,7 @@ def _log_evaluation(result: EvaluationResult, edges) -> None:
         tracking.log_params({**spec.describe(), "dataset": dataset, "prompt_template": result.template_name,
                              **{f"rollout.{k}": v for k, v in asdict(result.rollout).items()}})
         values = tracking.numeric_items(result.metrics)
-        mlflow.log_metrics(values, model_id=spec.training.get("checkpoint.model_id"))  # also on the model's page
+        mlflow.log_metrics(values, model_id=_model_in_store(spec.training.get("checkpoint.model_id")))
         path = Path(tmp) / f"{spec.name}__{dataset}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in result.records),
                         encoding="utf-8")
@@ -151,6 +151,17 @@ def _log_evaluation(result: EvaluationResult, edges) -> None:
         fig.savefig(png, dpi=100)
         plt.close(fig)
         tracking.log_artifact(png, "plots")
+
+
+def _model_in_store(model_id: str | None) -> str | None:
+    """The checkpoint's MLflow model id when it is in this tracking store (its metrics then also
+    appear on the model's page), else ``None`` (e.g. trained against another store)."""
+    if not model_id:
+        return None
+    try:
+        return mlflow.get_logged_model(model_id).model_id
+    except mlflow.exceptions.MlflowException:
+        return None
 
 
 def _training_note(link: Mapping[str, str]) -> str | None:
