@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 
 from spader_pipeline.agent.rollout import RolloutConfig, observe_search
+from spader_pipeline.retrieval.schemas import SearchResponse
 
 LONG = "Country in West Africa. Ghana is a country with a long coast, many rivers and a capital city called Accra."
 
 
 class _Search:
     async def search(self, queries, topk=5, max_chars=None):
-        return {"results": [{"documents": [{"id": "1", "title": "Ghana", "contents": LONG},
-                                           {"id": "2", "title": "Togo", "contents": "Short one."}]}
-                            for _ in queries]}
+        return SearchResponse.model_validate(
+            {"results": [{"query": q, "documents": [{"id": "1", "title": "Ghana", "contents": LONG},
+                                                    {"id": "2", "title": "Togo", "contents": "Short one."}]}
+                         for q in queries]})
 
 
 def test_passages_are_cut_at_a_word_boundary_and_the_records_match_the_observation():

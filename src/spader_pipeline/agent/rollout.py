@@ -49,6 +49,7 @@ from spader_pipeline.agent.protocol import (
     format_observation,
     parse_turn,
 )
+from spader_pipeline.retrieval.schemas import QueryResult, SearchResponse
 from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
@@ -234,9 +235,12 @@ class Trajectory:
 
 @runtime_checkable
 class SearchBackend(Protocol):
-    """What the loop needs from retrieval (contract C: ``RetrievalClient`` satisfies it)."""
+    """What the loop needs from retrieval (contract C: ``RetrievalClient`` satisfies it): one typed
+    :class:`~spader_pipeline.retrieval.schemas.SearchResponse` per call, whatever the backend."""
 
-    async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> Any: ...
+    async def search(
+        self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None
+    ) -> SearchResponse: ...
 
 
 @dataclass
@@ -318,19 +322,14 @@ class LocalSearch:
 
     A retrieval ``Searcher`` answers through its ``respond`` method, which applies the same
     ranking *and* character budget (``max_chars``) as the HTTP service, so in-process training
-    sees exactly the observations an evaluation against the service sees. Any other object with
-    ``search(queries, topk)`` also works (no budget; ``RolloutConfig.max_observation_chars`` still
-    bounds the text).
+    sees exactly the observations an evaluation against the service sees.
     """
 
     def __init__(self, retriever: Any) -> None:
         self.retriever = retriever
 
-    async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> Any:
-        respond = getattr(self.retriever, "respond", None)
-        if respond is not None:
-            return await asyncio.to_thread(respond, list(queries), topk, max_chars)
-        return await asyncio.to_thread(self.retriever.search, list(queries), topk)
+    async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> SearchResponse:
+        return await asyncio.to_thread(self.retriever.respond, list(queries), topk, max_chars)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,26 +342,6 @@ def document_text(document: Any) -> str:
     get = document.get if isinstance(document, Mapping) else lambda k, d="": getattr(document, k, d)
     title, contents = get("title", "") or "", get("contents", "") or ""
     return f"{title}\n{contents}" if title else str(contents)
-
-
-def _results_of(response: Any) -> tuple[list[Any], str | None]:
-    if isinstance(response, (list, tuple)):  # in-process searchers return the result list itself
-        return list(response), None
-    if isinstance(response, Mapping):
-        return list(response.get("results") or response.get("result") or []), response.get(
-            "truncation_warning"
-        )
-    return list(getattr(response, "results", []) or []), getattr(response, "truncation_warning", None)
-
-
-def _docs_of(result: Any) -> list[Any]:
-    docs = result.get("documents") if isinstance(result, Mapping) else getattr(result, "documents", None)
-    return list(docs or [])
-
-
-def _doc_field(doc: Any, name: str) -> str:
-    value = doc.get(name) if isinstance(doc, Mapping) else getattr(doc, name, None)
-    return "" if value is None else str(value)
 
 
 def new_state(
@@ -422,14 +401,14 @@ async def observe_search(
         return SearchOutcome(
             text, tuple(queries), error=f"search failed: {exc.__class__.__name__}: {exc}", error_kind="search_failed"
         )
-    results, warning = _results_of(response)
+    results, warning = response.results, response.truncation_warning
     if config.max_document_chars:
         results = [_shortened(result, config.max_document_chars) for result in results]
     outcome = SearchOutcome("", tuple(queries))
     for result in results:
-        docs = _docs_of(result)
-        outcome.doc_ids.append([_doc_field(d, "id") for d in docs])
-        outcome.titles.append([_doc_field(d, "title") for d in docs])
+        docs = result.documents
+        outcome.doc_ids.append([d.id for d in docs])
+        outcome.titles.append([d.title for d in docs])
         outcome.retrieved_texts.extend(document_text(d) for d in docs)
     outcome.truncation_warning = " ".join(x for x in (warning, note) if x) or None
     outcome.text = format_observation(
@@ -438,16 +417,16 @@ async def observe_search(
     return outcome
 
 
-def _shortened(result: Any, max_chars: int) -> dict[str, Any]:
+def _shortened(result: QueryResult, max_chars: int) -> QueryResult:
     """A query result whose documents' contents are cut to ``max_chars`` (at a word boundary, "…")."""
     documents = []
-    for doc in _docs_of(result):
-        contents = _doc_field(doc, "contents")
+    for doc in result.documents:
+        contents = doc.contents
         if len(contents) > max_chars:
             head = contents[:max_chars]
             contents = (head[: head.rfind(" ")] if " " in head[max_chars // 2 :] else head).rstrip() + " …"
-        documents.append({"id": _doc_field(doc, "id"), "title": _doc_field(doc, "title"), "contents": contents})
-    return {"documents": documents}
+        documents.append(doc.model_copy(update={"contents": contents}))
+    return result.model_copy(update={"documents": documents})
 
 
 async def _observe(step: Step, search: SearchBackend, config: RolloutConfig) -> str:
