@@ -120,12 +120,17 @@ def validate_model_dir(path: str | Path) -> dict[str, object]:
 
 
 def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load an HF causal LM and its tokenizer (left padding, pad token set)."""
+    """Load an HF causal LM and its tokenizer (left padding, pad token set; on CPU grouped-query
+    models use :mod:`spader_pipeline.modeling.attention`)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if torch.device(device).type == "cpu":
+        from spader_pipeline.modeling.attention import use_gqa_attention
+
+        use_gqa_attention(model)  # grouped-query models: no KV-cache copies per decoding step
     return model, tokenizer
 
 

@@ -1,0 +1,46 @@
+"""Grouped-query attention on CPU without copying the KV cache.
+
+transformers' ``sdpa`` attention expands the key/value heads of a grouped-query model (``repeat_kv``)
+whenever an attention mask is given — always, for a left-padded batch — so every decoding step
+copies the whole KV cache ``num_heads / num_kv_heads`` times. ``torch.nn.functional.
+scaled_dot_product_attention(..., enable_gqa=True)`` (torch ≥ 2.5) reads the shared heads in place:
+on the 2-core CI machine one decoding step of SmolLM2's attention (batch 32, 800 cached tokens, 9
+query / 3 key-value heads) took 32 ms instead of 300 ms, same output. Registered through
+transformers' public ``AttentionInterface`` as ``sdpa_gqa`` (masks as for ``sdpa``) and switched on
+per loaded model; it is a runtime setting, never written to a saved ``config.json``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "sdpa_gqa"
+
+
+def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):
+    """``sdpa`` attention with ``enable_gqa`` (shapes as transformers' ``sdpa_attention_forward``:
+    query ``[B, H, T, D]``, key/value ``[B, H_kv, S, D]``; returns ``[B, T, H, D]``, ``None``)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_attention(model) -> bool:
+    """Switch ``model`` to :data:`NAME` when it is a grouped-query model currently on ``sdpa``."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or kv_heads == heads or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, sdpa_gqa_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return True

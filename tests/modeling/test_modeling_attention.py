@@ -1,0 +1,41 @@
+"""sdpa_gqa: grouped-query attention without KV copies gives the same outputs, gradients included."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from spader_pipeline.modeling import TinyQwen3Spec, build_tiny_qwen3
+from spader_pipeline.modeling.attention import use_gqa_attention
+
+
+class _Vocab:
+    eos_token_id, pad_token_id = 2, 0
+
+    def __len__(self) -> int:
+        return 64
+
+
+def test_gqa_attention_matches_sdpa_in_forward_backward_and_generation(tmp_path):
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)
+    build_tiny_qwen3(_Vocab(), spec).save_pretrained(tmp_path)
+    ids = torch.randint(3, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the case where sdpa copies the KV heads
+
+    def run(model):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits[mask.bool()].square().mean().backward()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone(), out
+
+    reference = run(AutoModelForCausalLM.from_pretrained(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert use_gqa_attention(model) and model.config._attn_implementation == "sdpa_gqa"
+    fast = run(model)
+    assert torch.allclose(reference[0][mask.bool()], fast[0][mask.bool()], atol=1e-5)
+    assert torch.allclose(reference[1], fast[1], atol=1e-6) and torch.equal(reference[2], fast[2])
+    model.save_pretrained(tmp_path / "saved")  # a runtime setting, not written to the checkpoint
+    assert "sdpa_gqa" not in (tmp_path / "saved" / "config.json").read_text()
