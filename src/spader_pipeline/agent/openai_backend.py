@@ -189,35 +189,12 @@ def server_command(
     engine: str, model_path: str | Path, port: int, served_name: str, extra_args: Sequence[str] = ()
 ) -> list[str]:
     """The command line that serves ``model_path`` with an OpenAI-compatible API on 127.0.0.1."""
-    if engine == "vllm":
-        cmd = [
-            "vllm",
-            "serve",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            served_name,
-        ]
-    elif engine == "sglang":
-        cmd = [
-            "python",
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            served_name,
-        ]
-    else:
+    launchers = {"vllm": ["vllm", "serve", str(model_path)],
+                 "sglang": ["python", "-m", "sglang.launch_server", "--model-path", str(model_path)]}
+    if engine not in launchers:
         raise ValueError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
-    return cmd + list(extra_args)
+    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    return launchers[engine] + common + list(extra_args)
 
 
 @contextlib.contextmanager
