@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,25 @@ def _accept(response: httpx.Response) -> SearchResponse | str:
     return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
+def _blocking(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """``fn`` as a coroutine function that runs it in place (no event loop involved)."""
+
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _run_blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that awaits only :func:`_blocking` calls, which never suspend, to its end."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a blocking request suspended: only _blocking() awaitables may be used")
+
+
 class RetrievalClient:
     """Talks to ``POST {base_url}/retrieve``. Use as ``async with RetrievalClient(url) as c: ...``.
 
@@ -107,46 +126,37 @@ class RetrievalClient:
     def _give_up(self, attempts: int, last: str) -> RetrievalError:
         return RetrievalError(f"POST {self.url} failed after {attempts} attempt(s); last error: {last}")
 
+    async def _request(self, payload: dict[str, Any], post: Callable[..., Awaitable[httpx.Response]],
+                       sleep: Callable[[float], Awaitable[None]]) -> SearchResponse:
+        """The one retry loop, for both transports: ``post``/``sleep`` are the async client's, or
+        the blocking client's wrapped by :func:`_blocking` (then this coroutine never suspends)."""
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                outcome = _accept(await post(self.url, json=payload))
+            except httpx.TransportError as err:  # connection refused/reset, timeouts
+                outcome = f"{type(err).__name__}: {err}"
+            if isinstance(outcome, SearchResponse):
+                return outcome
+            last = outcome
+            if attempt < self.max_retries:
+                await sleep(self._delay(attempt))
+        raise self._give_up(self.max_retries + 1, last)
+
     async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None,
                      initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
         payload = _payload(queries, topk, max_chars, initial_k, use_reranker)
         if self._async is None:
             self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            try:
-                response = await self._async.post(self.url, json=payload)
-            except httpx.TransportError as err:  # connection refused/reset, timeouts
-                last = f"{type(err).__name__}: {err}"
-            else:
-                outcome = _accept(response)
-                if isinstance(outcome, SearchResponse):
-                    return outcome
-                last = outcome
-            if attempt < self.max_retries:
-                await asyncio.sleep(self._delay(attempt))
-        raise self._give_up(self.max_retries + 1, last)
+        return await self._request(payload, self._async.post, asyncio.sleep)
 
     def search_sync(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None,
                     initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
-        """Blocking twin of :meth:`search` (own pooled ``httpx.Client``)."""
+        """Blocking twin of :meth:`search` (own pooled ``httpx.Client``, same retry loop)."""
         payload = _payload(queries, topk, max_chars, initial_k, use_reranker)
         if self._sync is None:
             self._sync = httpx.Client(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            try:
-                response = self._sync.post(self.url, json=payload)
-            except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}"
-            else:
-                outcome = _accept(response)
-                if isinstance(outcome, SearchResponse):
-                    return outcome
-                last = outcome
-            if attempt < self.max_retries:
-                time.sleep(self._delay(attempt))
-        raise self._give_up(self.max_retries + 1, last)
+        return _run_blocking(self._request(payload, _blocking(self._sync.post), _blocking(time.sleep)))
 
     async def health(self) -> dict[str, Any]:
         if self._async is None:
