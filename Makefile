@@ -75,6 +75,8 @@ viz: $(STAMP)
 
 mlflow-ui: $(STAMP)
 	mkdir -p mlruns/artifacts
+	@MLFLOW_TRACKING_URI="$(MLFLOW_TRACKING_URI)" $(BIN)/python -c "import mlflow; e = mlflow.get_experiment_by_name('spader-pipeline'); \
+	  print('runs table (model-training view): http://127.0.0.1:$(MLFLOW_PORT)/#/experiments/%s/runs?workflowType=machine_learning' % (e.experiment_id if e else '0'))" 2>/dev/null || true
 	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 lint: $(STAMP)
