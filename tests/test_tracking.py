@@ -120,7 +120,7 @@ def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(expe
     monkeypatch.setattr(launch, "run_streaming", fake_verl)
     monkeypatch.chdir(project_root)  # the launcher reads conf/base/verl
     training = {"backend": "verl", "output_dir": str(tmp_path / "out"),
-                "verl": {"retrieval_url": "http://127.0.0.1:9/", "n_gpus_per_node": 1}}
+                "verl": {"retrieval": {"url": "http://127.0.0.1:9/"}, "n_gpus_per_node": 1}}
     method = {"method": "spader", "reward": {"alpha": 1.0}, "options": {"gamma": 0.9}}
     prompt = {"template": "t", "templates": {"t": "{question}"}}
     (tmp_path / "init").mkdir()

@@ -20,10 +20,11 @@ from spader_pipeline.launch.verl import (
     VerlLaunchError,
     build_launch,
     is_loopback_url,
-    retrieval_endpoints,
     run_streaming,
     verl_environment,
+    verl_settings,
 )
+from spader_pipeline.retrieval.settings import RetrievalSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,13 +67,38 @@ def test_defect2_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_
     assert yaml.safe_load(Path(tool_cfg).read_text())["tools"][0]["config"]["retrieval_service_url"] == "http://10.0.0.5:8000"
 
 
+def test_defect2_loopback_service_is_refused_before_it_starts():
+    from spader_pipeline.launch.verl import _retrieval
+
+    with pytest.raises(ValueError, match="loopback"), _retrieval(verl_settings({"verl": {"nnodes": 2}}),
+                                                                 {"index_dir": "/no/such/index"}):
+        pass
+
+
 def test_defect2_started_service_binds_one_address_and_advertises_another():
-    assert retrieval_endpoints({}, 8000) == ("127.0.0.1", "http://127.0.0.1:8000")
-    verl = {"retrieval_bind_host": "0.0.0.0", "retrieval_advertised_host": "head-node.cluster"}
-    assert retrieval_endpoints(verl, 8000) == ("0.0.0.0", "http://head-node.cluster:8000")
-    with pytest.raises(ValueError, match="retrieval_advertised_host"):
-        retrieval_endpoints({"retrieval_bind_host": "0.0.0.0"}, 8000)
+    assert verl_settings({}).retrieval.advertised_url(8000) == "http://127.0.0.1:8000"
+    settings = verl_settings({"verl": {"retrieval": {"bind_host": "0.0.0.0", "advertised_host": "head-node.cluster"}}})
+    assert settings.retrieval.bind_host == "0.0.0.0"
+    assert settings.retrieval.advertised_url(8000) == "http://head-node.cluster:8000"
+    with pytest.raises(ValueError, match="advertised_host"):
+        verl_settings({"verl": {"retrieval": {"bind_host": "0.0.0.0"}}})
     assert is_loopback_url("http://127.0.0.2:1") and not is_loopback_url("http://10.1.2.3:1")
+
+
+def test_retrieval_is_the_shared_settings_block_and_old_keys_say_where_they_went(params, tmp_path, monkeypatch):
+    """training.verl.retrieval is the RetrievalSettings of training.search / evaluate.retrieval."""
+    assert verl_settings(params["training"]).retrieval == RetrievalSettings(mode="service")
+    with pytest.raises(ValueError, match=r"retrieval_port -> training.verl.retrieval.port; "
+                                         r"retrieval_url -> training.verl.retrieval.url"):
+        verl_settings({"verl": {"retrieval_url": "http://x:1", "retrieval_port": 8000}})
+    with pytest.raises(ValueError, match=r"unknown training.verl.retrieval settings \['host'\]"):
+        verl_settings({"verl": {"retrieval": {"host": "0.0.0.0"}}})
+    # the client settings reach the search tool's config of the run
+    monkeypatch.chdir(ROOT)
+    launch = _launch(params, tmp_path, retrieval={"timeout": 7.5, "max_retries": 1})
+    tool_cfg = next(a.split("=", 1)[1] for a in launch.argv if "multi_turn.tool_config_path=" in a)
+    tool = yaml.safe_load(Path(tool_cfg).read_text())["tools"][0]["config"]
+    assert (tool["timeout"], tool["max_retries"], tool["retrieval_service_url"]) == (7.5, 1, "http://127.0.0.1:8123")
 
 
 def test_defect3_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
@@ -90,7 +116,7 @@ def test_defect7_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_p
     assert "spader_model=qwen3_8b" in _launch(params, tmp_path, model_type="llama", model="qwen3_8b").argv
     with pytest.raises(ValueError, match="training.verl.model"):
         _launch(params, tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match="unknown training.verl keys \\['overlay'\\]"):
+    with pytest.raises(ValueError, match="unknown training.verl settings \\['overlay'\\]"):
         _launch(params, tmp_path, overlay="spader_llama3_8b")
 
 

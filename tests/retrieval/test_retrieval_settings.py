@@ -13,6 +13,9 @@ def test_unknown_keys_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="mode"):
         RetrievalSettings(mode="remote")
     assert retrieval_settings({"mode": "local"}, where="search").mode == "local"
+    with pytest.raises(ValueError, match="advertised_host"):
+        RetrievalSettings(bind_host="0.0.0.0")
+    assert RetrievalSettings(bind_host="::", advertised_host="fd00::4").advertised_url(80) == "http://[fd00::4]:80"
 
 
 def test_service_url_prefers_the_configured_url_and_refuses_local_mode(tmp_path):
@@ -23,9 +26,11 @@ def test_service_url_prefers_the_configured_url_and_refuses_local_mode(tmp_path)
 
 
 def test_service_url_starts_a_service_on_the_index(bm25_index):
+    """Bound to every interface, reached at the advertised address (as VERL's workers on other nodes do)."""
     import httpx
 
-    with service_url(RetrievalSettings(), bm25_index) as url:
+    with service_url(RetrievalSettings(bind_host="0.0.0.0", advertised_host="127.0.0.1"), bm25_index) as url:
+        assert url.startswith("http://127.0.0.1:")
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)

@@ -2,11 +2,13 @@
 
 What the launch does, in order:
 
-1. starts the retrieval service on the index (``spader-retrieval serve``) unless a URL is given,
-   and writes a run-specific copy of the search-tool config pointing at it. verl runs its agent-loop
-   workers on every Ray node, so with ``nnodes > 1`` the URL they get must not be loopback: bind the
-   started service with ``retrieval_bind_host`` (e.g. ``0.0.0.0``) and give the address the other
-   nodes reach it at in ``retrieval_advertised_host``, or pass an external ``retrieval_url``;
+1. starts the retrieval service on the index (``spader-retrieval serve``) unless a URL is given
+   (``training.verl.retrieval``, the project's one
+   :class:`~spader_pipeline.retrieval.settings.RetrievalSettings`), and writes a run-specific copy of
+   the search-tool config pointing at it. verl runs its agent-loop workers on every Ray node, so with
+   ``nnodes > 1`` the URL they get must not be loopback: bind the started service with
+   ``retrieval.bind_host`` (e.g. ``0.0.0.0``) and give the address the other nodes reach it at in
+   ``retrieval.advertised_host``, or pass an external ``retrieval.url``;
 2. composes the command with the algorithms package's
    :func:`~spader_pipeline.verl_plugin.overrides.main_ppo_argv` (the method's Hydra overlay in
    ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
@@ -34,24 +36,29 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
+from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
+from spader_pipeline.typed_config import from_mapping
+
 logger = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
 DEFAULT_CONFIG_DIR = Path("conf/base/verl")
 
-#: keys of ``training.verl`` (anything else is a typo or a dead setting and raises)
-VERL_KEYS = frozenset({
-    "model", "overrides", "ray_address", "n_gpus_per_node", "nnodes", "project_name", "total_training_steps",
-    "logger", "train_files", "val_files", "config_dir", "timeout", "log_tail_lines",
-    "retrieval_url", "start_retrieval_service", "retrieval_bind_host", "retrieval_advertised_host", "retrieval_port",
-})
+#: former flat ``training.verl`` retrieval keys → where they live now (``training.verl.retrieval``)
+MOVED_RETRIEVAL_KEYS = {
+    "retrieval_url": "retrieval.url",
+    "retrieval_bind_host": "retrieval.bind_host",
+    "retrieval_advertised_host": "retrieval.advertised_host",
+    "retrieval_port": "retrieval.port",
+    "start_retrieval_service": "retrieval.mode (service starts one; or set retrieval.url)",
+}
 #: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
 #: environment variables of the launch that every Ray worker needs too
@@ -61,6 +68,34 @@ FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "MLFLOW_TRACKING_URI", "MLFLOW_RUN
 
 class VerlLaunchError(RuntimeError):
     """VERL exited with an error; the message ends with the tail of its log."""
+
+
+@dataclass(frozen=True)
+class VerlSettings:
+    """``training.verl``: cluster, data files, config and retrieval service of a VERL launch."""
+
+    model: str | None = None
+    """``spader_model`` schedule group (``qwen3_8b``, ``llama3_8b``); ``None``: from the checkpoint's model_type"""
+    overrides: Sequence[str] = ()
+    """extra Hydra overrides, appended last"""
+    ray_address: str | None = None
+    """an existing Ray cluster (``ray://host:10001`` or ``host:6379``); ``None`` starts a local one"""
+    n_gpus_per_node: int = 8
+    nnodes: int = 1
+    project_name: str | None = None
+    total_training_steps: int | None = None
+    logger: Sequence[str] = ("console", "mlflow")
+    """verl's trackers"""
+    train_files: str = "data/05_model_input/verl/train.parquet"
+    val_files: str = "data/05_model_input/verl/validation.parquet"
+    config_dir: str = str(DEFAULT_CONFIG_DIR)
+    """folder of the Hydra overlays (``<method>.yaml``), ``agent_loops.yaml`` and ``tool_config/``"""
+    timeout: float | None = None
+    """seconds before the launch is stopped; ``None``: no limit"""
+    log_tail_lines: int = 80
+    """lines of VERL's log kept for the error message when it fails"""
+    retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
+    """the search tool's retrieval service (``mode: local`` is refused: the agent loop searches over HTTP)"""
 
 
 @dataclass
@@ -92,35 +127,41 @@ def verl_parameters(
     params: dict[str, Any] = {
         "method": method["method"],
         "model_path": str(Path(init_manifest["path"]).resolve()),
-        "train_files": str(Path(verl.get("train_files", "data/05_model_input/verl/train.parquet")).resolve()),
-        "val_files": str(Path(verl.get("val_files", "data/05_model_input/verl/validation.parquet")).resolve()),
-        "n_gpus_per_node": int(verl.get("n_gpus_per_node", 8)),
-        "nnodes": int(verl.get("nnodes", 1)),
+        "train_files": str(Path(verl.train_files).resolve()),
+        "val_files": str(Path(verl.val_files).resolve()),
+        "n_gpus_per_node": int(verl.n_gpus_per_node),
+        "nnodes": int(verl.nnodes),
         "run_dir": str(Path(run_dir).resolve()),
         "experiment_name": f"train_{method['method']}",
-        "logger": list(verl.get("logger", ["console", "mlflow"])),
+        "logger": list(verl.logger),
         "reward": reward,
         "options": dict(method.get("options") or {}),
-        "overrides": list(verl.get("overrides") or []),
+        "overrides": list(verl.overrides or []),
+        "model": verl.model or model_family(init_manifest["path"]),
     }
-    for key in ("model", "project_name", "total_training_steps"):
-        if verl.get(key) is not None:
-            params[key] = verl[key]
-    if "model" not in params:
-        params["model"] = model_family(init_manifest["path"])
+    for key in ("project_name", "total_training_steps"):
+        if getattr(verl, key) is not None:
+            params[key] = getattr(verl, key)
     if tool_config_path is not None:
         params["tool_config_path"] = str(Path(tool_config_path).resolve())
-    params["agent_loop_config_path"] = str((Path(verl.get("config_dir", DEFAULT_CONFIG_DIR)) / "agent_loops.yaml").resolve())
+    params["agent_loop_config_path"] = str((Path(verl.config_dir) / "agent_loops.yaml").resolve())
     return params
 
 
-def verl_settings(training: Mapping[str, Any]) -> dict[str, Any]:
-    """``training.verl`` as a dict; unknown keys raise (a misspelt or dead key never passes silently)."""
-    verl = dict(training.get("verl") or {})
-    unknown = sorted(set(verl) - VERL_KEYS)
-    if unknown:
-        raise ValueError(f"unknown training.verl keys {unknown}; known: {sorted(VERL_KEYS)}")
-    return verl
+def verl_settings(training: Mapping[str, Any]) -> VerlSettings:
+    """``training.verl`` as :class:`VerlSettings`; unknown keys raise (a misspelt or dead key never
+    passes silently), and so do the former flat ``retrieval_*`` keys, naming their new place."""
+    block = training.get("verl")
+    if isinstance(block, VerlSettings):
+        return block
+    values = dict(block or {})
+    moved = [f"{key} -> training.verl.{MOVED_RETRIEVAL_KEYS[key]}" for key in sorted(values) if key in MOVED_RETRIEVAL_KEYS]
+    if moved:
+        raise ValueError("training.verl's retrieval keys moved into the training.verl.retrieval block "
+                         "(the same settings as training.search and evaluate.retrieval; docs/training.md): "
+                         + "; ".join(moved))
+    values["retrieval"] = retrieval_settings(values.get("retrieval"), where="training.verl.retrieval")
+    return from_mapping(VerlSettings, values, where="training.verl")
 
 
 def model_family(model_path: str | Path) -> str:
@@ -151,20 +192,10 @@ def check_worker_url(url: str, nnodes: int) -> str:
     if nnodes > 1 and is_loopback_url(url):
         raise ValueError(
             f"the retrieval service URL {url} is loopback, but verl runs agent-loop workers on all {nnodes} "
-            "nodes and their searches would fail. Set training.verl.retrieval_bind_host (e.g. 0.0.0.0) and "
-            "retrieval_advertised_host (this node's address), or retrieval_url (a service every node reaches)"
+            "nodes and their searches would fail. Set training.verl.retrieval.bind_host (e.g. 0.0.0.0) and "
+            "retrieval.advertised_host (this node's address), or retrieval.url (a service every node reaches)"
         )
     return url
-
-
-def retrieval_endpoints(verl: Mapping[str, Any], port: int) -> tuple[str, str]:
-    """``(bind_host, worker_url)`` of a retrieval service the launcher starts on ``port``."""
-    bind = str(verl.get("retrieval_bind_host") or "127.0.0.1")
-    advertised = verl.get("retrieval_advertised_host") or (None if bind in ("0.0.0.0", "::") else bind)
-    if advertised is None:
-        raise ValueError(f"retrieval_bind_host={bind} needs retrieval_advertised_host (the address workers use)")
-    host = f"[{advertised}]" if ":" in str(advertised) else str(advertised)
-    return bind, f"http://{host}:{port}"
 
 
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
@@ -195,11 +226,13 @@ def verl_environment(
     return env
 
 
-def write_tool_config(template: str | Path, url: str, out: str | Path) -> Path:
-    """Copy the search-tool config with ``retrieval_service_url`` set to ``url``."""
+def write_tool_config(template: str | Path, url: str, out: str | Path, settings: RetrievalSettings | None = None) -> Path:
+    """Copy the search-tool config with ``retrieval_service_url`` set to ``url`` and, given
+    ``settings``, its client ``timeout`` and ``max_retries`` set from them."""
     config = yaml.safe_load(Path(template).read_text())
+    client = {} if settings is None else {"timeout": settings.timeout, "max_retries": settings.max_retries}
     for tool in config.get("tools", []):
-        tool.setdefault("config", {})["retrieval_service_url"] = url
+        tool.setdefault("config", {}).update(retrieval_service_url=url, **client)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -221,12 +254,13 @@ def build_launch(
     from spader_pipeline.verl_plugin.overrides import main_ppo_argv
 
     verl = verl_settings(training)
-    check_worker_url(retrieval_url, int(verl.get("nnodes", 1)))
-    config_dir = Path(verl.get("config_dir", DEFAULT_CONFIG_DIR))
+    check_worker_url(retrieval_url, verl.nnodes)
+    config_dir = Path(verl.config_dir)
     run_dir = Path(run_dir)
-    tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url, run_dir / "search_tool.yaml")
+    tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url,
+                                    run_dir / "search_tool.yaml", verl.retrieval)
     params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config)
-    ray_address = verl.get("ray_address")
+    ray_address = verl.ray_address
     if ray_address:
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
     env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address)
@@ -284,23 +318,16 @@ def run_streaming(
 
 
 @contextlib.contextmanager
-def _retrieval(verl: Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[str]:
-    """The URL the agent-loop workers use: ``retrieval_url``, or a service started here for the run."""
-    nnodes = int(verl.get("nnodes", 1))
-    if verl.get("retrieval_url"):
-        yield check_worker_url(str(verl["retrieval_url"]), nnodes)
-    elif verl.get("start_retrieval_service", True):
+def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
+    """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run."""
+    settings = verl.retrieval
+    if not settings.url and settings.mode == "service":
         from spader_pipeline.local_servers import free_port
-        from spader_pipeline.retrieval import running_service
 
-        bind = str(verl.get("retrieval_bind_host") or "127.0.0.1")
-        port = int(verl.get("retrieval_port") or free_port(bind))
-        bind, url = retrieval_endpoints(verl, port)
-        check_worker_url(url, nnodes)  # before starting anything
-        with running_service(index_manifest["index_dir"], host=bind, port=port):
-            yield url
-    else:
-        raise ValueError("training.verl needs retrieval_url or start_retrieval_service: true")
+        settings = replace(settings, port=settings.port or free_port(settings.bind_host))
+        check_worker_url(settings.advertised_url(settings.port), verl.nnodes)  # before starting anything
+    with service_url(settings, index_manifest["index_dir"]) as url:
+        yield check_worker_url(url, verl.nnodes)
 
 
 def launch_verl_training(
@@ -325,8 +352,7 @@ def launch_verl_training(
             run_id=active.info.run_id if active else None,
         )
         logger.info("launching VERL: %s", " ".join(launch.argv))
-        run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=int(verl.get("log_tail_lines", 80)),
-                      timeout=verl.get("timeout"))
+        run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=verl.log_tail_lines, timeout=verl.timeout)
     checkpoints = Path(run_dir) / "checkpoints"
     steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[-1]))
     if not steps:

@@ -1,9 +1,12 @@
 """How a pipeline stage reaches the retrieval index: one settings type for the warm start, native RL
-rollouts and evaluation (``warm_start.search``, ``training.search``, ``evaluate.retrieval``).
+rollouts, the VERL launch and evaluation (``warm_start.search``, ``training.search``,
+``training.verl.retrieval``, ``evaluate.retrieval``).
 
 ``url`` names a running service; without one the stage uses the index of its ``index_manifest``,
 in process (``mode: local``, the fastest) or through a service it starts for its duration
-(``mode: service``). Built strictly with :func:`spader_pipeline.typed_config.from_mapping`.
+(``mode: service``), listening on ``bind_host``:``port`` and reached by clients at
+``advertised_host`` (clients on other machines, e.g. VERL's agent-loop workers on several nodes).
+Built strictly with :func:`spader_pipeline.typed_config.from_mapping`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from typing import Any, Literal
 from spader_pipeline.typed_config import from_mapping
 
 __all__ = ["RetrievalSettings", "retrieval_settings", "service_url"]
+
+#: bind addresses that mean "every interface" (no client can use them as an address)
+WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,25 @@ class RetrievalSettings:
     """retries of a failed request (with backoff) before the search counts as failed"""
     startup_timeout: float = 180.0
     """seconds a started service may take to load the index"""
+    bind_host: str = "127.0.0.1"
+    """interface a started service listens on (``0.0.0.0``: every interface, for other machines)"""
+    advertised_host: str | None = None
+    """the address clients reach a started service at; ``None``: ``bind_host`` (a wildcard needs one)"""
+    port: int | None = None
+    """port of a started service; ``None``: a free one"""
 
     def __post_init__(self) -> None:
         if self.mode not in ("local", "service"):
             raise ValueError(f"retrieval mode must be 'local' or 'service', got {self.mode!r}")
         if self.timeout <= 0 or self.max_retries < 0 or self.startup_timeout <= 0:
             raise ValueError("need timeout > 0, max_retries >= 0 and startup_timeout > 0")
+        if not self.url and self.bind_host in WILDCARD_HOSTS and not self.advertised_host:
+            raise ValueError(f"a service bound to {self.bind_host} needs advertised_host: the address clients use")
+
+    def advertised_url(self, port: int) -> str:
+        """Base URL clients use for a service this stage starts on ``port``."""
+        host = self.advertised_host or self.bind_host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def retrieval_settings(params: RetrievalSettings | Mapping[str, Any] | None, *, where: str) -> RetrievalSettings:
@@ -50,14 +69,16 @@ def retrieval_settings(params: RetrievalSettings | Mapping[str, Any] | None, *, 
 
 @contextlib.contextmanager
 def service_url(settings: RetrievalSettings, index_dir: str | os.PathLike) -> Iterator[str]:
-    """The service URL: ``settings.url``, or a service started on ``index_dir`` for the duration
-    (always stopped afterwards). ``mode: local`` is refused: the caller needs HTTP."""
+    """The service URL: ``settings.url``, or the advertised URL of a service started on ``index_dir``
+    for the duration (always stopped afterwards). ``mode: local`` is refused: the caller needs HTTP."""
     if settings.url:
         yield settings.url
         return
     if settings.mode == "local":
         raise ValueError("this stage searches over HTTP: set retrieval mode 'service' or a url")
+    from spader_pipeline.local_servers import free_port
     from spader_pipeline.retrieval.client import running_service
 
-    with running_service(index_dir, startup_timeout=settings.startup_timeout) as url:
-        yield url
+    port = settings.port or free_port(settings.bind_host)
+    with running_service(index_dir, host=settings.bind_host, port=port, startup_timeout=settings.startup_timeout):
+        yield settings.advertised_url(port)
