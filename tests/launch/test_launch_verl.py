@@ -45,7 +45,8 @@ def _checkpoint(path: Path, model_type: str = "qwen3") -> Path:
 def launch(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
     training = {**params["training"], "verl": {**params["training"]["verl"], "ray_address": "10.0.0.1:6379"}}
-    return build_launch({"path": str(_checkpoint(tmp_path / "warm"))}, params["train_spader"]["method"], training,
+    # a Llama checkpoint: the composed command then also proves the llama3_8b schedule group composes
+    return build_launch({"path": str(_checkpoint(tmp_path / "warm", "llama"))}, params["train_spader"]["method"], training,
                         tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db",
                         run_id="abc123")
 
@@ -123,6 +124,7 @@ def test_defect7_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_p
 def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path):
     argv = launch.argv
     assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
+    assert "spader_model=llama3_8b" in argv
     assert f"actor_rollout_ref.model.path={tmp_path / 'warm'}" in argv
     assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.spa.gamma=0.9" in argv
     assert "++reward.reward_kwargs.cost_free_steps=100" in argv  # shared training.reward reaches VERL
@@ -142,13 +144,20 @@ def test_environment_keeps_other_external_modules():
 
 @pytest.mark.slow
 def test_generated_command_composes_with_cfg_job(launch, tmp_path):
+    """verl's real CLI (``python -m verl.trainer.main_ppo ... --cfg job``) composes the launcher's
+    command: the spader overlay with the llama3_8b schedule group and the Kedro overrides on top."""
     proc = subprocess.run([*launch.argv, "--cfg", "job"], capture_output=True, text=True, timeout=300,
                           env=launch.env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["algorithm"]["adv_estimator"] == "spa"
     assert cfg["actor_rollout_ref"]["model"]["path"] == str(tmp_path / "warm")
-    assert cfg["reward"]["reward_kwargs"]["cost_free_steps"] == 100
+    assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1.0e-5  # the llama3_8b schedule group
+    assert cfg["reward"]["reward_kwargs"]["cost_free_steps"] == 100  # Kedro's shared value wins over the group's
+    assert cfg["trainer"]["rollout_data_dir"] == str(tmp_path / "run" / "rollouts")
+    assert cfg["actor_rollout_ref"]["rollout"]["agent"]["agent_loop_manager_class"].endswith(
+        "GroupRewardAgentLoopManager"
+    )
     assert cfg["trainer"]["default_local_dir"] == str(tmp_path / "run" / "checkpoints")
     assert cfg["ray_kwargs"]["ray_init"]["address"] == "10.0.0.1:6379"
     assert "mlflow" in cfg["trainer"]["logger"]
@@ -156,12 +165,23 @@ def test_generated_command_composes_with_cfg_job(launch, tmp_path):
 
 @pytest.mark.slow
 def test_plugin_registers_with_the_launch_environment(launch):
-    code = ("import verl\nfrom verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
-            "print(get_adv_estimator_fn('spa').__module__)\n")
+    """What every Ray worker of the launch does: a fresh process with the launch's environment and no
+    entry points (``VERL_USE_EXTERNAL_PLUGINS=none``) registers everything on ``import verl`` alone —
+    every estimator, the agent loop and the reward manager (the registration check's own test)."""
+    code = (
+        "from spader_pipeline.launch.verl_registration import missing_registrations\n"
+        "print(missing_registrations())\n"  # imports verl only, never the plugin itself
+        "from verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
+        "from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls\n"
+        "print([get_adv_estimator_fn(n).__module__ for n in ('spa', 'calibadv', 'tspo')], "
+        "get_reward_manager_cls('spader').__name__)\n"
+    )
     env = {**launch.env, "VERL_USE_EXTERNAL_PLUGINS": "none"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "spader_pipeline.verl_plugin" in proc.stdout
+    missing, registered = proc.stdout.strip().splitlines()[-2:]
+    assert missing == "{}"
+    assert "SpaderRewardManager" in registered and registered.count("spader_pipeline.verl_plugin.estimators") == 3
 
 
 def test_failure_becomes_an_error_with_the_log_tail(tmp_path):
