@@ -141,6 +141,13 @@ def test_model_specs_and_availability(tmp_path):
     assert "base_url" in ModelSpec.from_mapping({"name": "o", "kind": "openai"}).unavailable_reason()
     with pytest.raises(ValueError, match="kind must be one of"):
         ModelSpec.from_mapping({"name": "x", "kind": "magic"})
+    # an option of another kind, or a typo, is refused (not silently passed on or dropped)
+    with pytest.raises(ValueError, match=r"unknown evaluate model 's' \(kind scripted.*\['timeout'\]"):
+        ModelSpec.from_mapping({"name": "s", "kind": "scripted", "timeout": 5})
+    with pytest.raises(ValueError, match=r"\['batchsize'\]"):
+        ModelSpec.from_mapping({"name": "m", "kind": "hf", "path": "p", "batchsize": 4})
+    endpoint = ModelSpec.from_mapping({"name": "o", "kind": "openai", "timeout": 5, "concurrency": 2})
+    assert (endpoint.options, endpoint.concurrency) == ({"timeout": 5}, 2)
     assert fingerprint({"a": 1}, "t") == fingerprint({"a": 1}, "t") != fingerprint({"a": 2}, "t")
 
 

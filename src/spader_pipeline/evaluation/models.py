@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.rollout import Generator, SamplingParams
+from spader_pipeline.typed_config import from_mapping
 
 
 class ModelUnavailableError(RuntimeError):
@@ -31,6 +32,15 @@ class ModelUnavailableError(RuntimeError):
 
 
 MODEL_KINDS = ("scripted", "hf", "openai", "served")
+#: options of the OpenAI-compatible client (``openai`` and ``served`` models)
+CLIENT_OPTIONS = ("max_retries", "backoff", "timeout", "api_key", "extra_body")
+#: options a model entry may add, by kind: what :func:`open_generator` hands to its generator
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "scripted": ("follow_up", "min_overlap"),
+    "hf": ("device", "max_prompt_tokens", "chat_template_kwargs"),
+    "openai": CLIENT_OPTIONS,
+    "served": (*CLIENT_OPTIONS, "server_args"),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class ModelSpec:
     batch_size: int = 1
     concurrency: int = 8
     options: Mapping[str, Any] = field(default_factory=dict)
+    """the kind's own settings (:data:`KIND_OPTIONS`), written flat in the entry"""
     enabled: bool = True
     """``false``: the entry is switched off (skipped with a log line); every enabled entry must run"""
     source: str | None = None
@@ -58,14 +69,15 @@ class ModelSpec:
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any]) -> ModelSpec:
+        """A model entry: the fields above plus the options of its kind (:data:`KIND_OPTIONS`), flat;
+        any other key is an error (:func:`~spader_pipeline.typed_config.from_mapping`)."""
         entry = dict(entry)
-        if entry.get("kind") not in MODEL_KINDS:
-            raise ValueError(
-                f"model {entry.get('name')!r}: kind must be one of {MODEL_KINDS}, got {entry.get('kind')!r}"
-            )
-        known = set(cls.__dataclass_fields__) - {"options", "source", "training"}
-        options = {k: entry.pop(k) for k in list(entry) if k not in known}
-        return cls(**entry, options=options)
+        kind = entry.get("kind")
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"model {entry.get('name')!r}: kind must be one of {MODEL_KINDS}, got {kind!r}")
+        options = {k: entry.pop(k) for k in KIND_OPTIONS[kind] if k in entry}
+        where = f"evaluate model {entry.get('name')!r} (kind {kind}, options {', '.join(KIND_OPTIONS[kind])})"
+        return from_mapping(cls, entry, where=where, exclude=("source", "training"), options=options)
 
     @classmethod
     def from_manifest(
@@ -149,9 +161,7 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
 
         device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_model_and_tokenizer(spec.path, device=device)
-        kwargs = {
-            k: spec.options[k] for k in ("max_prompt_tokens", "chat_template_kwargs") if k in spec.options
-        }
+        kwargs = {k: v for k, v in spec.options.items() if k != "device"}
         yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
     elif spec.kind == "openai":
         from spader_pipeline.agent.openai_backend import OpenAIChatGenerator
@@ -172,8 +182,4 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
 
 
 def _client_options(spec: ModelSpec) -> dict[str, Any]:
-    return {
-        k: spec.options[k]
-        for k in ("max_retries", "backoff", "timeout", "api_key", "extra_body")
-        if k in spec.options
-    }
+    return {k: spec.options[k] for k in CLIENT_OPTIONS if k in spec.options}
