@@ -267,3 +267,26 @@ def test_hf_kv_cache_reuse_gives_the_same_turns(tiny_lm):
             if round_ == 1:  # trajectories finish: the batch shrinks to a subset
                 states[name] = [states[name][0], states[name][2], states[name][3]]
     assert cached.kv_reuses == 3 and fresh.kv_reuses == 0
+
+
+def test_hf_shared_prompt_prefill_gives_the_same_turns(tiny_lm):
+    """A group's shared prompt is encoded once and its cache copied to every row of the group
+    (left-padded prompts of different lengths); the turns equal encoding every row separately."""
+    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.rollout import RolloutState
+
+    model, tokenizer = tiny_lm
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=9)
+    shared, separate = (
+        HFGenerator(model, tokenizer, sampling),
+        HFGenerator(model, tokenizer, sampling, reuse_kv_cache=False),
+    )
+    prompts = [tokenizer.encode(q["question"]) for q in QUESTIONS[:2]] + [tokenizer.encode("Ghana")]
+    group = [p for p in prompts for _ in range(3)]  # 3 prompts x 3 rows
+
+    def states():
+        return [RolloutState(sample={}, messages=[], token_ids=list(p), uid=f"t{i}") for i, p in enumerate(group)]
+
+    turns = asyncio.run(shared.generate(states()))
+    assert shared.shared_prefills == 1
+    assert [t.token_ids for t in turns] == [t.token_ids for t in asyncio.run(separate.generate(states()))]

@@ -9,7 +9,11 @@ from transformers import AutoModelForCausalLM
 from spader_pipeline.agent.rollout import LocalSearch
 from spader_pipeline.native import NativeTrainerConfig, train_native
 from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
-from spader_pipeline.native.trainer import _questions_for_step, response_logprobs
+from spader_pipeline.native.trainer import (
+    _length_sorted_micro_batches,
+    _questions_for_step,
+    response_logprobs,
+)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +59,19 @@ def test_response_logprobs_match_full_forward(native_model_dir):
             expected = full[i, p + j - 1, batch.response_ids[i, j]]
             assert torch.isclose(logp[i, j], expected, atol=1e-4)
     assert (logp * (1 - batch.response_mask)).abs().sum() == 0 and (entropy >= 0).all()
+
+
+def test_length_sorted_micro_batches_cover_every_row_once_and_give_the_same_logprobs(native_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(native_model_dir)
+    batch = toy_batch()
+    parts = _length_sorted_micro_batches(batch, 2)
+    lengths = batch.attention_mask.sum(dim=1)
+    order = torch.cat(parts)
+    assert sorted(order.tolist()) == list(range(len(lengths))) and (lengths[order].diff() >= 0).all()
+    whole, _ = response_logprobs(model, batch, slice(0, 4), temperature=1.0, bf16=False, with_entropy=False)
+    for rows in parts:
+        part, _ = response_logprobs(model, batch, rows, temperature=1.0, bf16=False, with_entropy=False)
+        assert torch.allclose(part, whole[rows], atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["grpo", "spader"])

@@ -33,8 +33,9 @@ class HFGenerator(Generator):
             ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
         micro_batch_size: most sequences per ``generate`` call (memory bound).
         reuse_kv_cache: keep the KV cache between the turns of a batch, so each turn only encodes
-            the new tokens (observation) instead of the whole context again. Outputs are the same
-            as without it (up to floating-point reassociation).
+            the new tokens (observation) instead of the whole context again, and encode a context
+            that several rows share (a GRPO group's prompt) once. Outputs are the same as without
+            it (up to floating-point reassociation).
         bf16: run generation under bf16 autocast (decide with
             :func:`spader_pipeline.modeling.precision.resolve_bf16`; slower on CPUs without bf16 units).
     """
@@ -61,6 +62,7 @@ class HFGenerator(Generator):
         self.reuse_kv_cache = reuse_kv_cache
         self._kv: dict[str, Any] | None = None
         self.kv_reuses = 0  # generate calls that continued from the cache (for tests and reporting)
+        self.shared_prefills = 0  # fresh batches whose shared contexts were encoded once
         builder = make_token_builder(
             tokenizer, getattr(model.config, "model_type", None), chat_template_kwargs
         )
@@ -156,7 +158,33 @@ class HFGenerator(Generator):
             n = len(state.token_ids)
             ids[row, width - n :] = torch.tensor(state.token_ids, dtype=torch.long)
             att[row, width - n :] = 1
-        return ids, att, None
+        return ids, att, self._shared_prefill(states, ids, att)
+
+    def _shared_prefill(self, states: list[RolloutState], ids: torch.Tensor, att: torch.Tensor) -> Any:
+        """Encode each distinct context once and copy its KV cache to the rows that share it.
+
+        The trajectories of a GRPO group start from the same prompt, so a fresh batch of
+        ``prompts × group_size`` rows needs only ``prompts`` prefills. The cache holds all but the
+        last position; ``generate`` encodes that one and samples every row independently. Returns
+        ``None`` (plain ``generate``) when every context is distinct or caching is off.
+        """
+        if not self.reuse_kv_cache or ids.shape[1] < 2:
+            return None
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(s.token_ids), len(first)) for s in states]
+        if len(first) == len(states):
+            return None
+        unique_rows = [source.index(u) for u in range(len(first))]
+        device = self._device()
+        prefix_ids, prefix_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
+        positions = (prefix_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            cache = self.model(
+                input_ids=prefix_ids, attention_mask=prefix_att, position_ids=positions, use_cache=True
+            ).past_key_values
+        cache.batch_select_indices(torch.tensor(source, device=device))
+        self.shared_prefills += 1
+        return cache
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -80,7 +80,7 @@ class TrainResult:
 
 
 def response_logprobs(
-    model, batch: RolloutBatch, rows: slice, *, temperature: float, bf16: bool | str, with_entropy: bool
+    model, batch: RolloutBatch, rows: slice | torch.Tensor, *, temperature: float, bf16: bool | str, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, R]`` of the sampled response tokens (0 off model tokens), optionally entropy.
 
@@ -241,8 +241,7 @@ def train_native(
         grad_norm = 0.0
         for _epoch in range(config.ppo_epochs):
             optimizer.zero_grad(set_to_none=True)
-            for lo in range(0, len(group), config.micro_batch_size):
-                rows = slice(lo, lo + config.micro_batch_size)
+            for rows in _length_sorted_micro_batches(batch, config.micro_batch_size):
                 mask = batch.response_mask[rows].to(device)
                 if mask.sum() == 0:
                     continue
@@ -350,14 +349,24 @@ def _questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int,
     return out
 
 
+def _length_sorted_micro_batches(batch: RolloutBatch, size: int) -> list[torch.Tensor]:
+    """Row indices of the micro-batches: rows sorted by length, ``size`` per micro-batch.
+
+    Each micro-batch is trimmed to its longest sequence, so sorting keeps padding (wasted decoder
+    work) small. The loss is a token-weighted sum over the whole batch, so the grouping of rows
+    does not change the gradient.
+    """
+    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
+    return list(order.split(size))
+
+
 def _all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool) -> torch.Tensor:
-    parts = []
-    for lo in range(0, batch.response_mask.shape[0], config.micro_batch_size):
-        rows = slice(lo, lo + config.micro_batch_size)
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for rows in _length_sorted_micro_batches(batch, config.micro_batch_size):
         logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
                                     with_entropy=False)
-        parts.append(logp.cpu())
-    return torch.cat(parts)
+        out[rows] = logp.cpu()
+    return out
 
 
 def _step_metrics(batch: RolloutBatch, adv, sums: dict[str, float], epochs: int) -> dict[str, float]:
