@@ -321,13 +321,16 @@ def run_streaming(
 def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
     """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run."""
     settings = verl.retrieval
-    if not settings.url and settings.mode == "service":
+    if settings.url:
+        yield check_worker_url(settings.url, verl.nnodes)
+        return
+    if settings.mode == "service":
         from spader_pipeline.local_servers import free_port
 
         settings = replace(settings, port=settings.port or free_port(settings.bind_host))
         check_worker_url(settings.advertised_url(settings.port), verl.nnodes)  # before starting anything
     with service_url(settings, index_manifest["index_dir"]) as url:
-        yield check_worker_url(url, verl.nnodes)
+        yield url
 
 
 def launch_verl_training(
