@@ -35,14 +35,15 @@ def test_merge_command_is_verls_cli(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_merges_into_a_loadable_hf_directory(tmp_path):
+    """The merge node runs verl's own merger CLI once (a fresh verl process) on an FSDP actor."""
     actor, model = _fsdp_actor(tmp_path)
-    out = merge_fsdp_checkpoint(actor, tmp_path / "merged")
+    manifest = merge_policy({"backend": "verl", "method": "spader", "actor_dir": str(actor)},
+                            {"output_dir": str(tmp_path / "merged")})
+    out = tmp_path / "merged" / "train_spader"
+    assert manifest["merged"] and manifest["path"] == str(out.resolve()) and (out / "merge.log").is_file()
     merged = AutoModelForCausalLM.from_pretrained(out)
     for name, tensor in model.state_dict().items():  # the merger writes bf16 weights
         assert torch.equal(tensor.to(torch.bfloat16), merged.state_dict()[name].to(torch.bfloat16)), name
-    manifest = merge_policy({"backend": "verl", "method": "spader", "actor_dir": str(actor)},
-                            {"output_dir": str(tmp_path / "m2")})
-    assert manifest["merged"] and (tmp_path / "m2" / "train_spader" / "config.json").is_file()
 
 
 def test_native_policies_pass_through_and_bad_dirs_are_explained(tmp_path):
