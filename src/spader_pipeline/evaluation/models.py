@@ -154,13 +154,11 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
 
         yield ScriptedPolicy(**spec.options)
     elif spec.kind == "hf":
-        import torch
-
         from spader_pipeline.agent.hf_backend import HFGenerator
         from spader_pipeline.modeling.base_model import load_model_and_tokenizer
+        from spader_pipeline.modeling.device import resolve_device
 
-        device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_model_and_tokenizer(spec.path, device=device)
+        model, tokenizer = load_model_and_tokenizer(spec.path, device=resolve_device(spec.options.get("device")))
         kwargs = {k: v for k, v in spec.options.items() if k != "device"}
         yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
     elif spec.kind == "openai":
