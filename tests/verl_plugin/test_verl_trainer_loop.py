@@ -122,7 +122,19 @@ def ray_session(workspace):
         "TRANSFORMERS_OFFLINE": "1",
         "VERL_LOGGING_LEVEL": "WARN",
     }
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    # Through the environment Ray's own processes inherit, not a job runtime_env: a job with one gets
+    # fresh workers set up for it, and the workers Ray pre-starts at init would sit idle (each is a
+    # Python process importing ray); without one they host the first actors.
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         yield start_scripted_server(str(workspace["model"]), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
     finally:
