@@ -11,7 +11,10 @@ It only uses what a model would see — the question and the retrieved passages:
    chosen line. With no line reaching ``min_overlap`` it answers an empty list.
 
 Every turn is a protocol-conformant text (``<think>…</think>`` + one action), so trajectories can be
-tokenised for supervised warm start exactly like model rollouts.
+tokenised for supervised warm start exactly like model rollouts. The thoughts are short and never
+quote a passage: a small model imitates them, and a thought that repeats the evidence line right
+before ``<answer>`` taught SmolLM2 to answer with that line instead of the titles (and long turns
+were cut by the per-turn token limit).
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class ScriptedPolicy(Generator):
         searches = [s for s in state.steps if s.kind == "search"]
         if not searches:
             query = question_query(question)
-            return _search_turn(f"I will search for: {query}.", [query])
+            return _search_turn("Search the question's key words.", [query])
         hits = [
             _Hit(title, evidence_line(text.split("\n", 1)[1] if "\n" in text else text))
             for step in searches
@@ -105,11 +108,11 @@ class ScriptedPolicy(Generator):
         ]
         best = self.best_line(question, hits)
         if best is None:
-            return _answer_turn("No retrieved passage matches the question.", [])
+            return _answer_turn("No passage matches.", [])
         if self.follow_up and len(searches) == 1 and _key(best) != _key(searches[0].queries[0]):
-            return _search_turn(f"The passages describing matches say: {best}. Searching for it.", [best])
+            return _search_turn("Search the first line the matching passages share.", [best])
         titles = list(dict.fromkeys(h.title for h in hits if _key(h.line) == _key(best) and h.title))
-        return _answer_turn(f"Passages whose first line is '{best}' answer the question.", titles)
+        return _answer_turn("The titles of the matching passages.", titles)
 
     def best_line(self, question: str, hits: Sequence[_Hit]) -> str | None:
         """The evidence line that covers most of the question's content words (None if too little)."""
