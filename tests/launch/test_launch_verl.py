@@ -163,27 +163,6 @@ def test_generated_command_composes_with_cfg_job(launch, tmp_path):
     assert "mlflow" in cfg["trainer"]["logger"]
 
 
-@pytest.mark.slow
-def test_plugin_registers_with_the_launch_environment(launch):
-    """What every Ray worker of the launch does: a fresh process with the launch's environment and no
-    entry points (``VERL_USE_EXTERNAL_PLUGINS=none``) registers everything on ``import verl`` alone —
-    every estimator, the agent loop and the reward manager (the registration check's own test)."""
-    code = (
-        "from spader_pipeline.launch.verl_registration import missing_registrations\n"
-        "print(missing_registrations())\n"  # imports verl only, never the plugin itself
-        "from verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
-        "from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls\n"
-        "print([get_adv_estimator_fn(n).__module__ for n in ('spa', 'calibadv', 'tspo')], "
-        "get_reward_manager_cls('spader').__name__)\n"
-    )
-    env = {**launch.env, "VERL_USE_EXTERNAL_PLUGINS": "none"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    missing, registered = proc.stdout.strip().splitlines()[-2:]
-    assert missing == "{}"
-    assert "SpaderRewardManager" in registered and registered.count("spader_pipeline.verl_plugin.estimators") == 3
-
-
 def test_failure_becomes_an_error_with_the_log_tail(tmp_path):
     script = "import sys\nfor i in range(200): print('line', i)\nsys.exit(3)"
     with pytest.raises(VerlLaunchError, match=r"code 3[\s\S]*line 199") as info:

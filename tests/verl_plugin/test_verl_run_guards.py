@@ -76,8 +76,8 @@ def _missing_in_fresh_process(**env) -> str:
 @pytest.mark.slow
 def test_defect3_registration_check_sees_a_worker_without_the_plugin():
     """A worker that loads no plugin (entry points off, module not forwarded) is reported by name.
-    (The same check passing in a worker with the launch's environment is
-    tests/launch/test_launch_verl.py::test_plugin_registers_with_the_launch_environment.)"""
+    (The same check passes in every Ray worker of test_verl_trainer_loop.py, whose workers get the
+    plugin only through the launcher's VERL_USE_EXTERNAL_MODULES.)"""
     missing = _missing_in_fresh_process(VERL_USE_EXTERNAL_PLUGINS="none")
     assert "'spa'" in missing and "'spader_search'" in missing and "'spader'" in missing
 

@@ -7,7 +7,9 @@ by our ``data_prep`` format, dataloaders, ``RayPPOTrainer``), ``AgentLoopWorker`
 ``spader_search`` loop and ``SearchTool`` against our retrieval service on 127.0.0.1,
 ``RewardLoopWorker`` with the ``spader`` reward manager, ``GroupRewardAgentLoopManager`` (loaded by
 verl from ``agent_loop_manager_class``), verl's LLM server manager / load balancer / client,
-``compute_advantage`` with our estimators, verl's metrics and file tracker.
+``compute_advantage`` with our estimators, verl's metrics and file tracker. Every Ray worker gets
+the plugin the way a launch's workers do: ``VERL_USE_EXTERNAL_MODULES`` as the launcher sets it
+(:func:`spader_pipeline.launch.verl.verl_environment`), with verl's entry-point discovery off.
 
 Replaced (see :mod:`verl_cpu_boundary`): the LLM server engine, the FSDP actor/ref worker group and
 the checkpoint (weight-sync) manager. One Ray session serves the four methods.
@@ -111,16 +113,23 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_session(workspace):
-    """One local Ray for the four methods (workers find the test helpers on PYTHONPATH)."""
+    """One local Ray for the four methods (workers find the test helpers on PYTHONPATH). The workers
+    load the plugin only through the launcher's ``VERL_USE_EXTERNAL_MODULES`` (entry points off), so
+    the run proves that what the launch forwards registers everything in verl's workers."""
+    from spader_pipeline.launch.verl import verl_environment
+
     if ray.is_initialized():
         ray.shutdown()
     paths = [str(HERE), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    launch_env = verl_environment(tracking_uri=None, run_id=None, base={})
     env = {
         "PYTHONPATH": os.pathsep.join(paths),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VERL_LOGGING_LEVEL": "WARN",
+        "VERL_USE_EXTERNAL_MODULES": launch_env["VERL_USE_EXTERNAL_MODULES"],
+        "VERL_USE_EXTERNAL_PLUGINS": "none",
     }
     # Through the environment Ray's own processes inherit, not a job runtime_env: a job with one gets
     # fresh workers set up for it, and the workers Ray pre-starts at init would sit idle (each is a
