@@ -47,6 +47,7 @@ import torch
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
+from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import RolloutBatch, build_batch, compute_advantages
@@ -152,8 +153,7 @@ def train_native(
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
-    device = "cpu" if device == "auto" else device
+    device = resolve_device(config.device)
     fingerprint = _fingerprint(config, model_path)
     resume = latest_checkpoint(run_dir) if config.resume else None
     if resume and load_trainer_state(resume[1])["extra"].get("fingerprint") != fingerprint:
