@@ -178,7 +178,7 @@ class HFGenerator(Generator):
         device = self._device()
         prefix_ids, prefix_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
         positions = (prefix_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.no_grad(), self._autocast(device):
             cache = self.model(
                 input_ids=prefix_ids, attention_mask=prefix_att, position_ids=positions, use_cache=True
             ).past_key_values
@@ -188,6 +188,10 @@ class HFGenerator(Generator):
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _autocast(self, device: torch.device):
+        """bf16 autocast on ``device`` when ``bf16`` is set (prefill and generation alike)."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     @torch.no_grad()
     def _generate_batch(self, states: list[RolloutState]) -> list[GeneratedTurn]:
@@ -204,7 +208,7 @@ class HFGenerator(Generator):
         if cache is not None:
             kwargs["past_key_values"] = cache
         try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with self._autocast(device):
                 out = self.model.generate(
                     input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
                 )
