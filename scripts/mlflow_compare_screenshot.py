@@ -39,7 +39,10 @@ def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[s
     found: dict[str, dict] = {}
     for run in runs:
         tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
-        if tags.get("method") in methods and tags["method"] not in found and run["info"]["status"] == "FINISHED":
+        # Evaluation runs of a trained model carry its `method` tag too; only training runs have `backend`.
+        is_training = "backend" in tags
+        if (is_training and tags.get("method") in methods and tags["method"] not in found
+                and run["info"]["status"] == "FINISHED"):
             found[tags["method"]] = {"id": run["info"]["run_id"], "name": run["info"]["run_name"],
                                      "parent": tags.get("mlflow.parentRunId")}
     missing = sorted(set(methods) - set(found))
