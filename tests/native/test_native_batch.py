@@ -38,6 +38,17 @@ def test_build_batch_lays_out_tokens_scores_answers_and_finds_entities_in_retrie
     assert batch.query_counts[:, 0].tolist() == [1, 1, 0, 1]
 
 
+def test_build_batch_matches_each_retrieved_document_separately():
+    """A step's documents are matched one by one: an alias never spans two documents."""
+    gt = [["New York"], ["Lagos"]]
+    trajs = [
+        toy_trajectory([1], [([5], [6]), ([7], [])], ("Lagos",), [["born in New", "York is big, Lagos too"]]),
+        toy_trajectory([1], [([5], [6]), ([7], [])], ("Lagos",), [["New York and Lagos"]]),
+    ]
+    batch = build_batch(trajs, [{"uid": "a", "ground_truth": gt}] * 2, pad_id=0)
+    assert batch.found[:, 0].tolist() == [[False, True], [True, True]]
+
+
 def test_grpo_equals_verl_estimator_on_the_outcome():
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 

@@ -91,8 +91,10 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
     gts = [ground_truth_lists(s["ground_truth"]) for s in samples]
     scores = [score_answers(list(t.predicted or ()), gt) for t, gt in zip(trajectories, gts, strict=True)]
     format_ok = torch.tensor([t.predicted is not None for t in trajectories])
-    step_texts = [["\n".join(step.retrieved_texts) for step in t.steps] for t in trajectories]
-    found, num_gt = discover_entities(gts, step_texts)
+    # Each step's documents as a list (not one joined string): a document many trajectories
+    # retrieved is normalised once per batch, and no alias can match across two documents.
+    step_documents = [[list(step.retrieved_texts) for step in t.steps] for t in trajectories]
+    found, num_gt = discover_entities(gts, step_documents)
     n_steps = found.shape[1]
     query_counts = torch.zeros((bsz, n_steps), dtype=torch.float32)
     for i, t in enumerate(trajectories):

@@ -38,7 +38,7 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from spader_pipeline.algorithms.matching import EntityMatcher, normalize_ground_truth
+from spader_pipeline.algorithms.matching import find_entities_in_steps, normalize_ground_truth
 from spader_pipeline.algorithms.methods import (
     RewardInputs,
     SpaOptions,
@@ -97,10 +97,13 @@ def make_payload(
     record: TrajectoryRecord, ground_truth: Sequence[Sequence[str]], settings: ManagerSettings
 ) -> dict:
     """JSON-serialisable per-sample facts the batch assembly needs (entity ids index the normalised GT)."""
-    matcher = EntityMatcher(normalize_ground_truth(ground_truth))
-    found = matcher.found_in([s.document_text for s in record.steps])
+    gt = normalize_ground_truth(ground_truth)
+    # Each step's documents separately (as the native trainer passes them): a document retrieved
+    # at several steps is normalised once, and no alias matches across two documents.
+    steps = [list(s.documents) for s in record.steps]
+    found = find_entities_in_steps([gt], [steps], len(steps))[0]
     payload = {
-        "num_gt": matcher.num_entities,
+        "num_gt": len(gt),
         "found": [np.flatnonzero(row).tolist() for row in found],
         "queries": [s.num_queries for s in record.steps],
         "f1": record.score.f1,

@@ -64,10 +64,6 @@ class StepRecord:
     think: str
 
     @property
-    def document_text(self) -> str:
-        return "\n".join(self.documents)
-
-    @property
     def document_keys(self) -> tuple[str, ...]:
         return tuple(_doc_key(d) for d in self.documents)
 
