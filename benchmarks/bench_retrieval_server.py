@@ -3,7 +3,7 @@ errors, for the current service and (``--baseline-rev``) the service of another 
 one run, alternating.
 
     .venv/bin/python benchmarks/bench_retrieval_server.py [--clients 32] [--seconds 10] [--repeats 3]
-        [--style search_r1|spader] [--client auto|wrk|python] [--baseline-rev 9ea9b85]
+        [--style search_r1|spader] [--client auto|wrk|python] [--baseline-rev 9ea9b85] [--floor]
 
 Each server (``spader-retrieval serve``, one uvicorn process) serves the embedded corpus (10,033
 Wikipedia summaries); every request carries one query. **Server CPU per request** is the server
@@ -13,6 +13,12 @@ server pid), so a slow load client cannot hide the server's cost. The load clien
 keep-alive client on asyncio streams; its own CPU per request is printed too. Client and server
 share the same 2 cores (and the machine with other agents): req/s and latency depend on that load
 (``os.getloadavg()`` is printed per run), CPU per request much less.
+
+``--floor`` shows where the floor is, in the same run: a do-nothing ASGI app under the same
+uvicorn (uvloop + httptools) that answers every request with a fixed body of the service's own size
+(the HTTP cost no ASGI service can go below), and the request's own work measured in process
+(parse + validate, one batched first-stage call, render; batches of ``--work-batch`` requests, as
+the service coalesces them under load). Their sum is what a service of this design costs at least.
 
 The baseline revision is exported with ``git archive`` into a temporary folder and put first on
 ``PYTHONPATH`` for its server process (the index folder format is shared).
@@ -33,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.retrieval import running_service  # noqa: E402
+from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy  # noqa: E402
 from spader_pipeline.retrieval.index import build_index  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,6 +171,74 @@ def measure(url, proc, load, seconds):
             "client_cpu_us": (children_cpu() - client0) / n * 1e6, "load": (load0 + os.getloadavg()[0]) / 2}
 
 
+# ----------------------------------------------------------------------------- the floor
+
+_FLOOR_APP = """
+import sys, uvicorn
+body = open(sys.argv[2], "rb").read()
+headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:  # read the request body, as any service must
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False,
+            timeout_keep_alive=30, loop="auto", http="auto", lifespan="off", proxy_headers=False,
+            server_header=False, date_header=False)
+"""
+
+
+@contextmanager
+def floor_service(body_file: Path):
+    """A do-nothing ASGI app under the service's uvicorn settings, answering with ``body_file``."""
+    port = free_port("127.0.0.1")
+    process = subprocess.Popen([sys.executable, "-c", _FLOOR_APP, str(port), str(body_file)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 60, process, name="floor app")
+        yield url
+    finally:
+        stop_process_group(process)
+
+
+def request_work_us(index_dir: Path, bodies: list[bytes], batch: int, repeats: int) -> float:
+    """CPU µs per request of the service's own work, in process: parse + validate each body, one
+    batched first-stage call per ``batch`` requests, render each answer (what a worker thread does)."""
+    from spader_pipeline.retrieval.index import load_retriever
+    from spader_pipeline.retrieval.schemas import ServiceSettings
+    from spader_pipeline.retrieval.server import _Batcher
+    from spader_pipeline.retrieval.wire import parse_request
+
+    settings = ServiceSettings()
+    searcher = load_retriever(index_dir)
+    batcher = _Batcher(searcher, settings)
+    try:
+        times = []
+        for _ in range(repeats):
+            started, n = time.process_time(), 0
+            for start in range(0, len(bodies) - batch + 1, batch):
+                out = batcher.run_batch([parse_request(b, settings) for b in bodies[start : start + batch]])
+                assert all(isinstance(o, bytes) for o in out)
+                n += batch
+            times.append((time.process_time() - started) / n * 1e6)
+        return statistics.median(times)
+    finally:
+        batcher.executor.shutdown()
+        searcher.close()
+
+
+def _post(url: str, body: bytes) -> bytes:
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/retrieve", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
 def export_revision(rev: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -179,6 +254,9 @@ def main() -> None:
     parser.add_argument("--client", choices=("auto", "wrk", "python"), default="auto")
     parser.add_argument("--baseline-rev", help="also measure the service of this git revision (e.g. 9ea9b85)")
     parser.add_argument("--set", action="append", default=[], help="server setting, e.g. batch_window_ms=1")
+    parser.add_argument("--floor", action="store_true", help="also measure a do-nothing ASGI app and the "
+                        "request work in process (where the floor is)")
+    parser.add_argument("--work-batch", type=int, default=16, help="requests per batch for the in-process work")
     args = parser.parse_args()
     client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "python")
 
@@ -198,6 +276,9 @@ def main() -> None:
                 running_service(tmp / "index", extra_args=[], env=env))
         extra = [a for kv in args.set for a in ("--set", kv)]
         servers["current"] = stack.enter_context(running_service(tmp / "index", extra_args=extra))
+        if args.floor:  # the do-nothing app answers with a real response of the service, byte for byte
+            (tmp / "response.json").write_bytes(_post(servers["current"], bodies[0]))
+            servers["floor: do-nothing ASGI"] = stack.enter_context(floor_service(tmp / "response.json"))
 
         def load_for(url):
             if client == "wrk":
@@ -213,6 +294,7 @@ def main() -> None:
             for name, url in servers.items():
                 runs[name].append(measure(url, procs[name], load_for(url), args.seconds))
                 print(f"  {name:>18}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
+        work = request_work_us(tmp / "index", bodies, args.work_batch, args.repeats) if args.floor else None
 
     print(f"\nserved BM25 over loopback, {args.style} single-query requests, {args.clients} clients, "
           f"load client {client}, {args.seconds} s per run, median of {args.repeats} runs (2 shared cores)")
@@ -223,6 +305,11 @@ def main() -> None:
                                                                 "client_cpu_us", "load")}
         print(f"{name:>20} {med['server_cpu_us']:>18.0f} {med['rps']:>7.0f} {med['p50_ms']:>7.2f} {med['p99_ms']:>7.2f} "
               f"{sum(r['errors'] for r in rs):>7d} {med['client_cpu_us']:>18.0f} {med['load']:>9.1f}")
+    if work is not None:
+        floor = statistics.median(r["server_cpu_us"] for r in runs["floor: do-nothing ASGI"])
+        print(f"\nrequest work in process (parse, batched search of {args.work_batch} requests, render): "
+              f"{work:.0f} us/request CPU (median of {args.repeats}); do-nothing ASGI {floor:.0f} us; "
+              f"sum {work + floor:.0f} us = this design's floor without the event-loop/thread hand-off")
 
 
 if __name__ == "__main__":

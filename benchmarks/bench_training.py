@@ -20,8 +20,8 @@ sequences shaped like warm-start demonstrations (~350–650 tokens, ~10% model t
   warm start if present, else the base model) and the tiny model, in two configurations of the
   same trainer: *straightforward* — the trainer as it was before issue 10 (every parameter
   trained, a reference-model pass for the KL term, whole passages in observations) — and *project*
-  (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml: top 8 blocks
-  trained, no reference pass at ``kl_coef: 0``, passages cut to 200 characters, bf16 by probe).
+  (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml at 4 prompts × 8: top 8 blocks
+  trained, no reference pass at ``kl_coef: 0``, passages cut to 120 characters, bf16 by probe).
   Median over the steps; rollout and update seconds are reported separately.
 
 bf16 autocast is not timed here: on CPUs without native bf16 (AVX2-only, like the 2-core CI
@@ -159,7 +159,8 @@ def _project_settings(conf_dir: Path) -> dict:
 
     params = yaml.safe_load((conf_dir / "parameters_training.yml").read_text())
     training = params["training"]
-    return _merge({**training["native"], "reward": training.get("reward") or {}}, params["train_grpo"]["method"])
+    settings = _merge({**training["native"], "reward": training.get("reward") or {}}, params["train_grpo"]["method"])
+    return {**settings, "prompts_per_step": 4, "group_size": 8}  # the step shape issue 10 benchmarks
 
 
 def _straightforward_settings(project: dict) -> dict:

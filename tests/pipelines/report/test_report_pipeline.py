@@ -40,8 +40,19 @@ def test_build_report_compares_models_and_methods():
     assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
     assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
-    assert metrics["spader/reward/mean_last5"] == pytest.approx(0.02 * 28)
+    assert metrics["spader/reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
     assert metrics["grpo/steps"] == 30
+
+
+def test_short_runs_compare_first_and_last_halves_and_empty_buckets_get_no_bars():
+    _, final, markdown, metrics = build_report(
+        _eval_table(), {}, {"smoothing_window": 10}, history_grpo=_history(0.01)[:3], history_spader=_history(0.02)[:2],
+    )
+    assert metrics["spader/window"] == 1 and metrics["spader/reward/mean_first"] == pytest.approx(0.02)
+    assert metrics["spader/reward/mean_last"] == pytest.approx(0.04)
+    assert metrics["grpo/window"] == 1 and metrics["grpo/reward/mean_last"] == pytest.approx(0.03)
+    labels = [t.get_text() for t in final.axes[0].get_xticklabels()]
+    assert "tail 1" not in labels and "tail 2-4" in labels  # long_tail_recall/1 is NaN for every model
 
 
 @pytest.mark.e2e

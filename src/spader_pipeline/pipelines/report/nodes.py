@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -43,6 +44,9 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
     return (csum[idx] - csum[lo]) / (idx - lo)
 
 
+_LINE_STYLES = ("-", "--", "-.", ":")
+
+
 def _curves_figure(histories: Mapping[str, list[dict]], window: int):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
@@ -51,15 +55,20 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
             if rows:
                 steps, values = [r["step"] for r in rows], [r[key] for r in rows]
                 color = f"C{i}"
-                # Each step as a faint point (short CPU runs have few), the moving average as the line.
-                ax.plot(steps, values, "o", color=color, alpha=0.25, markersize=3)
-                ax.plot(steps, smooth(values, window), color=color, label=f"{method} ({len(rows)} steps)")
+                # Each step as a faint point (short CPU runs have few), the moving average as the line;
+                # one line style per method, so identical curves (same seed, same samples) stay visible.
+                ax.plot(steps, values, "o", color=color, alpha=0.3, markersize=4)
+                ax.plot(steps, smooth(values, window), color=color, linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
+                        linewidth=2.2 - 0.4 * (i % 3), label=f"{method} ({len(rows)} steps)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
-    fig.suptitle(f"Training curves on the training questions (moving average over {window} steps)")
+    fig.suptitle(f"Training curves on the training questions (points: steps; lines: moving average over "
+                 f"{window} steps)\nreward = each method's own return; every method samples with the same "
+                 "seed, so curves coincide until the policies differ", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -81,7 +90,8 @@ def _final_table(eval_table: pd.DataFrame, params: Mapping[str, Any]) -> pd.Data
 
 def _final_figure(table: pd.DataFrame):
     datasets = list(dict.fromkeys(table["dataset"])) or ["(none)"]
-    metrics = [c for c in (*FINAL_COLUMNS, *[c for c in table.columns if c.startswith("long_tail_recall/")]) if c in table]
+    metrics = [c for c in (*FINAL_COLUMNS, *[c for c in table.columns if c.startswith("long_tail_recall/")])
+               if c in table and table[c].notna().any()]  # a bucket no entity falls in has no bars
     fig, axes = plt.subplots(len(datasets), 1, figsize=(max(8, 1.2 * len(metrics) + 4), 3.6 * len(datasets)), squeeze=False)
     for ax, dataset in zip(axes[:, 0], datasets, strict=True):
         rows = table[table["dataset"] == dataset]
@@ -119,12 +129,15 @@ def _training_summary(histories: Mapping[str, list[dict]], window: int) -> pd.Da
     for method, history in histories.items():
         if not history:
             continue
-        head, tail = history[:window], history[-window:]
-        row: dict[str, Any] = {"method": method, "steps": int(history[-1]["step"]),
+        # First and last `window` steps; a run shorter than two windows is split in halves, so the
+        # two columns never average the same steps.
+        size = max(1, min(window, len(history) // 2))
+        head, tail = history[:size], history[-size:]
+        row: dict[str, Any] = {"method": method, "steps": int(history[-1]["step"]), "window": size,
                                "minutes": sum(h.get("perf/step_seconds", 0.0) for h in history) / 60}
         for key, _ in CURVES:
-            row[f"{key} first{window}"] = float(np.mean([h[key] for h in head if key in h]))
-            row[f"{key} last{window}"] = float(np.mean([h[key] for h in tail if key in h]))
+            row[f"{key} first"] = float(np.mean([h[key] for h in head if key in h]))
+            row[f"{key} last"] = float(np.mean([h[key] for h in tail if key in h]))
         row["adv/zero_groups"] = float(np.mean([h.get("adv/zero_groups", math.nan) for h in history]))
         rows.append(row)
     return pd.DataFrame(rows)
@@ -149,7 +162,8 @@ def build_report(
         "Held-out evaluation (evaluate pipeline; `seen_recall` = gold entities present in retrieved text, "
         "`long_tail_recall/<bucket>` = recall of gold entities by corpus frequency):\n",
         _markdown_table(table),
-        f"\nTraining (means over the first and last {window} RL steps, on training questions):\n",
+        f"\nTraining on the training questions: means over the first and last `window` RL steps ({window}, or "
+        "half the steps of a shorter run):\n",
         _markdown_table(summary),
     ]
     if warm_start_metrics:
