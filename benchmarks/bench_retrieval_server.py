@@ -48,8 +48,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
-from spader_pipeline.retrieval import running_service  # noqa: E402
 from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy  # noqa: E402
+from spader_pipeline.retrieval import running_service  # noqa: E402
 from spader_pipeline.retrieval.index import build_index  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -232,11 +232,13 @@ def request_work_us(index_dir: Path, bodies: list[bytes], batch: int, repeats: i
 
 
 def _post(url: str, body: bytes) -> bytes:
-    import urllib.request
+    """The service's raw answer to one request (proxies ignored, as ``wait_healthy`` does: loopback)."""
+    import httpx
 
-    request = urllib.request.Request(f"{url}/retrieve", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.read()
+    response = httpx.post(f"{url}/retrieve", content=body, headers={"Content-Type": "application/json"},
+                          timeout=30, trust_env=False)
+    response.raise_for_status()
+    return response.content
 
 
 def export_revision(rev: str, into: Path) -> Path:

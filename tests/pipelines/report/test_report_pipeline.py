@@ -45,7 +45,7 @@ def test_build_report_compares_models_and_methods():
 
 
 def test_short_runs_compare_first_and_last_halves_and_empty_buckets_get_no_bars():
-    _, final, markdown, metrics = build_report(
+    _, final, _, metrics = build_report(
         _eval_table(), {}, {"smoothing_window": 10}, history_grpo=_history(0.01)[:3], history_spader=_history(0.02)[:2],
     )
     assert metrics["spader/window"] == 1 and metrics["spader/reward/mean_first"] == pytest.approx(0.02)
