@@ -290,3 +290,34 @@ def test_hf_shared_prompt_prefill_gives_the_same_turns(tiny_lm):
     turns = asyncio.run(shared.generate(states()))
     assert shared.shared_prefills == 1
     assert [t.token_ids for t in turns] == [t.token_ids for t in asyncio.run(separate.generate(states()))]
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_hf_common_instruction_prefix_is_encoded_once(tiny_lm, group_size):
+    """Distinct questions behind the same instruction (an evaluation batch; with groups, an RL
+    step): the instruction is encoded once for the batch, and the turns, and the next turn's
+    cache continuation, equal encoding every row separately."""
+    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.rollout import RolloutState
+
+    model, tokenizer = tiny_lm
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=7)
+    shared, separate = (
+        HFGenerator(model, tokenizer, sampling),
+        HFGenerator(model, tokenizer, sampling, reuse_kv_cache=False),
+    )
+    instruction = "Find every correct answer to the question by searching a Wikipedia index. Question: "
+    prompts = [tokenizer.encode(instruction + q["question"]) for q in QUESTIONS[:3]]
+    prefix = len(tokenizer.encode(instruction)) - 1  # the question's first token may merge with the space
+    observation = tokenizer.encode(" Doc 1 (Title: Ghana) Country in West Africa.")
+    runs = {}
+    for name, gen in (("shared", shared), ("separate", separate)):
+        states = [RolloutState(sample={}, messages=[], token_ids=list(p), uid=f"t{i}")
+                  for i, p in enumerate(p for p in prompts for _ in range(group_size))]
+        first = asyncio.run(gen.generate(states))
+        for i, (state, turn) in enumerate(zip(states, first, strict=True)):
+            state.token_ids += list(turn.token_ids) + observation[: 4 + i]
+        runs[name] = [t.token_ids for t in first] + [t.token_ids for t in asyncio.run(gen.generate(states))]
+    assert runs["shared"] == runs["separate"]
+    assert shared.shared_prefix_tokens >= prefix * (len(prompts) * group_size - 1)
+    assert shared.kv_reuses == 1 and separate.shared_prefix_tokens == 0

@@ -65,6 +65,30 @@ def test_embedded_qa_set(articles):
     assert embedded_qa.build_embedded_qa(articles, params) == rows
 
 
+def test_single_answer_questions_capped_per_multi_answer_question(articles):
+    params = {
+        "min_answers": 2, "max_answers": 50, "salt": "spader-v1",
+        "splits": {"train": 0.7, "validation": 0.1, "test": 0.2},
+        "single_answer": {"enabled": True, "splits": {"train": 0.95, "validation": 0.05}},
+    }
+    uncapped = embedded_qa.build_embedded_qa(articles, params)
+    params["single_answer"]["per_multi_answer"] = 1.0
+    capped = embedded_qa.build_embedded_qa(articles, params)
+
+    def count(rows, split, multi):
+        return sum(r["split"] == split and (len(r["ground_truth"]) >= 2) == multi for r in rows)
+
+    for split in ("train", "validation"):
+        assert count(capped, split, True) == count(uncapped, split, True)  # multi-answer rows all kept
+        assert count(capped, split, False) == count(capped, split, True)  # one single per multi
+    assert count(uncapped, "train", False) > 20 * count(uncapped, "train", True)
+    assert {r["id"] for r in capped} <= {r["id"] for r in uncapped}
+    assert embedded_qa.build_embedded_qa(articles, params) == capped  # the choice is deterministic
+    params["single_answer"]["per_multi_answer"] = -1
+    with pytest.raises(ValueError, match="per_multi_answer"):
+        embedded_qa.build_embedded_qa(articles, params)
+
+
 def test_split_assignment_is_stable_and_proportional():
     fractions = {"train": 0.7, "validation": 0.1, "test": 0.2}
     splits = [embedded_qa.assign_split(f"key{i}", fractions, "salt") for i in range(5000)]

@@ -34,13 +34,15 @@ class HFGenerator(Generator):
         micro_batch_size: most sequences per ``generate`` call (memory bound).
         reuse_kv_cache: keep the KV cache between the turns of a batch, so each turn only encodes
             the new tokens (observation) instead of the whole context again, and encode a context
-            that several rows share (a GRPO group's prompt) once. Outputs are the same as without
-            it (up to floating-point reassociation).
+            that several rows share (a GRPO group's prompt), or the leading tokens every row of a
+            fresh batch shares (the prompt template's instruction), once. Outputs are the same as
+            without it (up to floating-point reassociation).
         bf16: run generation under bf16 autocast (decide with
             :func:`spader_pipeline.modeling.precision.resolve_bf16`; slower on CPUs without bf16 units).
     """
 
     token_level = True
+    min_shared_prefix = 8  # fewest common leading tokens worth a separate prefill
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class HFGenerator(Generator):
         self._kv: dict[str, Any] | None = None
         self.kv_reuses = 0  # generate calls that continued from the cache (for tests and reporting)
         self.shared_prefills = 0  # fresh batches whose shared contexts were encoded once
+        self.shared_prefix_tokens = 0  # prompt tokens not encoded again thanks to a shared prefix
         builder = make_token_builder(
             tokenizer, getattr(model.config, "model_type", None), chat_template_kwargs
         )
@@ -151,37 +154,64 @@ class HFGenerator(Generator):
                     self.kv_reuses += 1
                     return torch.cat([physical, ids], 1), torch.cat([mask, att], 1), kv["cache"]
         self._kv = None
+        prefix = self._common_prefix_length(states)
         width = max(len(s.token_ids) for s in states)
         ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
         att = torch.zeros((len(states), width), dtype=torch.long)
-        for row, state in enumerate(states):  # left padding
-            n = len(state.token_ids)
-            ids[row, width - n :] = torch.tensor(state.token_ids, dtype=torch.long)
-            att[row, width - n :] = 1
-        return ids, att, self._shared_prefill(states, ids, att)
+        ids[:, :prefix] = torch.tensor(states[0].token_ids[:prefix], dtype=torch.long)
+        att[:, :prefix] = 1
+        for row, state in enumerate(states):  # the shared prefix, then each row's rest left-padded
+            rest = state.token_ids[prefix:]
+            ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+            att[row, width - len(rest) :] = 1
+        return ids, att, self._shared_prefill(states, ids, att, prefix)
 
-    def _shared_prefill(self, states: list[RolloutState], ids: torch.Tensor, att: torch.Tensor) -> Any:
-        """Encode each distinct context once and copy its KV cache to the rows that share it.
+    def _common_prefix_length(self, states: list[RolloutState]) -> int:
+        """Tokens every context of a fresh batch starts with (the prompt template's instruction),
+        at most all but each context's last token; 0 when there is nothing worth sharing."""
+        if not self.reuse_kv_cache or len(states) < 2:
+            return 0
+        first = states[0].token_ids
+        limit = min(len(s.token_ids) for s in states) - 1
+        length = 0
+        while length < limit and all(s.token_ids[length] == first[length] for s in states):
+            length += 1
+        return length if length >= self.min_shared_prefix else 0
 
-        The trajectories of a GRPO group start from the same prompt, so a fresh batch of
-        ``prompts × group_size`` rows needs only ``prompts`` prefills. The cache holds all but the
-        last position; ``generate`` encodes that one and samples every row independently. Returns
-        ``None`` (plain ``generate``) when every context is distinct or caching is off.
+    def _shared_prefill(self, states: list[RolloutState], ids: torch.Tensor, att: torch.Tensor, prefix: int = 0) -> Any:
+        """Encode shared context once and copy its KV cache to the rows that share it.
+
+        Two kinds of sharing, both exact (the same positions and attention as encoding each row):
+        ``prefix`` leading tokens common to every row (the instruction of the prompt template,
+        ``ids[:, :prefix]``; evaluation batches of distinct questions) are encoded once for the
+        whole batch; and identical contexts (the trajectories of a GRPO group start from the same
+        prompt) are encoded once per distinct context, so ``prompts × group_size`` rows need only
+        ``prompts`` prefills. The cache holds all but the last position; ``generate`` encodes that
+        one and samples every row independently. Returns ``None`` (plain ``generate``) when nothing
+        is shared or caching is off. Only the decoder body runs here: no output-layer logits.
         """
         if not self.reuse_kv_cache or ids.shape[1] < 2:
             return None
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(s.token_ids), len(first)) for s in states]
-        if len(first) == len(states):
+        if len(first) == len(states) and prefix == 0:
             return None
         unique_rows = [source.index(u) for u in range(len(first))]
         device = self._device()
-        prefix_ids, prefix_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
-        positions = (prefix_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
+        body = self.model.base_model
+        context_ids, context_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
+        positions = (context_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
         with torch.no_grad(), self._autocast(device):
-            cache = self.model(
-                input_ids=prefix_ids, attention_mask=prefix_att, position_ids=positions, use_cache=True
-            ).past_key_values
+            cache = None
+            if prefix:
+                cache = body(input_ids=context_ids[:1, :prefix], use_cache=True).past_key_values
+                cache.batch_select_indices(torch.zeros(len(unique_rows), dtype=torch.long, device=device))
+                self.shared_prefix_tokens += prefix * (len(states) - 1)
+            if context_ids.shape[1] > prefix:
+                cache = body(
+                    input_ids=context_ids[:, prefix:], attention_mask=context_att,
+                    position_ids=positions[:, prefix:], past_key_values=cache, use_cache=True,
+                ).past_key_values
         cache.batch_select_indices(torch.tensor(source, device=device))
         self.shared_prefills += 1
         return cache

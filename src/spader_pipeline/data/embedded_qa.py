@@ -5,13 +5,16 @@ described as "Country in West Africa" become *Which countries are in West Africa
 titles as the answer set. Every passage of those articles starts with that description (see
 ``wiki.iter_passages``), so membership is decidable from what the agent retrieves. Articles
 whose description is unique become single-answer questions (training signal for copying titles
-out of observations, see ``docs/data.md``). Splits are assigned by a salted hash of the
-description, so they never change when other groups are added or removed.
+out of observations, see ``docs/data.md``); ``single_answer.per_multi_answer`` caps them per split
+relative to the multi-answer questions, so they do not outnumber the task itself. Splits (and that
+selection) are assigned by a salted hash of the description, so they never change when other
+groups are added or removed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +25,7 @@ from spader_pipeline.data.readers import title_aliases
 from spader_pipeline.data.schema import QARow, make_id
 
 DATA_SOURCE = "embedded"
+logger = logging.getLogger(__name__)
 
 _PLURAL_RANKS = {
     "family": "families",
@@ -96,6 +100,9 @@ def build_embedded_qa(articles: pd.DataFrame, params: Mapping[str, Any]) -> list
     ``params``: ``min_answers`` / ``max_answers`` bound a multi-answer group's size;
     ``splits`` are the fractions for multi-answer questions; ``single_answer.enabled`` and
     ``single_answer.splits`` control the single-answer questions; ``salt`` seeds the split hash.
+    ``single_answer.per_multi_answer`` (null: no cap) keeps at most that many single-answer
+    questions per multi-answer question of the same split: those whose salted hash is lowest, so
+    the choice is as stable as the splits.
     """
     salt = str(params.get("salt", "spader"))
     min_answers = int(params.get("min_answers", 2))
@@ -126,4 +133,23 @@ def build_embedded_qa(articles: pd.DataFrame, params: Mapping[str, Any]) -> list
                     "split": assign_split(description, single["splits"], salt),
                 }
             )
-    return rows
+    return _cap_single_answer(rows, single.get("per_multi_answer"), salt)
+
+
+def _cap_single_answer(rows: list[QARow], per_multi_answer: float | None, salt: str) -> list[QARow]:
+    """Keep at most ``per_multi_answer`` single-answer rows per multi-answer row of each split."""
+    if per_multi_answer is None:
+        return rows
+    if per_multi_answer < 0:
+        raise ValueError("single_answer.per_multi_answer must be >= 0 (or null: no cap)")
+    multi = [r for r in rows if len(r["ground_truth"]) >= 2]
+    kept = []
+    for split in dict.fromkeys(r["split"] for r in rows):
+        cap = int(round(per_multi_answer * sum(r["split"] == split for r in multi)))
+        single = [r for r in rows if r["split"] == split and len(r["ground_truth"]) == 1]
+        kept += sorted(single, key=lambda r: _stable_fraction(r["id"], f"{salt}|cap"))[:cap]
+    chosen = {r["id"] for r in kept}
+    single_total = len(rows) - len(multi)
+    logger.info("embedded QA: %d multi-answer questions, %d of %d single-answer ones kept "
+                "(single_answer.per_multi_answer: %s)", len(multi), len(chosen), single_total, per_multi_answer)
+    return [r for r in rows if len(r["ground_truth"]) >= 2 or r["id"] in chosen]

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from spader_pipeline.modeling.shared_prefix import decoder_states
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,11 +133,12 @@ def collate(examples: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, 
 def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over positions whose *target* has ``loss_mask == 1``.
 
-    Runs the decoder body (``model.model``) on all positions and the output layer only on the
-    positions that predict a target token. Shapes: all inputs ``[B, T]``. Returns the loss and
-    the number of target tokens.
+    Runs the decoder body on all positions, the instruction every demonstration starts with only
+    once (:func:`~spader_pipeline.modeling.shared_prefix.decoder_states`), and the output layer only
+    on the positions that predict a target token. Shapes: all inputs ``[B, T]``. Returns the loss
+    and the number of target tokens.
     """
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+    hidden = decoder_states(model, input_ids, attention_mask)  # [B, T, H]
     select = loss_mask[:, 1:].bool()  # position t predicts token t+1
     states = hidden[:, :-1][select]  # [N, H]
     targets = input_ids[:, 1:][select]  # [N]

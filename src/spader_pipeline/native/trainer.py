@@ -49,6 +49,7 @@ from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
+from spader_pipeline.modeling.shared_prefix import decoder_states
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import RolloutBatch, build_batch, compute_advantages
 from spader_pipeline.native.checkpoint import (
@@ -85,8 +86,9 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, R]`` of the sampled response tokens (0 off model tokens), optionally entropy.
 
-    The decoder runs on the micro-batch's sequences (trimmed to their longest); the output layer
-    runs only at positions that predict a model token (``response_mask == 1``).
+    The decoder runs on the micro-batch's sequences (trimmed to their longest; the leading tokens
+    all rows share, the prompt template's instruction, encoded once); the output layer runs only at
+    positions that predict a model token (``response_mask == 1``).
     """
     mask = batch.response_mask[rows]
     device = next(model.parameters()).device
@@ -98,7 +100,7 @@ def response_logprobs(
     positions = batch.prompt_lengths[rows][r_idx] + c_idx - 1  # logits at p-1 predict token p
     targets = batch.response_ids[rows][r_idx, c_idx].to(device)
     with autocast(input_ids.device, bf16):
-        hidden = model.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        hidden = decoder_states(model, input_ids, attention)  # the shared instruction encoded once
         logits = model.lm_head(hidden[r_idx.to(device), positions.to(device)])
     logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
