@@ -3,8 +3,11 @@
     .venv/bin/python benchmarks/bench_training.py [--repeats 5] [--examples 64] [--threads 1]
     .venv/bin/python benchmarks/bench_training.py --rl-step [--rl-steps 3] [--models smollm2,tiny]
 
-Both on the embedded default architecture (tiny Qwen3: hidden 256, 4 layers, 8k vocabulary),
-sequences shaped like warm-start demonstrations (~350–650 tokens, ~10% model tokens):
+Both on the tiny Qwen3 (hidden 256, 4 layers, 8k vocabulary) or, with ``--model-dir``, a Hugging
+Face folder such as the warm-started SmolLM2 (top ``--trainable-layers`` blocks trained), on
+sequences shaped like warm-start demonstrations (~350–650 tokens, ~10% model tokens, all starting
+with the same 144-token instruction, as every real prompt does). Each also runs *unshared*: the
+project's path with the instruction encoded for every row (before :mod:`spader_pipeline.modeling.shared_prefix`).
 
 * **SFT step** (forward + backward on ``batch_tokens`` padded tokens): the straightforward loop —
   random batches of fixed size, full ``model(...).logits`` and the HF causal-LM loss with
@@ -41,7 +44,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 
@@ -57,19 +59,31 @@ def _model():
     return build_tiny_qwen3(_Vocab(), TinyQwen3Spec())
 
 
+INSTRUCTION_TOKENS = 144  # the prompt template's instruction, shared by every real demonstration
+
+
 def _examples(n: int, vocab: int, seed: int = 0):
     from spader_pipeline.modeling.warm_start import SFTExample
 
     rng = random.Random(seed)
+    instruction = tuple(rng.randrange(vocab) for _ in range(INSTRUCTION_TOKENS))
     out = []
     for _ in range(n):
         length = rng.randint(350, 650)
         mask = [0] * length
-        for start in (120, length // 2, length - 30):  # three model turns of ~20 tokens
+        for start in (170, length // 2, length - 30):  # three model turns of ~20 tokens
             for i in range(start, min(length, start + 20)):
                 mask[i] = 1
-        out.append(SFTExample(tuple(rng.randrange(vocab) for _ in range(length)), tuple(mask)))
+        ids = instruction + tuple(rng.randrange(vocab) for _ in range(length - INSTRUCTION_TOKENS))
+        out.append(SFTExample(ids, tuple(mask)))
     return out
+
+
+def _train_top_layers(model, layers: int | None) -> None:
+    if layers is not None:
+        from spader_pipeline.modeling.base_model import train_top_layers
+
+        train_top_layers(model, layers)
 
 
 def naive_sft_step(model, batch) -> int:
@@ -78,6 +92,20 @@ def naive_sft_step(model, batch) -> int:
     ids, attn, loss_mask = collate(batch, 0)
     labels = ids.masked_fill(loss_mask == 0, -100)
     loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    loss.backward()
+    return int(attn.sum())
+
+
+def unshared_sft_step(model, batch) -> int:
+    """The project's loss before the shared instruction: one plain forward over every row."""
+    import torch.nn.functional as F
+
+    from spader_pipeline.modeling.warm_start import collate
+
+    ids, attn, loss_mask = collate(batch, 0)
+    hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+    select = loss_mask[:, 1:].bool()
+    loss = F.cross_entropy(model.lm_head(hidden[:, :-1][select]).float(), ids[:, 1:][select])
     loss.backward()
     return int(attn.sum())
 
@@ -99,7 +127,9 @@ def bench_sft(model, examples, repeats: int, batch_tokens: int) -> dict[str, flo
     naive_batches = [examples[i : i + per] for i in range(0, len(examples), per)]
     fast_batches = [[examples[i] for i in b] for b in length_buckets(examples, batch_tokens, rng)]
     results = {}
-    for name, step, batches in (("naive", naive_sft_step, naive_batches), ("project", fast_sft_step, fast_batches)):
+    for name, step, batches in (("naive", naive_sft_step, naive_batches),
+                                ("unshared", unshared_sft_step, fast_batches),
+                                ("project", fast_sft_step, fast_batches)):
         rates = []
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
@@ -124,10 +154,12 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
         ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
         attn[i, : len(e.input_ids)] = 1
         mask[i, : len(e.input_ids) - prompt] = torch.tensor(e.loss_mask[prompt:], dtype=torch.float32)
-    batch = RolloutBatch(ids, attn, torch.full((len(batch_examples),), prompt), ids[:, prompt:], mask,
-                         np.array(["u"] * len(batch_examples), dtype=object), [], *([torch.zeros(1)] * 4),
-                         torch.zeros(1, 1, 1, dtype=torch.bool), torch.zeros(1), torch.zeros(1, 1), [], [],
-                         torch.zeros(1), torch.zeros(1))
+    import dataclasses
+
+    rows = len(batch_examples)
+    real = {"input_ids": ids, "attention_mask": attn, "prompt_lengths": torch.full((rows,), prompt),
+            "response_ids": ids[:, prompt:], "response_mask": mask}  # what response_logprobs reads
+    batch = RolloutBatch(**{f.name: real.get(f.name, torch.zeros(1)) for f in dataclasses.fields(RolloutBatch)})
 
     def naive():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, prompt - 1 : -1].float()
@@ -138,10 +170,18 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
         return response_logprobs(model, batch, slice(0, len(batch_examples)), temperature=1.0, bf16=False,
                                  with_entropy=False)[0]
 
+    def unshared():  # the output layer only at model tokens, the instruction encoded per row
+        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, prompt - 1 : -1]
+        logp = torch.log_softmax(model.lm_head(hidden[mask.bool()]).float(), dim=-1)
+        out = torch.zeros_like(mask)
+        out[mask.bool()] = logp.gather(1, ids[:, prompt:][mask.bool()].unsqueeze(1)).squeeze(1)
+        return out
+
     out = {}
     with torch.no_grad():
         assert torch.allclose(naive(), project(), atol=1e-4)
-        for name, fn in (("naive", naive), ("project", project)):
+        assert torch.allclose(unshared(), project(), atol=1e-4)
+        for name, fn in (("naive", naive), ("unshared", unshared), ("project", project)):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -246,6 +286,8 @@ def main() -> None:
     parser.add_argument("--configs", default="straightforward,project")
     parser.add_argument("--data", default="data")
     parser.add_argument("--conf", default="conf/base")
+    parser.add_argument("--model-dir", default=None, help="a HF model folder instead of the tiny model (SFT/log-prob)")
+    parser.add_argument("--trainable-layers", type=int, default=8, help="with --model-dir: top blocks trained")
     args = parser.parse_args()
     if args.rl_step:  # --threads 1 on an oversubscribed machine (2-thread barriers stall under load)
         torch.set_num_threads(args.threads)
@@ -253,14 +295,23 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = _model()
+    if args.model_dir:  # e.g. data/06_models/warm_start: SmolLM2, top blocks trained as in the default
+        from spader_pipeline.modeling import load_model_and_tokenizer
+
+        model, _ = load_model_and_tokenizer(args.model_dir)
+        _train_top_layers(model, args.trainable_layers)
+    else:
+        model = _model()
+    model.train()
     examples = _examples(args.examples, model.config.vocab_size)
-    sft = bench_sft(model, examples, args.repeats, args.batch_tokens)
-    print(f"warm-start SFT step  naive {sft['naive']:8.0f} tok/s   project {sft['project']:8.0f} tok/s   "
-          f"ratio {sft['project'] / sft['naive']:.2f}x")
-    lp = bench_logprobs(model, examples, args.repeats)
-    print(f"RL log-prob pass     naive {lp['naive']:8.0f} tok/s   project {lp['project']:8.0f} tok/s   "
-          f"ratio {lp['project'] / lp['naive']:.2f}x")
+    print(f"load {os.getloadavg()[0]:.1f}; {args.examples} sequences of 350-650 tokens sharing a "
+          f"{INSTRUCTION_TOKENS}-token instruction; median of {args.repeats}", flush=True)
+    for label, bench in (("warm-start SFT step", lambda: bench_sft(model, examples, args.repeats, args.batch_tokens)),
+                         ("RL log-prob pass   ", lambda: bench_logprobs(model, examples, args.repeats))):
+        r = bench()
+        print(f"{label}  naive {r['naive']:7.0f} tok/s   unshared {r['unshared']:7.0f} tok/s   "
+              f"project {r['project']:7.0f} tok/s   ratio {r['project'] / r['naive']:.2f}x naive, "
+              f"{r['project'] / r['unshared']:.2f}x unshared", flush=True)
 
 
 if __name__ == "__main__":
