@@ -47,12 +47,17 @@ def test_questions_from_descriptions():
     assert embedded_qa.multi_answer_question('The "best" thing') == "Which Wikipedia articles have the short description \"The 'best' thing\"?"
 
 
-def test_embedded_qa_set(articles):
-    params = {
+def _qa_params() -> dict:
+    """The embedded QA settings with single-answer questions on and uncapped."""
+    return {
         "min_answers": 2, "max_answers": 50, "salt": "spader-v1",
         "splits": {"train": 0.7, "validation": 0.1, "test": 0.2},
         "single_answer": {"enabled": True, "splits": {"train": 0.95, "validation": 0.05}},
     }
+
+
+def test_embedded_qa_set(articles):
+    params = _qa_params()
     rows = embedded_qa.build_embedded_qa(articles, params)
     multi = [r for r in rows if len(r["ground_truth"]) >= 2]
     assert len(multi) == 241
@@ -66,11 +71,7 @@ def test_embedded_qa_set(articles):
 
 
 def test_single_answer_questions_capped_per_multi_answer_question(articles):
-    params = {
-        "min_answers": 2, "max_answers": 50, "salt": "spader-v1",
-        "splits": {"train": 0.7, "validation": 0.1, "test": 0.2},
-        "single_answer": {"enabled": True, "splits": {"train": 0.95, "validation": 0.05}},
-    }
+    params = _qa_params()
     uncapped = embedded_qa.build_embedded_qa(articles, params)
     params["single_answer"]["per_multi_answer"] = 1.0
     capped = embedded_qa.build_embedded_qa(articles, params)
