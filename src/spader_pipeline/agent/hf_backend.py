@@ -15,6 +15,7 @@ import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
 __all__ = ["HFGenerator", "encode_dialogue", "make_token_builder", "pad_batch"]
 
@@ -42,7 +43,6 @@ class HFGenerator(Generator):
     """
 
     token_level = True
-    min_shared_prefix = 8  # fewest common leading tokens worth a separate prefill
 
     def __init__(
         self,
@@ -171,12 +171,9 @@ class HFGenerator(Generator):
         at most all but each context's last token; 0 when there is nothing worth sharing."""
         if not self.reuse_kv_cache or len(states) < 2:
             return 0
-        first = states[0].token_ids
-        limit = min(len(s.token_ids) for s in states) - 1
-        length = 0
-        while length < limit and all(s.token_ids[length] == first[length] for s in states):
-            length += 1
-        return length if length >= self.min_shared_prefix else 0
+        shortest = min(len(s.token_ids) for s in states)
+        heads = torch.tensor([s.token_ids[:shortest] for s in states], dtype=torch.long)  # [B, shortest]
+        return common_prefix_length(heads, torch.ones_like(heads))
 
     def _shared_prefill(self, states: list[RolloutState], ids: torch.Tensor, att: torch.Tensor, prefix: int = 0) -> Any:
         """Encode shared context once and copy its KV cache to the rows that share it.
