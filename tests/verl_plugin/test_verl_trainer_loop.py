@@ -252,8 +252,12 @@ def run_trainer_loop(method: str, ws: dict, run_dir: Path) -> tuple[list[dict], 
         os.environ.pop("VERL_FILE_LOGGER_PATH", None)
         # verl names its workers (reward_loop_worker_0, ...): free the names for the next method
         for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["name"] != SERVER_NAME:
+            if actor["name"] == SERVER_NAME:
+                continue
+            try:
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            except ValueError:  # it exited between the listing and the lookup: its name is free
+                pass
     return [json.loads(line) for line in metrics_path.read_text().splitlines()], config
 
 
