@@ -79,13 +79,6 @@ def _examples(n: int, vocab: int, seed: int = 0):
     return out
 
 
-def _train_top_layers(model, layers: int | None) -> None:
-    if layers is not None:
-        from spader_pipeline.modeling.base_model import train_top_layers
-
-        train_top_layers(model, layers)
-
-
 def naive_sft_step(model, batch) -> int:
     from spader_pipeline.modeling.warm_start import collate
 
@@ -297,9 +290,10 @@ def main() -> None:
     torch.manual_seed(0)
     if args.model_dir:  # e.g. data/06_models/warm_start: SmolLM2, top blocks trained as in the default
         from spader_pipeline.modeling import load_model_and_tokenizer
+        from spader_pipeline.modeling.base_model import train_top_layers
 
         model, _ = load_model_and_tokenizer(args.model_dir)
-        _train_top_layers(model, args.trainable_layers)
+        train_top_layers(model, args.trainable_layers)
     else:
         model = _model()
     model.train()
