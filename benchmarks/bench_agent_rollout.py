@@ -1,12 +1,17 @@
 """Agent/eval hot paths: batched vs one-at-a-time HF rollout, and corpus entity frequencies.
 
     .venv/bin/python benchmarks/bench_agent_rollout.py [--repeats 3] [--trajectories 8] [--threads 1]
+        [--model-dir data/06_models/warm_start]
 
 * **HF rollout**: ``HFGenerator`` rolls out N trajectories in lock-step rounds with one batched
-  ``generate`` per round, keeping the KV cache between turns, vs the same without the cache, vs
-  the straightforward loop that rolls out one trajectory at a time re-encoding its context.
-  Same tiny Qwen3 (the base_model default architecture, tokenizer trained on the embedded corpus),
-  greedy decoding, BM25 search in process. Reported: model tokens per second.
+  ``generate`` per round, keeping the KV cache between turns in a ``GrowingKVCache`` (decoding
+  writes in place), vs the same with transformers' ``DynamicCache`` (a copy of the cache per
+  token), vs re-encoding the context every turn, vs the straightforward loop that rolls out one
+  trajectory at a time re-encoding its context. Greedy decoding, BM25 search in process.
+  Default model: a tiny Qwen3 (tokenizer trained on the embedded corpus). ``--model-dir``: a real
+  HF folder (e.g. the SmolLM2 warm start) on the embedded_test questions with the project's prompt
+  template and rollout limits, as evaluation runs it (the one-at-a-time loop is skipped there: it
+  takes minutes). Reported: model tokens per second.
 * **Entity corpus frequency** (long-tail buckets): one Aho-Corasick pass over the corpus for all
   gold entities (``evaluation.metrics.entity_corpus_frequency``) vs a compiled whole-word regex per
   entity alias over every normalised passage. Results must agree.
@@ -50,7 +55,28 @@ def _questions(n: int) -> list[dict]:
     ]
 
 
-def bench_rollout(repeats: int, n: int, args_threads: int = 1) -> None:
+def _project_setup(model_dir: str, n: int):
+    """(model, tokenizer, questions, template, rollout config) as evaluation uses them."""
+    import yaml
+
+    from spader_pipeline.agent.prompts import resolve_template
+    from spader_pipeline.agent.rollout import RolloutConfig
+    from spader_pipeline.modeling import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    test = ROOT / "data/05_model_input/eval/embedded_test.jsonl"
+    rows = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines()][:n]
+    prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
+    training = yaml.safe_load((ROOT / "conf/base/parameters_training.yml").read_text())["training"]
+    template = resolve_template(prompt)
+    return model, tokenizer, rows, template, RolloutConfig.from_mapping(training["rollout"])
+
+
+VARIANTS = ("growing", "dynamic", "no_cache", "single")
+
+
+def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | None = None,
+                  variants: tuple[str, ...] = VARIANTS) -> None:
     import torch
 
     from spader_pipeline.agent.hf_backend import HFGenerator
@@ -62,19 +88,23 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1) -> None:
 
     # One intra-op thread: on the shared 2-core machine two threads oversubscribe and run ~10x slower.
     torch.set_num_threads(args_threads)
-    passages = _passages(4000)
-    tokenizer = train_tokenizer((p["contents"] for p in passages), vocab_size=8192)
-    model = build_tiny_qwen3(tokenizer, TinyQwen3Spec(), seed=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_index(iter_records(passages), Path(tmp) / "bm25", "bm25")
-        search = LocalSearch(load_retriever(Path(tmp) / "bm25"))
+    passages = _passages(4000 if model_dir is None else None)
+    if model_dir is None:
+        tokenizer = train_tokenizer((p["contents"] for p in passages), vocab_size=8192)
+        model = build_tiny_qwen3(tokenizer, TinyQwen3Spec(), seed=0)
         config = RolloutConfig(max_turns=3, max_response_tokens=2048, topk=3)
         template = "Answer with <tool_call>[...]</tool_call> or <answer>[...]</answer>.\nQuestion: {question}"
         samples = _questions(n)
+    else:
+        model, tokenizer, samples, template, config = _project_setup(model_dir, n)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_index(iter_records(passages), Path(tmp) / "bm25", "bm25")
+        search = LocalSearch(load_retriever(Path(tmp) / "bm25"))
 
-        def run(batched: bool, reuse_kv_cache: bool = True) -> float:
+        def run(batched: bool, reuse_kv_cache: bool = True, growing: bool = True) -> float:
             sampling = SamplingParams(temperature=0.0, max_new_tokens=48)
-            gen = HFGenerator(model, tokenizer, sampling, reuse_kv_cache=reuse_kv_cache)
+            gen = HFGenerator(model, tokenizer, sampling, reuse_kv_cache=reuse_kv_cache, growing_kv_cache=growing,
+                              micro_batch_size=max(32, len(samples)))
             start = time.perf_counter()
             if batched:
                 asyncio.run(run_rollouts(samples, gen, search, config, template))
@@ -84,14 +114,31 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1) -> None:
             return gen.generated_tokens / (time.perf_counter() - start)
 
         run(True)  # warm-up
-        batched = statistics.median(run(True) for _ in range(repeats))
-        no_cache = statistics.median(run(True, reuse_kv_cache=False) for _ in range(repeats))
-        single = statistics.median(run(False, reuse_kv_cache=False) for _ in range(repeats))
-    print(f"HF rollout, {n} trajectories, greedy, 3 turns x 48 tokens max")
-    print(f"  batched, KV cache kept across turns : {batched:8.1f} model tokens/s")
-    print(f"  batched, context re-encoded per turn: {no_cache:8.1f} model tokens/s")
-    print(f"  one at a time, re-encoded (naive)   : {single:8.1f} model tokens/s")
-    print(f"  speed-up vs naive: {batched / single:.2f}x (batching alone {no_cache / single:.2f}x)")
+        # Alternate the variants within each repeat so a change in machine load hits all alike.
+        runs = {
+            "growing": lambda: run(True),
+            "dynamic": lambda: run(True, growing=False),
+            "no_cache": lambda: run(True, reuse_kv_cache=False),
+            "single": lambda: run(False, reuse_kv_cache=False),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants if k != "single" or model_dir is None}
+        for _ in range(repeats):
+            for name in times:
+                times[name].append(runs[name]())
+        med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"HF rollout, {len(samples)} trajectories, greedy, {config.max_turns} turns x 48 tokens max, "
+          f"{model_dir or 'tiny Qwen3'}, {args_threads} thread(s), median of {repeats}")
+    labels = {
+        "growing": "batched, GrowingKVCache kept across turns",
+        "dynamic": "batched, DynamicCache kept across turns  ",
+        "no_cache": "batched, context re-encoded per turn     ",
+        "single": "one at a time, re-encoded (naive)        ",
+    }
+    for name, value in med.items():
+        print(f"  {labels[name]}: {value:8.1f} model tokens/s  (runs: {', '.join(f'{t:.1f}' for t in times[name])})")
+    for name in ("dynamic", "no_cache", "single"):
+        if "growing" in med and name in med:
+            print(f"  GrowingKVCache vs {name}: {med['growing'] / med[name]:.2f}x")
 
 
 def bench_frequency(repeats: int) -> None:
@@ -135,11 +182,14 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
     parser.add_argument("--only", choices=["rollout", "frequency"], default=None)
+    parser.add_argument("--model-dir", default=None, help="a real HF model folder (default: tiny Qwen3)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     args = parser.parse_args()
     if args.only != "rollout":
         bench_frequency(args.repeats)
     if args.only != "frequency":
-        bench_rollout(args.repeats, args.trajectories, args.threads)
+        bench_rollout(args.repeats, args.trajectories, args.threads, args.model_dir,
+                      tuple(v for v in args.variants.split(",") if v))
 
 
 if __name__ == "__main__":

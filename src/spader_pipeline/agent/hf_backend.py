@@ -15,6 +15,7 @@ import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
 __all__ = ["HFGenerator", "encode_dialogue", "make_token_builder", "pad_batch"]
@@ -40,6 +41,9 @@ class HFGenerator(Generator):
             without it (up to floating-point reassociation).
         bf16: run generation under bf16 autocast (decide with
             :func:`spader_pipeline.modeling.precision.resolve_bf16`; slower on CPUs without bf16 units).
+        growing_kv_cache: keep keys/values in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
+            (decoding writes in place instead of copying the cache every token); ``False``: transformers'
+            ``DynamicCache``. Same outputs.
     """
 
     token_level = True
@@ -55,8 +59,10 @@ class HFGenerator(Generator):
         micro_batch_size: int = 32,
         reuse_kv_cache: bool = True,
         bf16: bool = False,
+        growing_kv_cache: bool = True,
     ) -> None:
         self.model = model.eval()
+        self.growing_kv_cache = growing_kv_cache
         self.bf16 = bf16
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
@@ -199,9 +205,9 @@ class HFGenerator(Generator):
         context_ids, context_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
         positions = (context_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
         with torch.no_grad(), self._autocast(device):
-            cache = None
+            cache = self._new_cache()
             if prefix:
-                cache = body(input_ids=context_ids[:1, :prefix], use_cache=True).past_key_values
+                cache = body(input_ids=context_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_select_indices(torch.zeros(len(unique_rows), dtype=torch.long, device=device))
                 self.shared_prefix_tokens += prefix * (len(states) - 1)
             if context_ids.shape[1] > prefix:
@@ -212,6 +218,10 @@ class HFGenerator(Generator):
         cache.batch_select_indices(torch.tensor(source, device=device))
         self.shared_prefills += 1
         return cache
+
+    def _new_cache(self) -> Any:
+        """An empty KV cache of the configured kind (``None``: let the model create a ``DynamicCache``)."""
+        return GrowingKVCache() if self.growing_kv_cache else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -232,6 +242,8 @@ class HFGenerator(Generator):
         if self._generator is not None:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator)))
         kwargs = self._sampling_kwargs(max(budgets))
+        if cache is None and self.reuse_kv_cache:
+            cache = self._new_cache()
         if cache is not None:
             kwargs["past_key_values"] = cache
         try:

@@ -1,0 +1,69 @@
+"""GrowingKVCache: the same keys/values and generations as transformers' DynamicCache, written in place."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from spader_pipeline.modeling import TinyQwen3Spec, build_tiny_qwen3
+from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
+
+
+class _Vocab:
+    eos_token_id, pad_token_id = 2, 0
+
+    def __len__(self) -> int:
+        return 64
+
+
+def _model(tmp_path):
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=256)
+    build_tiny_qwen3(_Vocab(), spec).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    use_gqa_attention(model)
+    return model
+
+
+def test_layer_appends_in_place_and_matches_concatenation():
+    layer, chunks = GrowingLayer(), [torch.randn(3, 2, n, 4) for n in (5, 1, 1, 70, 1)]
+    pointers = []
+    for i, chunk in enumerate(chunks):
+        keys, values = layer.update(chunk, -chunk)
+        expected = torch.cat(chunks[: i + 1], dim=-2)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+        assert layer.get_seq_length() == expected.shape[-2]
+        pointers.append(keys.data_ptr())
+    assert pointers[0] == pointers[1] == pointers[2] != pointers[3] == pointers[4]  # one reallocation
+    layer.batch_select_indices(torch.tensor([2, 0, 0]))
+    full = torch.cat(chunks, dim=-2)
+    assert torch.equal(layer.keys, full[[2, 0, 0]]) and torch.equal(layer.values, -full[[2, 0, 0]])
+    layer.crop(10)
+    assert layer.get_seq_length() == 10 and torch.equal(layer.keys, full[[2, 0, 0], :, :10])
+
+
+def test_generation_and_continuation_equal_dynamic_cache(tmp_path):
+    """Left-padded batch: prefill, greedy decoding, then a continuation with more tokens on a subset
+    of rows, as HFGenerator does between turns; logits and tokens equal the DynamicCache's."""
+    model = _model(tmp_path)
+    ids = torch.randint(3, 64, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    extra = torch.randint(3, 64, (2, 5))  # the next turn's new tokens (an observation)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    runs = {}
+    for name, make in (("dynamic", DynamicCache), ("growing", GrowingKVCache)):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=make(), **kwargs)
+            cache = out.past_key_values
+            assert isinstance(cache, make)
+            cache.batch_select_indices(torch.tensor([0, 2]))
+            seq = torch.cat([out.sequences[[0, 2]], extra], dim=1)
+            att = torch.cat([mask[[0, 2]], torch.ones(2, seq.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
+            more = model.generate(input_ids=seq, attention_mask=att, past_key_values=cache, **kwargs)
+        runs[name] = (out.sequences, torch.stack(out.logits), more.sequences, torch.stack(more.logits))
+    dynamic, growing = runs["dynamic"], runs["growing"]
+    assert torch.equal(dynamic[0], growing[0]) and torch.equal(dynamic[2], growing[2])
+    assert torch.allclose(dynamic[1], growing[1], atol=1e-5) and torch.allclose(dynamic[3], growing[3], atol=1e-5)
