@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, build_tiny_qwen3
 
 TINY_SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                           intermediate_size=128, max_position_embeddings=1024)
@@ -26,3 +26,22 @@ def tiny_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_base")
     texts = (f"{r.title}\n{r.contents}" for r in tiny_corpus().itertuples())
     return build_base_model(texts, out, spec=TINY_SPEC, vocab_size=400, min_frequency=1)
+
+
+class _SixtyFourTokens:
+    """The two attributes and the length ``build_tiny_qwen3`` reads from a tokenizer."""
+
+    eos_token_id, pad_token_id = 2, 0
+
+    def __len__(self) -> int:
+        return 64
+
+
+@pytest.fixture(scope="session")
+def gqa_model_dir(tmp_path_factory):
+    """A 2-layer Qwen3 with grouped-query attention (4 query heads, 2 key-value heads), 64 tokens."""
+    out = tmp_path_factory.mktemp("tiny_gqa")
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=256)
+    build_tiny_qwen3(_SixtyFourTokens(), spec).save_pretrained(out)
+    return out

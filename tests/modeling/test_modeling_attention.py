@@ -5,21 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from spader_pipeline.modeling import TinyQwen3Spec, build_tiny_qwen3
 from spader_pipeline.modeling.attention import use_gqa_attention
 
 
-class _Vocab:
-    eos_token_id, pad_token_id = 2, 0
-
-    def __len__(self) -> int:
-        return 64
-
-
-def test_gqa_attention_matches_sdpa_in_forward_backward_and_generation(tmp_path):
-    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=128)
-    build_tiny_qwen3(_Vocab(), spec).save_pretrained(tmp_path)
+def test_gqa_attention_matches_sdpa_in_forward_backward_and_generation(gqa_model_dir, tmp_path):
     ids = torch.randint(3, 64, (2, 9))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the case where sdpa copies the KV heads
@@ -31,8 +20,8 @@ def test_gqa_attention_matches_sdpa_in_forward_backward_and_generation(tmp_path)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         return logits.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone(), out
 
-    reference = run(AutoModelForCausalLM.from_pretrained(tmp_path))
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    reference = run(AutoModelForCausalLM.from_pretrained(gqa_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir)
     assert use_gqa_attention(model) and model.config._attn_implementation == "sdpa_gqa"
     fast = run(model)
     assert torch.allclose(reference[0][mask.bool()], fast[0][mask.bool()], atol=1e-5)

@@ -5,25 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from spader_pipeline.modeling import TinyQwen3Spec, build_tiny_qwen3
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
-
-
-class _Vocab:
-    eos_token_id, pad_token_id = 2, 0
-
-    def __len__(self) -> int:
-        return 64
-
-
-def _model(tmp_path):
-    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=256)
-    build_tiny_qwen3(_Vocab(), spec).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    use_gqa_attention(model)
-    return model
 
 
 def test_layer_appends_in_place_and_matches_concatenation():
@@ -43,10 +26,11 @@ def test_layer_appends_in_place_and_matches_concatenation():
     assert layer.get_seq_length() == 10 and torch.equal(layer.keys, full[[2, 0, 0], :, :10])
 
 
-def test_generation_and_continuation_equal_dynamic_cache(tmp_path):
+def test_generation_and_continuation_equal_dynamic_cache(gqa_model_dir):
     """Left-padded batch: prefill, greedy decoding, then a continuation with more tokens on a subset
     of rows, as HFGenerator does between turns; logits and tokens equal the DynamicCache's."""
-    model = _model(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
     ids = torch.randint(3, 64, (3, 11))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
