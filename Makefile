@@ -24,7 +24,7 @@ VIZ_PORT ?= 4141
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
-	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1.5-2 h)"
+	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make bench      - run the benchmarks under benchmarks/"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
