@@ -65,6 +65,8 @@ def _project_setup(model_dir: str, n: int):
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
     test = ROOT / "data/05_model_input/eval/embedded_test.jsonl"
+    if not test.is_file():
+        raise SystemExit(f"{test} not found: run `make run` (or `kedro run --pipeline data_prep`) first")
     rows = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines()][:n]
     prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
     training = yaml.safe_load((ROOT / "conf/base/parameters_training.yml").read_text())["training"]

@@ -24,6 +24,11 @@ def test_layer_appends_in_place_and_matches_concatenation():
     assert torch.equal(layer.keys, full[[2, 0, 0]]) and torch.equal(layer.values, -full[[2, 0, 0]])
     layer.crop(10)
     assert layer.get_seq_length() == 10 and torch.equal(layer.keys, full[[2, 0, 0], :, :10])
+    layer.batch_repeat_interleave(2)
+    rows = [2, 2, 0, 0, 0, 0]
+    assert torch.equal(layer.keys, full[rows, :, :10]) and torch.equal(layer.values, -full[rows, :, :10])
+    keys, _ = layer.update(chunks[4][:1].repeat(6, 1, 1, 1), -chunks[4][:1].repeat(6, 1, 1, 1))
+    assert keys.shape[-2] == 11 and torch.equal(keys[:, :, 10:], chunks[4][:1].expand(6, -1, -1, -1))
 
 
 def test_generation_and_continuation_equal_dynamic_cache(gqa_model_dir):

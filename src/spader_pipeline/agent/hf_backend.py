@@ -242,6 +242,7 @@ class HFGenerator(Generator):
         if self._generator is not None:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator)))
         kwargs = self._sampling_kwargs(max(budgets))
+        continues_cache = cache is not None  # a continued or shared-prefill cache, not a fresh one
         if cache is None and self.reuse_kv_cache:
             cache = self._new_cache()
         if cache is not None:
@@ -252,7 +253,7 @@ class HFGenerator(Generator):
                     input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
                 )
         except Exception:
-            if cache is None:
+            if not continues_cache:
                 raise
             # A model/cache type that cannot continue this way: re-encode, and stop trying.
             logger.warning("KV-cache continuation failed; re-encoding contexts from now on", exc_info=True)

@@ -78,9 +78,11 @@ class GrowingLayer(DynamicLayer):
             self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (one copy of the buffers, capacity kept)."""
         if self.get_seq_length() > 0:
-            self._adopt(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0),
-                        headroom=self._key_buffer.shape[-2] - self._length)
+            self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)
+            self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
+            self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (repeats allowed: a shared prefix copied to several rows), capacity kept."""
