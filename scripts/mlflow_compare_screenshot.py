@@ -20,7 +20,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-CURVES = ["answer/recall", "retrieval/recall", "reward/mean"]
+CURVES = ["answer/recall", "retrieval/recall", "method_reward/mean"]
 
 
 def _api(url: str, path: str, body: dict | None = None) -> dict:

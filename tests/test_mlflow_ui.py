@@ -25,7 +25,7 @@ def test_mlflow_ui_serves_one_run_per_method_with_shared_metric_keys(tmp_path):
             with tracking.method_run(f"{method} seed0", {"method": method, "backend": "native", "seed": 0},
                                      {"method": method, **block}):
                 for step in (1, 2):
-                    tracking.log_metrics({"reward/mean": 0.1 * step, "answer/recall": 0.2 * step}, step=step)
+                    tracking.log_metrics({"method_reward/mean": 0.1 * step, "answer/recall": 0.2 * step}, step=step)
 
     with tracking.running_ui(os.environ["MLFLOW_TRACKING_URI"], tmp_path / "artifacts") as url:
         client = httpx.Client(base_url=url, timeout=30.0, trust_env=False)

@@ -38,14 +38,14 @@ def test_method_runs_nest_under_the_kedro_run_with_shared_keys(experiment):
                                ("spader", {"reward": {"enable_exploration": True, "alpha": 1.0}})):
             with tracking.method_run(f"{method} seed0", {"method": method, "seed": 0}, {"method": method, **params}) as rid:
                 ids[method] = rid
-                tracking.log_metrics({"reward/mean": 0.5}, step=1)
+                tracking.log_metrics({"method_reward/mean": 0.5}, step=1)
     client = mlflow.MlflowClient()
     for method, rid in ids.items():
         run = client.get_run(rid)
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
         assert run.data.tags["method"] == method and run.data.params["method"] == method
-        assert "reward/mean" in run.data.metrics
+        assert "method_reward/mean" in run.data.metrics
     assert client.get_run(ids["grpo"]).data.params["reward.enable_exploration"] == "False"
     assert client.get_run(ids["spader"]).data.params["reward.enable_exploration"] == "True"
     assert client.get_run(parent.info.run_id).data.metrics == {}  # nothing leaks into the parent
@@ -96,7 +96,7 @@ from verl.utils.tracking import Tracking
 tracker = Tracking(project_name="spader", experiment_name="train_spader", default_backend=["mlflow"],
                    config={"algorithm": {"adv_estimator": "spa"}})
 for step in (1, 2):
-    tracker.log({"critic/score/mean": 0.1 * step, "reward/mean": 0.2 * step}, step=step)
+    tracker.log({"critic/score/mean": 0.1 * step, "method_reward/mean": 0.2 * step}, step=step)
 """
 
 
@@ -131,7 +131,7 @@ def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(expe
     assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert (run.info.run_name, run.data.tags["backend"], run.data.tags["method"]) == ("spader seed0", "verl", "spader")
     client = mlflow.MlflowClient()
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "method_reward/mean")] == [1, 2]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2]
     assert run.data.params["algorithm/adv_estimator"] == "spa" and run.data.params["options.gamma"] == "0.9"
     assert manifest["backend"] == "verl" and manifest["path"] is None  # merged (and linked) by the merge pipeline

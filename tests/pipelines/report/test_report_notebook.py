@@ -51,7 +51,7 @@ def _tiny_run(project: Path) -> None:
         for slope, method in enumerate(METHODS, start=1):
             with tracking.method_run(f"{method} seed0", {"method": method, "seed": 0}, {"method": method}):
                 for step in range(1, 4):
-                    tracking.log_metrics({"reward/mean": slope * step, "answer/f1": 0.1 * step,
+                    tracking.log_metrics({"method_reward/mean": slope * step, "answer/f1": 0.1 * step,
                                           "answer/recall": 0.2, "retrieval/recall": 0.3,
                                           "adv/zero_groups": 0.5}, step=step)
 

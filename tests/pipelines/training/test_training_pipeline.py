@@ -55,7 +55,7 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
     for method, run in children.items():
         assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
         assert (run.data.tags["backend"], run.data.tags["seed"], run.data.tags["base_model"]) == ("native", "0", "base_model")
-        for key in ("reward/mean", "answer/recall", "answer/f1", "retrieval/recall", "reward/discovery_mean",
+        for key in ("method_reward/mean", "answer/recall", "answer/f1", "retrieval/recall", "method_reward/discovery_mean",
                     "adv/std", "loss/kl", "perf/step_seconds"):
             steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert steps == [1, 2], (method, key)

@@ -25,7 +25,7 @@ import pandas as pd  # noqa: E402
 from spader_pipeline import tracking  # noqa: E402
 
 CURVES = (
-    ("reward/mean", "reward (return)"),
+    ("method_reward/mean", "reward (return)"),
     ("answer/f1", "answer F1"),
     ("answer/recall", "answer recall"),
     ("retrieval/recall", "retrieval recall (gold in retrieved text)"),
