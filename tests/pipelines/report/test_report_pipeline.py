@@ -42,6 +42,13 @@ def test_build_report_compares_models_and_methods():
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
     assert metrics["spader/method_reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
     assert metrics["grpo/steps"] == 30
+    # comparable metrics lead; the method's own return comes last and is labelled as such
+    titles = [ax.get_title() for ax in curves.axes]
+    assert titles[0] == "answer recall" and "not comparable" in titles[-1]
+    lead = markdown.split("| model |")[0]
+    assert "`answer/*`" in lead and "`method_reward/*`" in lead and "docs/metrics.md" in lead
+    summary_header = markdown.split("| method |")[1].split("\n")[0]
+    assert summary_header.index("answer/recall first") < summary_header.index("method_reward/mean first")
 
 
 def test_short_runs_compare_first_and_last_halves_and_empty_buckets_get_no_bars():
