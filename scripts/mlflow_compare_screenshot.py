@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,6 +101,23 @@ def _close_side_panel(page) -> None:
         page.wait_for_timeout(1000)
 
 
+def _scroll_metrics_to(page, label: re.Pattern) -> None:
+    """Scroll the Compare view's metrics table (it scrolls inside the page) until ``label``'s row is
+    in view, with the mouse wheel over the values as a user does: the names follow only then."""
+    target = page.get_by_role("link", name=label).first
+    if not target.count():
+        return
+    first = page.get_by_role("link", name=re.compile(r"^answer\/")).first.bounding_box()
+    page.mouse.move(first["x"] + 600, first["y"] + 10)  # over the values: their grid drives the names
+    bottom = page.get_by_text("Artifacts", exact=True).first.bounding_box()["y"]
+    for _ in range(100):
+        box = target.bounding_box()
+        if box and box["y"] + box["height"] < bottom - 20:
+            return
+        page.mouse.wheel(0, 40)
+        page.wait_for_timeout(100)
+
+
 def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromium: str) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
@@ -130,17 +148,14 @@ def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromi
         page.wait_for_selector("text=Show diff only", timeout=120_000)
         page.wait_for_timeout(5000)
         _close_side_panel(page)
-        for section in ("Visualizations", "Run details"):  # collapsed: parameters and metrics in view
-            page.get_by_text(section, exact=True).first.click()
+        # collapsed: the run names (Run details) head the parameter and metric columns
+        page.get_by_text("Visualizations", exact=True).first.click()
         page.get_by_text("Show diff only").first.click()
         page.wait_for_timeout(1500)
         page.screenshot(path=str(paths[2]))
-        page.get_by_text("Show diff only").first.click()  # every metric, not only those that differ
         page.get_by_text("Parameters", exact=True).first.click()  # collapse: the metrics move up
         page.wait_for_timeout(1500)
-        heldout = page.get_by_text("heldout/", exact=False).first
-        if heldout.count():
-            heldout.scroll_into_view_if_needed()
+        _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
         page.wait_for_timeout(1000)
         page.screenshot(path=str(paths[3]))
         # 4. the overlaid per-step curves of both runs (a metric link of the Compare view)

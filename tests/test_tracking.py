@@ -5,13 +5,14 @@ held-out scores on the training run, failures recorded, checkpoints as MLflow mo
 from __future__ import annotations
 
 from datetime import datetime
+from types import SimpleNamespace
 
 import mlflow
 import pytest
 from kedro.pipeline import Pipeline
 
 from spader_pipeline import tracking
-from spader_pipeline.hooks import lone_method_node
+from spader_pipeline.hooks import MlflowTrackingHooks, lone_method_node
 from spader_pipeline.pipelines import train_grpo, training
 
 
@@ -110,6 +111,26 @@ def test_a_failing_method_run_is_failed_with_its_error_and_the_parent_stays_acti
         assert mlflow.active_run().info.run_id == parent.info.run_id
     failed = mlflow.get_run(rid)
     assert failed.info.status == "FAILED" and "out of memory" in failed.data.tags["error"]
+
+
+def test_a_failing_chain_ends_failed_with_its_failed_method_run(tmp_path):
+    """Through the project's hook: the chain run is named for what ran and ends FAILED with the
+    error, and so does the method run the error came from."""
+    hooks = MlflowTrackingHooks()
+    hooks.after_context_created(SimpleNamespace(project_path=tmp_path, env="local", params={}, config_loader={
+        "mlflow": {"experiment": f"chain-{tmp_path.name}", "artifact_dir": "artifacts"}}))
+    hooks.before_pipeline_run({"pipeline_name": "training"}, training.create_pipeline(), None)
+    chain_id = mlflow.active_run().info.run_id
+    with pytest.raises(RuntimeError) as error:
+        with tracking.method_run("spader seed0", {"method": "spader"}, {}) as rid:
+            raise RuntimeError("out of memory")
+    hooks.on_pipeline_error(error.value, {}, None, None)
+    assert mlflow.active_run() is None
+    chain, method = mlflow.get_run(chain_id), mlflow.get_run(rid)
+    assert chain.info.run_name.startswith("pipeline training · env local · ")
+    assert (chain.info.status, method.info.status) == ("FAILED", "FAILED")
+    assert "out of memory" in chain.data.tags["error"] and "out of memory" in method.data.tags["error"]
+    assert method.data.tags[tracking.CHAIN_RUN_TAG] == chain_id
 
 
 def test_without_an_active_run_nothing_is_tracked(experiment, tmp_path):
