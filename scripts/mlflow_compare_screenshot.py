@@ -1,26 +1,43 @@
-"""Screenshot MLflow's Compare view of the latest GRPO and SPADER training runs (docs/images/).
+"""Screenshot the MLflow UI as a user meets it after ``make run`` (docs/images/mlflow_*.png).
 
-Drives a real browser through what a user does after ``make run`` and ``make mlflow-ui``: open the
-experiment in the model-training view, expand the ``kedro run`` run, tick the GRPO and SPADER runs,
-press **Compare** (parameter differences), then open the per-step chart of recall, retrieval
-recall and reward for both runs (where the Compare view's metric links lead).
+Drives a real browser through what a user does: open the runs table at the URL ``make mlflow-ui``
+prints (model-training view; the method and evaluation runs are top-level, so nothing is expanded),
+tick the latest GRPO and SPADER training runs, press **Compare** (parameter differences, then the
+metrics with the held-out results side by side), and open the per-step chart of the comparable
+curves (where the Compare view's metric links lead).
 
-Needs Playwright (``pip install playwright``) and a Chromium (``apt-get install chromium``); it is a
-documentation tool, not a project dependency. Usage::
+One command, from the repository root, after ``make run``::
 
-    make mlflow-ui &    # or any running MLflow UI on the project's store
-    python scripts/mlflow_compare_screenshot.py --url http://127.0.0.1:5000 --experiment spader-pipeline
+    python scripts/mlflow_compare_screenshot.py
+
+It starts ``mlflow ui`` on the project's store (``--store``, default ``mlruns/mlflow.db``, with the
+project venv's ``mlflow``) on a free port and stops it at the end; ``--url`` uses a running UI
+instead. Needs Playwright (``pip install playwright``, in any Python: the script uses nothing else
+beyond the standard library) and a Chromium (``apt-get install chromium``); a documentation tool,
+not a project dependency.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-CURVES = ["answer/recall", "retrieval/recall", "reward/mean"]
+#: The comparable per-step curves (same meaning for every method, docs/metrics.md).
+CURVES = ["answer/recall", "retrieval/recall", "answer/f1"]
+SHOTS = ("mlflow_runs_table.png", "mlflow_runs_selected.png", "mlflow_compare_params.png",
+         "mlflow_compare_metrics.png", "mlflow_compare_curves.png")
 
 
 def _api(url: str, path: str, body: dict | None = None) -> dict:
@@ -28,6 +45,33 @@ def _api(url: str, path: str, body: dict | None = None) -> dict:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         return json.load(answer)
+
+
+@contextlib.contextmanager
+def mlflow_ui(store: Path, artifacts: Path, mlflow_bin: str) -> Iterator[str]:
+    """``mlflow ui`` on ``store`` (what ``make mlflow-ui`` runs) on a free loopback port; yields its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [mlflow_bin, "ui", "--backend-store-uri", f"sqlite:///{store.resolve()}",
+            "--default-artifact-root", str(artifacts.resolve()), "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            except (urllib.error.URLError, OSError):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"mlflow ui did not start: {' '.join(argv)}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
 
 
 def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[str, dict[str, dict]]:
@@ -43,68 +87,105 @@ def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[s
         is_training = "backend" in tags
         if (is_training and tags.get("method") in methods and tags["method"] not in found
                 and run["info"]["status"] == "FINISHED"):
-            found[tags["method"]] = {"id": run["info"]["run_id"], "name": run["info"]["run_name"],
-                                     "parent": tags.get("mlflow.parentRunId")}
+            found[tags["method"]] = {"id": run["info"]["run_id"], "name": run["info"]["run_name"]}
     missing = sorted(set(methods) - set(found))
     if missing:
         raise SystemExit(f"no finished training run tagged method={missing} in experiment {experiment!r}")
     return experiment_id, found
 
 
+def _close_side_panel(page) -> None:
+    close = page.locator('button[aria-label="Close"]')  # the assistant side panel
+    if close.count():
+        close.first.click()
+        page.wait_for_timeout(1000)
+
+
+def _scroll_metrics_to(page, label: re.Pattern) -> None:
+    """Scroll the Compare view's metrics table (it scrolls inside the page) until ``label``'s row is
+    in view, with the mouse wheel over the values as a user does: the names follow only then."""
+    target = page.get_by_role("link", name=label).first
+    if not target.count():
+        return
+    first = page.get_by_role("link", name=re.compile(r"^answer\/")).first.bounding_box()
+    page.mouse.move(first["x"] + 600, first["y"] + 10)  # over the values: their grid drives the names
+    bottom = page.get_by_text("Artifacts", exact=True).first.bounding_box()["y"]
+    for _ in range(100):
+        box = target.bounding_box()
+        if box and box["y"] + box["height"] < bottom - 20:
+            return
+        page.mouse.wheel(0, 40)
+        page.wait_for_timeout(100)
+
+
+def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromium: str) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    experiment_id, runs = latest_method_runs(url, experiment, methods)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in SHOTS]
+    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        # 1. the runs table at the URL `make mlflow-ui` prints, untouched
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning", timeout=180_000)
+        page.wait_for_selector("text=matching runs", timeout=180_000)
+        page.wait_for_timeout(3000)
+        _close_side_panel(page)
+        page.screenshot(path=str(paths[0]))
+        # 2. tick the two training runs (top-level rows: nothing to expand)
+        for method in methods:
+            row = page.locator('div[role="row"]', has_text=runs[method]["name"]).first
+            row.wait_for(timeout=60_000)
+            row.locator('input[type="checkbox"]').first.click()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(paths[1]))
+        # 3. Compare: the parameter differences (diff only), then the metrics with the held-out rows
+        page.get_by_role("button", name="Compare").first.click()
+        page.wait_for_selector("text=Show diff only", timeout=120_000)
+        page.wait_for_timeout(5000)
+        _close_side_panel(page)
+        # collapsed: the run names (Run details) head the parameter and metric columns
+        page.get_by_text("Visualizations", exact=True).first.click()
+        page.get_by_text("Show diff only").first.click()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(paths[2]))
+        page.get_by_text("Parameters", exact=True).first.click()  # collapse: the metrics move up
+        page.wait_for_timeout(1500)
+        _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(paths[3]))
+        # 4. the overlaid per-step curves of both runs (a metric link of the Compare view)
+        ids = [runs[m]["id"] for m in methods]
+        page.goto(f"{url}/#/metric?runs={q(ids)}&metric={q(CURVES[0])}&experiments={q([experiment_id])}"
+                  f"&plot_metric_keys={q(CURVES)}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
+                  f"&show_point=true&workflowType=machine_learning", timeout=180_000)
+        page.wait_for_selector("text=Completed Runs", timeout=120_000)
+        page.wait_for_timeout(8000)
+        _close_side_panel(page)
+        page.screenshot(path=str(paths[4]))
+        browser.close()
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:5000")
+    parser.add_argument("--url", help="a running MLflow UI (default: start one on --store)")
+    parser.add_argument("--store", type=Path, default=Path("mlruns/mlflow.db"))
+    parser.add_argument("--artifacts", type=Path, default=Path("mlruns/artifacts"))
+    parser.add_argument("--mlflow", default=".venv/bin/mlflow", help="the mlflow executable that serves --store")
     parser.add_argument("--experiment", default="spader-pipeline")
     parser.add_argument("--methods", nargs=2, default=["grpo", "spader"])
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     args = parser.parse_args()
-    from playwright.sync_api import sync_playwright
-
-    experiment_id, runs = latest_method_runs(args.url, args.experiment, args.methods)
-    args.out.mkdir(parents=True, exist_ok=True)
-    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
-        # 1. the runs table in the model-training view; the method runs are nested under the kedro run
-        page.goto(f"{args.url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning", timeout=180_000)
-        page.wait_for_selector("text=matching runs", timeout=180_000)
-        close = page.locator('button[aria-label="Close"]')  # the assistant side panel
-        if close.count():
-            close.first.click()
-        if any(run["parent"] for run in runs.values()):
-            page.locator('button[data-component-id*="runnamecellrenderer"]').first.click()
-        for method in args.methods:
-            row = page.locator('div[role="row"]', has_text=runs[method]["name"]).first
-            row.wait_for(timeout=60_000)
-            row.locator('input[type="checkbox"]').first.click()
-        page.wait_for_timeout(1500)
-        page.screenshot(path=str(args.out / "mlflow_runs_selected.png"))
-        # 2. Compare: the parameter differences (diff only) and metrics of the two runs
-        page.get_by_role("button", name="Compare").first.click()
-        page.wait_for_selector("text=Show diff only", timeout=120_000)
-        page.wait_for_timeout(5000)
-        for section in ("Visualizations", "Run details"):  # collapsed: parameters and metrics in view
-            page.get_by_text(section, exact=True).first.click()
-        page.get_by_text("Show diff only").first.click()
-        page.wait_for_timeout(1500)
-        page.screenshot(path=str(args.out / "mlflow_compare_params.png"))
-        # 3. the overlaid per-step curves of both runs (a metric link of the Compare view)
-        ids = [runs[m]["id"] for m in args.methods]
-        page.goto(f"{args.url}/#/metric?runs={q(ids)}&metric={q(CURVES[0])}&experiments={q([experiment_id])}"
-                  f"&plot_metric_keys={q(CURVES)}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
-                  f"&show_point=true&workflowType=machine_learning", timeout=180_000)
-        page.wait_for_selector("text=Completed Runs", timeout=120_000)
-        page.wait_for_timeout(8000)
-        close = page.locator('button[aria-label="Close"]')
-        if close.count():
-            close.first.click()
-            page.wait_for_timeout(1500)
-        page.screenshot(path=str(args.out / "mlflow_compare_curves.png"))
-        browser.close()
-    names = ("mlflow_runs_selected.png", "mlflow_compare_params.png", "mlflow_compare_curves.png")
-    print("wrote", *(args.out / name for name in names))  # noqa: T201
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(mlflow_ui(args.store, args.artifacts, args.mlflow))
+        paths = screenshots(url.rstrip("/"), args.experiment, args.methods, args.out, args.chromium)
+    print("wrote", *paths)  # noqa: T201
 
 
 if __name__ == "__main__":

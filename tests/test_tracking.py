@@ -1,14 +1,18 @@
-"""MLflow run layout on a real (SQLite) store: the experiment kind tag, one run per method's
-training (nested or adopted), failures recorded, checkpoints as MLflow models."""
+"""MLflow run layout on a real (SQLite) store: the experiment kind tag, a chain run named for what
+ran, one top-level run per method's training (linked to the chain run by tags, or adopted),
+held-out scores on the training run, failures recorded, checkpoints as MLflow models."""
 
 from __future__ import annotations
+
+from datetime import datetime
+from types import SimpleNamespace
 
 import mlflow
 import pytest
 from kedro.pipeline import Pipeline
 
 from spader_pipeline import tracking
-from spader_pipeline.hooks import lone_method_node
+from spader_pipeline.hooks import MlflowTrackingHooks, lone_method_node
 from spader_pipeline.pipelines import train_grpo, training
 
 
@@ -31,24 +35,59 @@ def test_experiment_is_created_as_and_upgraded_to_a_model_training_experiment(tm
     assert mlflow.MlflowClient().get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
 
 
-def test_method_runs_nest_under_the_kedro_run_with_shared_keys(experiment):
-    with mlflow.start_run(run_name="__default__") as parent:
+def test_the_chain_run_is_named_for_what_ran():
+    when = datetime(2026, 11, 24, 21, 40, 5)
+    assert tracking.chain_run_name("__default__", "local", when) == "full chain · env local · 2026-11-24 21:40"
+    assert tracking.chain_run_name("evaluate", "long", when) == "pipeline evaluate · env long · 2026-11-24 21:40"
+
+
+def test_comparable_metrics_are_logged_first_and_the_methods_return_last():
+    values = {"method_reward/mean": 1.0, "adv/std": 2.0, "retrieval/recall": 3.0, "answer/f1": 4.0, "answer/recall": 5.0}
+    assert list(tracking.comparable_first(values)) == [
+        "answer/recall", "answer/f1", "retrieval/recall", "adv/std", "method_reward/mean"]
+
+
+def test_method_runs_are_top_level_runs_linked_to_the_chain_run_with_shared_keys(experiment):
+    with mlflow.start_run(run_name="full chain · env local", tags={"git.commit": "abc"}) as parent:
         ids = {}
         for method, params in (("grpo", {"reward": {"enable_exploration": False}}),
                                ("spader", {"reward": {"enable_exploration": True, "alpha": 1.0}})):
             with tracking.method_run(f"{method} seed0", {"method": method, "seed": 0}, {"method": method, **params}) as rid:
                 ids[method] = rid
-                tracking.log_metrics({"reward/mean": 0.5}, step=1)
+                assert mlflow.active_run().info.run_id == rid
+                tracking.log_metrics({"method_reward/mean": 0.5}, step=1)
+            assert mlflow.active_run().info.run_id == parent.info.run_id  # the chain run is active again
     client = mlflow.MlflowClient()
     for method, rid in ids.items():
         run = client.get_run(rid)
-        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert "mlflow.parentRunId" not in run.data.tags  # top level: the runs table lists it unexpanded
+        assert run.data.tags[tracking.CHAIN_RUN_TAG] == parent.info.run_id
+        assert run.data.tags[tracking.CHAIN_TAG] == "full chain · env local" and run.data.tags["git.commit"] == "abc"
         assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
+        assert run.info.experiment_id == experiment
         assert run.data.tags["method"] == method and run.data.params["method"] == method
-        assert "reward/mean" in run.data.metrics
+        assert "method_reward/mean" in run.data.metrics
     assert client.get_run(ids["grpo"]).data.params["reward.enable_exploration"] == "False"
     assert client.get_run(ids["spader"]).data.params["reward.enable_exploration"] == "True"
-    assert client.get_run(parent.info.run_id).data.metrics == {}  # nothing leaks into the parent
+    assert client.get_run(parent.info.run_id).data.metrics == {}  # nothing leaks into the chain run
+    linked = mlflow.search_runs([experiment], f"tags.chain_run_id = '{parent.info.run_id}'", output_format="list")
+    assert {r.info.run_id for r in linked} == set(ids.values())  # the UI's search box finds a chain's runs
+
+
+def test_a_run_linked_from_a_linked_run_joins_the_same_chain(experiment):
+    with mlflow.start_run() as chain, tracking.linked_run("grpo seed0", {}), tracking.linked_run("evaluate:x:y", {}) as rid:
+        pass
+    assert mlflow.get_run(rid).data.tags[tracking.CHAIN_RUN_TAG] == chain.info.run_id
+
+
+def test_held_out_scores_are_copied_onto_the_training_run(experiment):
+    with mlflow.start_run():
+        with tracking.method_run("spader seed0", {"method": "spader"}, {}) as rid:
+            pass
+        with tracking.linked_run("evaluate:spader:test", {"training_run_id": rid}):
+            tracking.log_heldout(rid, "test", {"recall": 0.5, "f1": 0.25, "num_turns": 3.0, "seen_recall": float("nan")})
+        tracking.log_heldout("0" * 32, "test", {"recall": 1.0})  # trained against another store: skipped
+    assert mlflow.get_run(rid).data.metrics == {"heldout/test/recall": 0.5, "heldout/test/f1": 0.25}
 
 
 def test_a_lone_method_pipeline_adopts_the_kedro_run(experiment):
@@ -74,6 +113,26 @@ def test_a_failing_method_run_is_failed_with_its_error_and_the_parent_stays_acti
     assert failed.info.status == "FAILED" and "out of memory" in failed.data.tags["error"]
 
 
+def test_a_failing_chain_ends_failed_with_its_failed_method_run(tmp_path):
+    """Through the project's hook: the chain run is named for what ran and ends FAILED with the
+    error, and so does the method run the error came from."""
+    hooks = MlflowTrackingHooks()
+    hooks.after_context_created(SimpleNamespace(project_path=tmp_path, env="local", params={}, config_loader={
+        "mlflow": {"experiment": f"chain-{tmp_path.name}", "artifact_dir": "artifacts"}}))
+    hooks.before_pipeline_run({"pipeline_name": "training"}, training.create_pipeline(), None)
+    chain_id = mlflow.active_run().info.run_id
+    with pytest.raises(RuntimeError) as error:
+        with tracking.method_run("spader seed0", {"method": "spader"}, {}) as rid:
+            raise RuntimeError("out of memory")
+    hooks.on_pipeline_error(error.value, {}, None, None)
+    assert mlflow.active_run() is None
+    chain, method = mlflow.get_run(chain_id), mlflow.get_run(rid)
+    assert chain.info.run_name.startswith("pipeline training · env local · ")
+    assert (chain.info.status, method.info.status) == ("FAILED", "FAILED")
+    assert "out of memory" in chain.data.tags["error"] and "out of memory" in method.data.tags["error"]
+    assert method.data.tags[tracking.CHAIN_RUN_TAG] == chain_id
+
+
 def test_without_an_active_run_nothing_is_tracked(experiment, tmp_path):
     with tracking.method_run("grpo seed0", {"method": "grpo"}, {"method": "grpo"}) as rid:
         assert rid is None and mlflow.active_run() is None
@@ -96,7 +155,7 @@ from verl.utils.tracking import Tracking
 tracker = Tracking(project_name="spader", experiment_name="train_spader", default_backend=["mlflow"],
                    config={"algorithm": {"adv_estimator": "spa"}})
 for step in (1, 2):
-    tracker.log({"critic/score/mean": 0.1 * step, "reward/mean": 0.2 * step}, step=step)
+    tracker.log({"critic/score/mean": 0.1 * step, "method_reward/mean": 0.2 * step}, step=step)
 """
 
 
@@ -128,10 +187,10 @@ def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(expe
     with mlflow.start_run(run_name="train_spader") as parent:
         manifest, history, _ = train_policy({"path": str(tmp_path / "init")}, pd.DataFrame(), {}, method, training, prompt)
     run = mlflow.get_run(manifest["mlflow_run_id"])
-    assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert run.data.tags[tracking.CHAIN_RUN_TAG] == parent.info.run_id
     assert (run.info.run_name, run.data.tags["backend"], run.data.tags["method"]) == ("spader seed0", "verl", "spader")
     client = mlflow.MlflowClient()
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "method_reward/mean")] == [1, 2]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2]
     assert run.data.params["algorithm/adv_estimator"] == "spa" and run.data.params["options.gamma"] == "0.9"
     assert manifest["backend"] == "verl" and manifest["path"] is None  # merged (and linked) by the merge pipeline

@@ -1,8 +1,10 @@
 """Kedro hooks: every ``kedro run`` is one MLflow run; every method's training run is one too.
 
-- ``before_pipeline_run`` opens the run in the configured experiment (created with
-  ``mlflow.experimentKind=custom_model_development``, the UI's model-training view), tags it with
-  the pipeline name, Kedro environment and git commit, and logs the parameters the pipeline reads.
+- ``before_pipeline_run`` opens the run (the *chain* run) in the configured experiment (created
+  with ``mlflow.experimentKind=custom_model_development``, the UI's model-training view), names it
+  for what ran (:func:`spader_pipeline.tracking.chain_run_name`: pipeline, environment, time), tags
+  it with the pipeline name, Kedro environment and git commit, and logs the parameters the
+  pipeline reads.
   When the pipeline is a single method's training (``kedro run --pipeline train_spader``), that run
   *is* the method's run: the training node adopts it (:func:`spader_pipeline.tracking.method_run`)
   instead of nesting a child under it.
@@ -11,8 +13,9 @@
   metrics of the ``kedro run`` run under the node's namespace.
 - ``after_pipeline_run`` ends the run as FINISHED; ``on_pipeline_error`` ends it as FAILED.
 
-Training and evaluation nodes open their own nested runs through :mod:`spader_pipeline.tracking`
-(one per method, one per model × dataset); all other nodes hold no MLflow code.
+Training and evaluation nodes open their own runs through :mod:`spader_pipeline.tracking` (one per
+method, one per model × dataset): top-level runs linked to the chain run by tags, so the runs
+table shows them at first sight; all other nodes hold no MLflow code.
 
 Configuration lives in ``conf/<env>/mlflow.yml`` (``tracking_uri``, ``experiment``, ``enabled``);
 ``MLFLOW_TRACKING_URI`` in the environment overrides the configured URI.
@@ -81,7 +84,7 @@ class MlflowTrackingHooks:
         lone = lone_method_node(pipeline)
         if lone is not None:
             tags[tracking.ADOPT_TAG] = "true"  # the training node makes this run its method run
-        mlflow.start_run(run_name=pipeline_name, tags=tags)
+        mlflow.start_run(run_name=tracking.chain_run_name(pipeline_name, self._env), tags=tags)
         self._started = True
         tracking.log_params(self._used_params(pipeline, skip_namespace=lone.namespace if lone else None))
         logger.info("MLflow run %s (tracking %s)", mlflow.active_run().info.run_id, uri)

@@ -1,11 +1,14 @@
 """MLflow helpers shared by the Kedro hook, nodes and trainers.
 
-Every ``kedro run`` is one MLflow run, opened by :class:`spader_pipeline.hooks.MlflowTrackingHooks`.
-Each training run of a method is a run of its own (:func:`method_run`): nested under the
-``kedro run`` run in a chain, or the ``kedro run`` run itself when the method's pipeline runs
-alone — so GRPO and SPADER runs can be ticked and compared in the MLflow UI, with the same metric
-keys for every method. Evaluations are nested runs linked to the training run of their checkpoint
-(:func:`training_link_tags`).
+Every ``kedro run`` is one MLflow run, the *chain* run, opened by
+:class:`spader_pipeline.hooks.MlflowTrackingHooks` and named for what ran (:func:`chain_run_name`).
+Each training run of a method is a run of its own (:func:`method_run`), and so is each evaluation:
+top-level runs linked to their chain run by the tags :data:`CHAIN_RUN_TAG` and :data:`CHAIN_TAG`
+(:func:`linked_run`), so the runs table lists them without expanding anything and GRPO and SPADER
+runs can be ticked and compared, with the same metric keys for every method. A method's pipeline
+run alone makes its ``kedro run`` run the method run. Evaluations of a trained checkpoint carry
+:func:`training_link_tags` and copy their headline scores onto the training run
+(:func:`log_heldout`), so Compare shows held-out results next to the training curves.
 
 Code that runs inside a node logs into the active run through the functions here, which are no-ops
 when no run is active (plain unit tests, library use). Metric keys use ``/`` namespaces
@@ -21,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,18 @@ EXPERIMENT_KIND = "custom_model_development"
 METHOD_RUN_TAG = "mlflow_method_run"
 #: Run tag the hook sets when the ``kedro run`` run is itself the method run (pipeline run alone).
 ADOPT_TAG = "spader.method_run_pending"
+#: Tags of a method or evaluation run: the id and name of the ``kedro run`` (chain) run it belongs to.
+CHAIN_RUN_TAG = "chain_run_id"
+CHAIN_TAG = "chain"
+#: Tags copied from the chain run onto its linked runs (who ran what, from which source and commit).
+_INHERITED_TAGS = ("mlflow.user", "mlflow.source.name", "mlflow.source.type", "git.commit", "kedro.env",
+                   "kedro.session_id")
+#: Training metrics that mean the same for every method, in the order a comparison reads them; the
+#: keys under ``method_reward/`` depend on each method's reward terms (docs/metrics.md).
+COMPARABLE_FIRST = ("answer/recall", "answer/f1", "retrieval/recall")
+METHOD_DEPENDENT_PREFIX = "method_reward/"
+#: Evaluation scores copied onto the training run as ``heldout/<dataset>/<key>`` (docs/metrics.md).
+HELDOUT_KEYS = ("recall", "precision", "f1", "exact_match", "seen_recall", "failure_rate")
 
 
 def resolve_tracking_uri(uri: str | None, project_path: Path) -> str:
@@ -98,11 +114,26 @@ def active() -> bool:
     return mlflow.active_run() is not None
 
 
+def comparable_first(values: Mapping[str, float]) -> dict[str, float]:
+    """``values`` with :data:`COMPARABLE_FIRST` leading and ``method_reward/*`` last, else in order.
+
+    MLflow lists a run's metrics in the order they were first logged, and its Compare view plots
+    the first listed metric; a comparable one belongs there, not a method's own return.
+    """
+    def rank(key: str) -> int:
+        if key in COMPARABLE_FIRST:
+            return COMPARABLE_FIRST.index(key)
+        return len(COMPARABLE_FIRST) + (1 if key.startswith(METHOD_DEPENDENT_PREFIX) else 0)
+
+    return dict(sorted(values.items(), key=lambda item: rank(item[0])))
+
+
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
-    """Log the numeric leaves of ``metrics`` to the active run (no-op without one)."""
+    """Log the numeric leaves of ``metrics`` to the active run (no-op without one), comparable
+    metrics first (:func:`comparable_first`)."""
     if not active():
         return
-    values = numeric_items(metrics, prefix)
+    values = comparable_first(numeric_items(metrics, prefix))
     if values:
         mlflow.log_metrics(values, step=step)
 
@@ -158,14 +189,56 @@ def run_url(run_id: str, experiment_id: str) -> str:
     return f"#/experiments/{experiment_id}/runs/{run_id}"
 
 
+def chain_run_name(pipeline: str, env: str, when: datetime | None = None) -> str:
+    """The chain run's name: what ran, in which Kedro environment, when (local time, to the minute).
+
+    ``chain_run_name("__default__", "local")`` → ``"full chain · env local · 2026-11-24 21:40"``;
+    a named pipeline gives ``"pipeline evaluate · env local · …"``. What ran comes first: the runs
+    table cuts long names.
+    """
+    what = "full chain" if pipeline in ("", "__default__") else f"pipeline {pipeline}"
+    return f"{what} · env {env} · {(when or datetime.now()).strftime('%Y-%m-%d %H:%M')}"
+
+
+@contextmanager
+def linked_run(name: str, tags: Mapping[str, Any]) -> Iterator[str]:
+    """A top-level run linked to the active (chain) run by tags, active for the body; yields its id.
+
+    Not nested (no ``mlflow.parentRunId``): the runs table shows it without expanding the chain run;
+    ``tags.chain_run_id = '<id>'`` in the UI's search box lists a chain's runs. The active run must
+    exist; when it is itself a linked run, the new run joins the same chain. The run ends
+    ``FINISHED``, or ``FAILED`` with the error as a tag when the body raises.
+    """
+    active_run = mlflow.active_run()
+    if active_run is None:
+        raise RuntimeError("linked_run needs an active MLflow run (the chain run)")
+    client = mlflow.MlflowClient()
+    chain = client.get_run(active_run.info.run_id)
+    inherited = {k: v for k, v in chain.data.tags.items() if k in _INHERITED_TAGS}
+    link = {CHAIN_RUN_TAG: chain.data.tags.get(CHAIN_RUN_TAG, chain.info.run_id),
+            CHAIN_TAG: chain.data.tags.get(CHAIN_TAG, chain.info.run_name)}
+    all_tags = {**inherited, **link, **{k: str(v) for k, v in tags.items() if v is not None}}
+    created = client.create_run(chain.info.experiment_id, run_name=name, tags=all_tags)
+    # Activating an existing run by id keeps the fluent run stack (the chain run is active again
+    # after it ends) without the parent tag that nesting would add.
+    run = mlflow.start_run(run_id=created.info.run_id, nested=True)
+    try:
+        yield run.info.run_id
+    except BaseException as error:
+        mlflow.set_tag("error", f"{type(error).__name__}: {error}"[:5000])
+        mlflow.end_run(status="FAILED")
+        raise
+    mlflow.end_run(status="FINISHED")
+
+
 @contextmanager
 def method_run(name: str, tags: Mapping[str, Any], params: Mapping[str, Any]) -> Iterator[str | None]:
     """The MLflow run of one training run of a method; yields its id (``None`` without tracking).
 
-    Nested under the active (``kedro run``) run, or — when the hook marked the active run as this
-    pipeline's method run (the method's pipeline ran alone) — that run itself, renamed and tagged.
-    Without an active run nothing is logged. ``params`` are flattened with ``.``; the run ends
-    ``FINISHED``, or ``FAILED`` with the error as a tag when the body raises.
+    A run linked to the active (chain) run (:func:`linked_run`), or — when the hook marked the
+    active run as this pipeline's method run (the method's pipeline ran alone) — that run itself,
+    renamed and tagged. Without an active run nothing is logged. ``params`` are flattened with
+    ``.``; the run ends ``FINISHED``, or ``FAILED`` with the error as a tag when the body raises.
     """
     parent = mlflow.active_run()
     if parent is None:
@@ -179,15 +252,31 @@ def method_run(name: str, tags: Mapping[str, Any], params: Mapping[str, Any]) ->
         log_params(params)
         yield parent.info.run_id  # the hook ends it with the kedro run
         return
-    run = mlflow.start_run(run_name=name, nested=True, tags=tags)
-    try:
+    with linked_run(name, tags) as run_id:
         log_params(params)
-        yield run.info.run_id
-    except BaseException as error:
-        mlflow.set_tag("error", f"{type(error).__name__}: {error}"[:5000])
-        mlflow.end_run(status="FAILED")
-        raise
-    mlflow.end_run(status="FINISHED")
+        yield run_id
+
+
+def log_heldout(training_run_id: str | None, dataset: str, metrics: Mapping[str, Any]) -> None:
+    """Copy an evaluation's headline scores onto the training run of its checkpoint.
+
+    Logged as ``heldout/<dataset>/<key>`` for :data:`HELDOUT_KEYS`, so MLflow's Compare view of
+    two training runs lists their held-out results side by side. A training run that is not in
+    this tracking store (a checkpoint trained elsewhere) is skipped.
+    """
+    if not training_run_id or not active():
+        return
+    values = {f"heldout/{dataset}/{k}": v for k, v in numeric_items(metrics).items() if k in HELDOUT_KEYS}
+    if not values:
+        return
+    client = mlflow.MlflowClient()
+    try:
+        client.get_run(training_run_id)
+    except mlflow.exceptions.MlflowException:
+        logger.info("training run %s not in this tracking store; held-out scores not copied", training_run_id)
+        return
+    for key, value in values.items():
+        client.log_metric(training_run_id, key, value)
 
 
 def register_checkpoint(

@@ -85,7 +85,7 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
         log_metrics=lambda m, s: logged.append((s, dict(m))), log_artifact=artifacts.append,
     )
     assert result.steps == 2 and [s for s, _ in logged] == [1, 2]
-    assert {"reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "policy/entropy",
+    assert {"method_reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "policy/entropy",
             "perf/generate_tokens_per_second"} <= set(logged[0][1])
     assert [p.name for p in artifacts] == ["step_000001.json", "step_000002.json"]
     step, path = latest_checkpoint(tmp_path)

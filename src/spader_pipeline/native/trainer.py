@@ -12,9 +12,9 @@ One step::
 Logged metrics (MLflow, ``step`` = global step, keys prefixed with the run's ``metric_prefix``;
 definitions in docs/training.md):
 
-- ``reward/mean``, ``reward/std`` — return (sum of token rewards) per trajectory;
-  ``reward/final_mean`` — the final-answer term; ``reward/discovery_mean`` — novelty-weighted discovery
-  reward (SPADER); ``reward/tool_cost_coef`` — ``c_eff`` at this step;
+- ``method_reward/mean``, ``method_reward/std`` — return (sum of token rewards) per trajectory;
+  ``method_reward/final_mean`` — the final-answer term; ``method_reward/discovery_mean`` — novelty-weighted discovery
+  reward (SPADER); ``method_reward/tool_cost_coef`` — ``c_eff`` at this step;
 - ``answer/f1``, ``answer/recall``, ``answer/precision``, ``answer/format_ok`` — final answers;
 - ``retrieval/entities_found``, ``retrieval/recall`` — gold entities surfaced in retrieved documents
   (count, fraction of gold); ``rollout/turns``, ``rollout/tool_calls``, ``rollout/response_tokens``,
@@ -302,7 +302,7 @@ def train_native(
                 log_artifact(path)
         logger.info(
             "%s step %d/%d reward %.3f f1 %.3f retrieval recall %.3f (%.1fs)", config.method, step,
-            config.total_steps, metrics["reward/mean"], metrics["answer/f1"], metrics["retrieval/recall"],
+            config.total_steps, metrics["method_reward/mean"], metrics["answer/f1"], metrics["retrieval/recall"],
             metrics["perf/step_seconds"],
         )
         out_of_time = config.max_seconds is not None and time.perf_counter() - run_started > config.max_seconds
@@ -382,11 +382,11 @@ def _step_metrics(batch: RolloutBatch, adv, sums: dict[str, float], epochs: int)
         groups.setdefault(uid, []).append(r)
     zero_groups = sum(1 for v in groups.values() if max(v) - min(v) < 1e-8) / max(len(groups), 1)
     return {
-        "reward/mean": float(returns.mean()),
-        "reward/std": float(returns.std()) if len(returns) > 1 else 0.0,
-        "reward/final_mean": float(torch.where(batch.format_ok, batch.f1, torch.zeros_like(batch.f1)).mean()),
-        "reward/discovery_mean": float(adv.discovery.mean()),
-        "reward/tool_cost_coef": float(adv.cost_coefficient),
+        "method_reward/mean": float(returns.mean()),
+        "method_reward/std": float(returns.std()) if len(returns) > 1 else 0.0,
+        "method_reward/final_mean": float(torch.where(batch.format_ok, batch.f1, torch.zeros_like(batch.f1)).mean()),
+        "method_reward/discovery_mean": float(adv.discovery.mean()),
+        "method_reward/tool_cost_coef": float(adv.cost_coefficient),
         "answer/f1": float(batch.f1.mean()),
         "answer/recall": float(batch.recall.mean()),
         "answer/precision": float(batch.precision.mean()),

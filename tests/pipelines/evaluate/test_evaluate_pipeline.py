@@ -103,13 +103,15 @@ def test_evaluate_session_run_scripted_and_catalog_models(kedro_project, caplog)
     assert _latest(kedro_project / "data/08_reporting/eval_comparison.png").stat().st_size > 1000
     assert "qwen3-8b-spader is disabled" in caplog.text  # switched off explicitly, not skipped silently
 
-    # one parent run for the kedro run, one nested run per evaluation, tagged and linked to training
+    # one chain run for the kedro run, one top-level run per evaluation linked to it by tags and to training
     runs = mlflow.search_runs(
         experiment_names=["spader-pipeline-test"], output_format="list", order_by=["start_time DESC"]
     )
     nested = [r for r in runs if r.info.run_name == "evaluate:scripted:embedded_test"][0]
-    parent = mlflow.get_run(nested.data.tags["mlflow.parentRunId"])
+    assert "mlflow.parentRunId" not in nested.data.tags  # listed without expanding the chain run
+    parent = mlflow.get_run(nested.data.tags["chain_run_id"])
     assert parent.data.tags["kedro.pipeline"] == "index_build,evaluate"
+    assert nested.data.tags["chain"] == parent.info.run_name and parent.info.run_name.startswith("pipeline index_build,evaluate · env test · ")
     assert parent.data.metrics["evaluation/scripted/embedded_test/f1"] == 1.0
     assert (nested.data.tags["model"], nested.data.tags["dataset"]) == ("scripted", "embedded_test")
     assert "method" not in nested.data.tags and "training_run_id" not in nested.data.tags
@@ -124,6 +126,9 @@ def test_evaluate_session_run_scripted_and_catalog_models(kedro_project, caplog)
     model = mlflow.get_logged_model(spader_eval.data.tags["checkpoint.model_id"])
     assert model.source_run_id == training_run.info.run_id
     assert {m.key for m in model.metrics if m.run_id == spader_eval.info.run_id} >= {"recall", "f1"}
+    heldout = mlflow.get_run(training_run.info.run_id).data.metrics  # Compare shows it on the training run
+    assert heldout["heldout/embedded_test/recall"] == spader_eval.data.metrics["recall"]
+    assert {"heldout/embedded_test/f1", "heldout/embedded_test/seen_recall"} <= set(heldout)
 
     # rerun: every sample comes from the work file (resume), results identical
     work = sorted((kedro_project / "data/07_model_output/eval_work").iterdir())

@@ -47,13 +47,16 @@ def _tiny_run(project: Path) -> None:
         catalog.save("eval_table", table)
         catalog.save("eval_samples", samples)
     mlflow.set_experiment("spader-pipeline")
-    with mlflow.start_run(run_name="__default__"):
+    with mlflow.start_run(run_name=tracking.chain_run_name("__default__", "local")):
         for slope, method in enumerate(METHODS, start=1):
-            with tracking.method_run(f"{method} seed0", {"method": method, "seed": 0}, {"method": method}):
+            with tracking.method_run(f"{method} seed0", {"method": method, "backend": "native", "seed": 0},
+                                     {"method": method}) as run_id:
                 for step in range(1, 4):
-                    tracking.log_metrics({"reward/mean": slope * step, "answer/f1": 0.1 * step,
+                    tracking.log_metrics({"method_reward/mean": slope * step, "answer/f1": 0.1 * step,
                                           "answer/recall": 0.2, "retrieval/recall": 0.3,
                                           "adv/zero_groups": 0.5}, step=step)
+            with tracking.linked_run(f"evaluate:{method}:embedded_test", {"method": method, "training_run_id": run_id}):
+                tracking.log_metrics({"recall": 0.5})  # newer than the training run, and also tagged `method`
 
 
 def test_notebook_runs_on_a_tiny_run(kedro_project, monkeypatch):
@@ -64,3 +67,5 @@ def test_notebook_runs_on_a_tiny_run(kedro_project, monkeypatch):
     for number, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
         exec(compile(cell.source, f"{NOTEBOOK.name}[code cell {number}]", "exec"), namespace)  # noqa: S102
     assert len(namespace["table"]) == 3
+    # the training runs, not the (newer) evaluation runs of their checkpoints
+    assert {mlflow.get_run(r).info.run_name for r in namespace["run_ids"].values()} == {f"{m} seed0" for m in METHODS}

@@ -23,7 +23,7 @@ def _eval_table():
 
 
 def _history(slope):
-    return [{"step": s, "reward/mean": slope * s, "answer/f1": 0.01 * s, "answer/recall": 0.02, "retrieval/recall": 0.2,
+    return [{"step": s, "method_reward/mean": slope * s, "answer/f1": 0.01 * s, "answer/recall": 0.02, "retrieval/recall": 0.2,
              "perf/step_seconds": 3.0, "adv/zero_groups": 0.5} for s in range(1, 31)]
 
 
@@ -40,17 +40,24 @@ def test_build_report_compares_models_and_methods():
     assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
     assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
-    assert metrics["spader/reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
+    assert metrics["spader/method_reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
     assert metrics["grpo/steps"] == 30
+    # comparable metrics lead; the method's own return comes last and is labelled as such
+    titles = [ax.get_title() for ax in curves.axes]
+    assert titles[0] == "answer recall" and "not comparable" in titles[-1]
+    lead = markdown.split("| model |")[0]
+    assert "`answer/*`" in lead and "`method_reward/*`" in lead and "docs/metrics.md" in lead
+    summary_header = markdown.split("| method |")[1].split("\n")[0]
+    assert summary_header.index("answer/recall first") < summary_header.index("method_reward/mean first")
 
 
 def test_short_runs_compare_first_and_last_halves_and_empty_buckets_get_no_bars():
     _, final, _, metrics = build_report(
         _eval_table(), {}, {"smoothing_window": 10}, history_grpo=_history(0.01)[:3], history_spader=_history(0.02)[:2],
     )
-    assert metrics["spader/window"] == 1 and metrics["spader/reward/mean_first"] == pytest.approx(0.02)
-    assert metrics["spader/reward/mean_last"] == pytest.approx(0.04)
-    assert metrics["grpo/window"] == 1 and metrics["grpo/reward/mean_last"] == pytest.approx(0.03)
+    assert metrics["spader/window"] == 1 and metrics["spader/method_reward/mean_first"] == pytest.approx(0.02)
+    assert metrics["spader/method_reward/mean_last"] == pytest.approx(0.04)
+    assert metrics["grpo/window"] == 1 and metrics["grpo/method_reward/mean_last"] == pytest.approx(0.03)
     labels = [t.get_text() for t in final.axes[0].get_xticklabels()]
     assert "tail 1" not in labels and "tail 2-4" in labels  # long_tail_recall/1 is NaN for every model
 

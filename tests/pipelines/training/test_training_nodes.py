@@ -43,9 +43,9 @@ def test_method_block_overrides_shared_settings_key_by_key():
 
 
 def test_summary_averages_the_last_steps():
-    history = [{"step": s, "reward/mean": float(s), "perf/step_seconds": 2.0} for s in range(1, 21)]
+    history = [{"step": s, "method_reward/mean": float(s), "perf/step_seconds": 2.0} for s in range(1, 21)]
     out = _summary(history, window=10)
-    assert out["last10/reward/mean"] == pytest.approx(15.5) and out["steps"] == 20 and out["seconds"] == 40
+    assert out["last10/method_reward/mean"] == pytest.approx(15.5) and out["steps"] == 20 and out["seconds"] == 40
 
 
 def test_unknown_backend_is_rejected():

@@ -40,7 +40,7 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
         history = json.loads((kedro_project / f"data/07_model_output/train_{method}/training_history.json").read_text())
         assert [h["step"] for h in history] == [1, 2]
 
-    # MLflow (issue 13): one run per method's training, nested under the kedro run, with the same
+    # MLflow: one top-level run per method's training, linked to the kedro run by tags, with the same
     # metric keys for every method and the method block as parameters that differ between them.
     experiment = mlflow.get_experiment_by_name("spader-pipeline-test")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -49,13 +49,14 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
     parent = next(r for r in runs if r.data.tags.get("kedro.pipeline") == "data_prep,index_build,base_model,training")
     assert parent.info.status == "FINISHED"
     children = {r.data.tags["method"]: r for r in runs
-                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id and "method" in r.data.tags}
+                if r.data.tags.get("chain_run_id") == parent.info.run_id and "method" in r.data.tags}
     assert set(children) == {"grpo", "spader"}
     client = mlflow.MlflowClient()
     for method, run in children.items():
         assert run.info.run_name == f"{method} seed0" and run.info.status == "FINISHED"
+        assert "mlflow.parentRunId" not in run.data.tags and run.data.tags["chain"] == parent.info.run_name
         assert (run.data.tags["backend"], run.data.tags["seed"], run.data.tags["base_model"]) == ("native", "0", "base_model")
-        for key in ("reward/mean", "answer/recall", "answer/f1", "retrieval/recall", "reward/discovery_mean",
+        for key in ("method_reward/mean", "answer/recall", "answer/f1", "retrieval/recall", "method_reward/discovery_mean",
                     "adv/std", "loss/kl", "perf/step_seconds"):
             steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert steps == [1, 2], (method, key)

@@ -1,6 +1,6 @@
 """Thin nodes around :mod:`spader_pipeline.evaluation`: pick the datasets, count entity frequencies,
 evaluate every model × dataset (:func:`spader_pipeline.evaluation.suite.evaluate_models`) and log
-each evaluation as a nested MLflow run linked to the training run of its checkpoint."""
+each evaluation as an MLflow run linked to the training run of its checkpoint."""
 
 from __future__ import annotations
 
@@ -126,9 +126,10 @@ def _outputs(results: list[EvaluationResult]) -> tuple[pd.DataFrame, pd.DataFram
 
 
 def _log_evaluation(result: EvaluationResult, edges) -> None:
-    """One nested MLflow run per model × dataset, tagged ``model``, ``dataset`` and — for a trained
-    checkpoint — ``method`` and ``training_run_id``, with a link to that run in its description and
-    the metrics also logged against the checkpoint's MLflow model. Params, per-sample file, plot."""
+    """One MLflow run per model × dataset, linked to the chain run, tagged ``model``, ``dataset`` and —
+    for a trained checkpoint — ``method`` and ``training_run_id``, with a link to that run in its
+    description, the metrics also logged against the checkpoint's MLflow model and the headline
+    scores copied onto the training run (``heldout/<dataset>/…``). Params, per-sample file, plot."""
     if not tracking.active():
         return
     spec, dataset = result.model, result.dataset
@@ -136,12 +137,12 @@ def _log_evaluation(result: EvaluationResult, edges) -> None:
     note = _training_note(spec.training)
     if note:
         tags["mlflow.note.content"] = note
-    with mlflow.start_run(run_name=f"evaluate:{spec.name}:{dataset}", nested=True, tags=tags), \
-            tempfile.TemporaryDirectory() as tmp:
+    with tracking.linked_run(f"evaluate:{spec.name}:{dataset}", tags), tempfile.TemporaryDirectory() as tmp:
         tracking.log_params({**spec.describe(), "dataset": dataset, "prompt_template": result.template_name,
                              **{f"rollout.{k}": v for k, v in asdict(result.rollout).items()}})
         values = tracking.numeric_items(result.metrics)
         mlflow.log_metrics(values, model_id=_model_in_store(spec.training.get("checkpoint.model_id")))
+        tracking.log_heldout(spec.training.get("training_run_id"), dataset, values)
         path = Path(tmp) / f"{spec.name}__{dataset}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in result.records),
                         encoding="utf-8")

@@ -24,11 +24,13 @@ import pandas as pd  # noqa: E402
 
 from spader_pipeline import tracking  # noqa: E402
 
+#: Per-step training metrics, comparable ones first (same definition for every method), then the
+#: method's own return, whose scale depends on the method's reward terms (docs/metrics.md).
 CURVES = (
-    ("reward/mean", "reward (return)"),
-    ("answer/f1", "answer F1"),
     ("answer/recall", "answer recall"),
+    ("answer/f1", "answer F1"),
     ("retrieval/recall", "retrieval recall (gold in retrieved text)"),
+    ("method_reward/mean", "method's own return (not comparable across methods)"),
 )
 FINAL_COLUMNS = ("recall", "precision", "f1", "seen_recall")
 
@@ -67,8 +69,8 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
     fig.suptitle(f"Training curves on the training questions (points: steps; lines: moving average over "
-                 f"{window} steps)\nreward = each method's own return; every method samples with the same "
-                 "seed, so curves coincide until the policies differ", fontsize=10)
+                 f"{window} steps)\nrecall, F1, retrieval recall compare the methods; the return includes each "
+                 "method's own terms. Same sampling seed: curves coincide until the policies differ", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -159,6 +161,10 @@ def build_report(
 
     lines = [
         f"# {params.get('title', 'GRPO vs SPADER')}\n",
+        "Compare the methods on the held-out results and on the training metrics `answer/*` and "
+        "`retrieval/*`: they mean the same for every method. `method_reward/*` is each method's own "
+        "return (SPADER's adds a discovery term), so its scale differs between methods "
+        "(docs/metrics.md, *Comparable metrics*).\n",
         "Held-out evaluation (evaluate pipeline; `seen_recall` = gold entities present in retrieved text, "
         "`long_tail_recall/<bucket>` = recall of gold entities by corpus frequency):\n",
         _markdown_table(table),
