@@ -2,7 +2,7 @@
 
 On CUDA bf16 autocast is always faster. On CPUs it depends on the hardware: with native bf16
 instructions (AVX-512 BF16 / AMX) it can be 2–3× faster than fp32, without them it has been
-measured many times *slower* (docs/training.md). ``bf16: auto`` therefore runs a short probe —
+measured many times *slower* (docs/results.md). ``bf16: auto`` therefore runs a short probe —
 forward + backward of a SwiGLU MLP block of the model's width, fp32 vs bf16 autocast, median of a
 few repeats — once per process and width, and enables autocast only where it wins clearly.
 Weights and optimizer state stay fp32 either way.

@@ -1,7 +1,7 @@
 """Retrieval: index building (BM25 via bm25s, dense via faiss), an HTTP search service that
-serves both the Search-R1/VERL and the SPADER clients, and the client side (contract C).
+serves both the Search-R1/VERL and the SPADER clients, and the client side (docs/retrieval.md).
 
-Heavy modules (faiss, sentence-transformers, FastAPI) are imported only when used.
+Heavy modules (faiss, sentence-transformers, uvicorn) are imported only when used.
 """
 
 from __future__ import annotations

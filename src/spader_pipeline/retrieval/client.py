@@ -1,4 +1,4 @@
-"""Client side of the search service (contract C): an async client with pooling, timeouts and
+"""Client side of the search service (docs/retrieval.md): an async client with pooling, timeouts and
 bounded retries, a sync convenience, and :func:`running_service`, which runs a server subprocess.
 
 Retries follow the published clients: HTTP 500/502/503/504, connection errors and timeouts are

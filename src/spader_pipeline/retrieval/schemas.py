@@ -1,7 +1,7 @@
 """Data shapes of the retrieval service: documents, results and the service's limits.
 
 The wire formats of the two published clients are documented in ``docs/retrieval.md``; the
-pydantic models here are what our own code passes around (contract C of the team brief).
+pydantic models here are what our own code passes around.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class Searcher:
 
     def search(self, queries: Sequence[str], topk: int = 5, *, initial_k: int = 50,
                use_reranker: bool | None = None) -> list[QueryResult]:
-        """In-process search (contract C): one :class:`QueryResult` per query, in order."""
+        """In-process search: one :class:`QueryResult` per query, in order, as the client returns them."""
         hits = self.search_hits(queries, topk, initial_k=initial_k, use_reranker=use_reranker)
         return [QueryResult(query=q, documents=[Document(**h) for h in hs]) for q, hs in zip(queries, hits, strict=True)]
 

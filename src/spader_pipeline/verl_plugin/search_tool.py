@@ -4,7 +4,8 @@ Declared in ``conf/base/verl/tool_config/search_tool.yaml`` (``rollout.multi_tur
 ``execute`` calls the retrieval service through :class:`spader_pipeline.retrieval.RetrievalClient`
 and renders the observation with :func:`spader_pipeline.agent.rollout.observe_search` — the very
 function the project's rollout uses, so the text a policy reads is identical in VERL training, in
-the native trainer and in evaluation (reference defect 5). Failures never raise: the model gets an
+the native trainer and in evaluation (the SPADER reference code showed training and evaluation
+differently formatted observations; docs/agent.md). Failures never raise: the model gets an
 error observation and the metrics dict carries the error.
 
 Config keys (all optional except the URL): ``retrieval_service_url``, ``topk`` (5), ``max_chars``

@@ -2,7 +2,8 @@
 
 verl-free on purpose (only a tokenizer-like ``decode``), so the same code serves the reward manager,
 the tests and the benchmark. Observation text is split into the retrieved documents it carries; only
-those feed entity discovery (reference defect 3), never the model's own turn text.
+those feed entity discovery, never the model's own turn text: the SPADER reference code also matched
+its echoed queries, so a guessed name in a query earned reward (docs/algorithms.md).
 """
 
 from __future__ import annotations
