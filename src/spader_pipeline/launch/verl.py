@@ -9,8 +9,8 @@ What the launch does, in order:
    ``nnodes > 1`` the URL they get must not be loopback: bind the started service with
    ``retrieval.bind_host`` (e.g. ``0.0.0.0``) and give the address the other nodes reach it at in
    ``retrieval.advertised_host``, or pass an external ``retrieval.url``;
-2. composes the command with the algorithms package's
-   :func:`~spader_pipeline.verl_plugin.overrides.main_ppo_argv` (the method's Hydra overlay in
+2. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (the method's
+   Hydra overlay in
    ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
 3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
    reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
 from spader_pipeline.typed_config import from_mapping
 
@@ -117,7 +118,7 @@ def verl_parameters(
     *,
     tool_config_path: str | Path | None = None,
 ) -> dict[str, Any]:
-    """The parameter dict of :func:`~spader_pipeline.verl_plugin.overrides.build_overrides` for one method.
+    """The parameter dict of :func:`~spader_pipeline.launch.overrides.build_overrides` for one method.
 
     ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
     ``training.reward`` the shared reward settings (the same ones the native trainer uses).
@@ -200,8 +201,6 @@ def check_worker_url(url: str, nnodes: int) -> str:
 
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
     """Hydra overrides forwarding :data:`FORWARDED_ENV` of ``env`` to every Ray worker."""
-    from spader_pipeline.verl_plugin.overrides import hydra_value
-
     return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_value(env[key])}"
             for key in FORWARDED_ENV if env.get(key)]
 
@@ -251,8 +250,6 @@ def build_launch(
     python: str | None = None,
 ) -> Launch:
     """Compose the VERL launch for one method (pure apart from writing the tool config copy)."""
-    from spader_pipeline.verl_plugin.overrides import main_ppo_argv
-
     verl = verl_settings(training)
     check_worker_url(retrieval_url, verl.nnodes)
     config_dir = Path(verl.config_dir)

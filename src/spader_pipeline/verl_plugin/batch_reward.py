@@ -26,7 +26,7 @@ Also, on every generated batch:
   logs them as ``timing_s/search/...``); above ``max_error_rate`` of the search tool's config the run
   stops with :class:`SearchServiceError` instead of training on error observations.
 * **start-up**: the manager checks that every Ray node registers the plugin
-  (:func:`spader_pipeline.launch.verl_registration.check_workers_registered`).
+  (:func:`spader_pipeline.verl_plugin.registration.check_workers_registered`).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class GroupRewardAgentLoopManager(AgentLoopManager):
     """verl's ``AgentLoopManager`` plus a whole-batch reward assembly after each generation."""
 
     def __init__(self, config, *args, **kwargs):
-        from spader_pipeline.launch.verl_registration import check_workers_registered
+        from spader_pipeline.verl_plugin.registration import check_workers_registered
 
         check_workers_registered()
         super().__init__(config, *args, **kwargs)

@@ -94,8 +94,9 @@ def warm_start(
     """
     from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
     from spader_pipeline.agent.scripted import ScriptedPolicy
+    from spader_pipeline.agent.tokens import examples_from_dialogues
     from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.warm_start import WarmStartConfig, examples_from_dialogues, train_sft
+    from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
 
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")

@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from spader_pipeline.verl_plugin.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
+from spader_pipeline.launch.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "base" / "verl"
 OVERLAYS = [
