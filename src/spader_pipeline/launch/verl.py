@@ -52,14 +52,6 @@ logger = logging.getLogger(__name__)
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
 DEFAULT_CONFIG_DIR = Path("conf/base/verl")
 
-#: former flat ``training.verl`` retrieval keys → where they live now (``training.verl.retrieval``)
-MOVED_RETRIEVAL_KEYS = {
-    "retrieval_url": "retrieval.url",
-    "retrieval_bind_host": "retrieval.bind_host",
-    "retrieval_advertised_host": "retrieval.advertised_host",
-    "retrieval_port": "retrieval.port",
-    "start_retrieval_service": "retrieval.mode (service starts one; or set retrieval.url)",
-}
 #: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
 #: environment variables of the launch that every Ray worker needs too
@@ -151,16 +143,11 @@ def verl_parameters(
 
 def verl_settings(training: Mapping[str, Any]) -> VerlSettings:
     """``training.verl`` as :class:`VerlSettings`; unknown keys raise (a misspelt or dead key never
-    passes silently), and so do the former flat ``retrieval_*`` keys, naming their new place."""
+    passes silently)."""
     block = training.get("verl")
     if isinstance(block, VerlSettings):
         return block
     values = dict(block or {})
-    moved = [f"{key} -> training.verl.{MOVED_RETRIEVAL_KEYS[key]}" for key in sorted(values) if key in MOVED_RETRIEVAL_KEYS]
-    if moved:
-        raise ValueError("training.verl's retrieval keys moved into the training.verl.retrieval block "
-                         "(the same settings as training.search and evaluate.retrieval; docs/training.md): "
-                         + "; ".join(moved))
     values["retrieval"] = retrieval_settings(values.get("retrieval"), where="training.verl.retrieval")
     return from_mapping(VerlSettings, values, where="training.verl")
 
