@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -303,17 +303,10 @@ def run_streaming(
 
 @contextlib.contextmanager
 def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
-    """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run."""
-    settings = verl.retrieval
-    if settings.url:
-        yield check_worker_url(settings.url, verl.nnodes)
-        return
-    if settings.mode == "service":
-        from spader_pipeline.local_servers import free_port
-
-        settings = replace(settings, port=settings.port or free_port(settings.bind_host))
-        check_worker_url(settings.advertised_url(settings.port), verl.nnodes)  # before starting anything
-    with service_url(settings, index_manifest["index_dir"]) as url:
+    """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run
+    (its URL checked before it starts)."""
+    with service_url(verl.retrieval, index_manifest["index_dir"],
+                     check=lambda url: check_worker_url(url, verl.nnodes)) as url:
         yield url
 
 

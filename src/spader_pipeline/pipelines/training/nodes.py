@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.schema import ground_truth_lists
-from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
+from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
@@ -41,30 +40,6 @@ def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int =
         keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
         rows = [rows[int(i)] for i in sorted(keep)]
     return rows
-
-
-@contextlib.contextmanager
-def search_backend(params: RetrievalSettings | Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[Any]:
-    """The search backend for rollouts (:class:`~spader_pipeline.retrieval.settings.RetrievalSettings`):
-    a running service (``url``), the in-process index (``mode: local``, fastest), or the retrieval
-    service started on the index (``mode: service``)."""
-    settings = retrieval_settings(params, where="search")
-    if settings.url or settings.mode == "service":
-        from spader_pipeline.retrieval import RetrievalClient
-
-        with service_url(settings, index_manifest["index_dir"]) as url:
-            yield RetrievalClient(url, timeout=settings.timeout, max_retries=settings.max_retries)
-    else:
-        from spader_pipeline.agent.rollout import LocalSearch
-        from spader_pipeline.retrieval import load_retriever
-
-        retriever = load_retriever(index_manifest["index_dir"])
-        try:
-            yield LocalSearch(retriever)
-        finally:
-            close = getattr(retriever, "close", None)
-            if close is not None:
-                close()
 
 
 def _template(prompt: Mapping[str, Any], name: str | None = None) -> str:
@@ -112,7 +87,7 @@ def warm_start(
         source = str(params["data_path"])
     else:
         samples = samples_from_verl(verl_train, params.get("max_demonstrations"), seed)
-        with search_backend(params.get("search", {}), index_manifest) as search:
+        with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
             demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout_cfg, template)
         conversations = [t.messages for t in demos if t.predicted is not None]
         source = "scripted"
@@ -145,7 +120,7 @@ def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -
         return {}
     samples = samples_from_verl(frame, n, seed=1)
     gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
-    with search_backend(params.get("search", {}), index_manifest) as search:
+    with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
         trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
     turns = [s for t in trajs for s in t.steps]
     recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]
@@ -234,7 +209,7 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
     settings = _merge({**training.get("native", {}), "reward": training.get("reward") or {}}, method)
     config = NativeTrainerConfig.from_mapping(settings)
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
-    with search_backend(training.get("search", {}), index_manifest) as search:
+    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
         result = train_native(
             config,
             model_path=init_manifest["path"],
