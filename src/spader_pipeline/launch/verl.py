@@ -45,7 +45,7 @@ import yaml
 
 from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
-from spader_pipeline.typed_config import from_mapping
+from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ def verl_parameters(
     ``training.reward`` the shared reward settings (the same ones the native trainer uses).
     """
     verl = verl_settings(training)
-    reward = {**dict(training.get("reward") or {}), **dict(method.get("reward") or {})}
     params: dict[str, Any] = {
         "method": method["method"],
         "model_path": str(Path(init_manifest["path"]).resolve()),
@@ -127,7 +126,7 @@ def verl_parameters(
         "run_dir": str(Path(run_dir).resolve()),
         "experiment_name": f"train_{method['method']}",
         "logger": list(verl.logger),
-        "reward": reward,
+        "reward": method_settings(training, method)["reward"],
         "options": dict(method.get("options") or {}),
         "overrides": list(verl.overrides or []),
         "model": verl.model or model_family(init_manifest["path"]),

@@ -15,9 +15,9 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.data.schema import SampleRecord, sample_record
 from spader_pipeline.retrieval.settings import search_backend
-from spader_pipeline.typed_config import from_mapping
+from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +27,14 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 
 
-def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Training questions ``{"id", "question", "ground_truth", "data_source"}`` from the VERL parquet
+def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[SampleRecord]:
+    """Training questions (:func:`~spader_pipeline.data.schema.sample_record`) from the VERL parquet
     (``extra_info.question``, ``reward_model.ground_truth``); an optional seeded subset of ``limit``."""
-    rows = []
+    rows: list[SampleRecord] = []
     for row in frame.to_dict(orient="records"):
         extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
-        gt = ground_truth_lists(reward.get("ground_truth", []))
-        rows.append({"id": str(extra.get("id", len(rows))), "question": str(extra["question"]),
-                     "ground_truth": gt, "data_source": row.get("data_source")})
+        rows.append(sample_record({"id": extra.get("id", len(rows)), "question": extra["question"],
+                                   "ground_truth": reward.get("ground_truth", []), "data_source": row.get("data_source")}))
     if limit and len(rows) > limit:
         keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
         rows = [rows[int(i)] for i in sorted(keep)]
@@ -136,13 +135,6 @@ def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -
 # ----------------------------------------------------------------------------------------------
 
 
-def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in (override or {}).items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-    return out
-
-
 def method_run_identity(
     init_manifest: Mapping[str, Any], method: Mapping[str, Any], training: Mapping[str, Any]
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -154,12 +146,11 @@ def method_run_identity(
     """
     name = method["method"]
     backend = training.get("backend", "native")
-    shared = training.get("native") or {}
-    seed = int(_merge(shared, method).get("seed", 0))
+    seed = int(method_settings(training, method, "native").get("seed", 0))
     base = init_manifest.get("base") or init_manifest["path"]
     tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": backend, "seed": seed, **_merge({"reward": training.get("reward") or {}}, method)}
+    params = {"backend": backend, "seed": seed, **method_settings(training, method)}
     return f"{name} seed{seed}", tags, params
 
 
@@ -205,9 +196,7 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
 
     from spader_pipeline.native import NativeTrainerConfig, train_native
 
-    # training.reward is shared by both backends; the method block adds its own reward settings
-    settings = _merge({**training.get("native", {}), "reward": training.get("reward") or {}}, method)
-    config = NativeTrainerConfig.from_mapping(settings)
+    config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
     with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
         result = train_native(
