@@ -82,11 +82,12 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
     import torch
 
     from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import LocalSearch, RolloutConfig, SamplingParams, run_rollouts
+    from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts
     from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
     from spader_pipeline.modeling.tokenizer import train_tokenizer
     from spader_pipeline.retrieval import build_index, load_retriever
     from spader_pipeline.retrieval.corpus import iter_records
+    from spader_pipeline.retrieval.service import LocalSearch
 
     # One intra-op thread: on the shared 2-core machine two threads oversubscribe and run ~10x slower.
     torch.set_num_threads(args_threads)

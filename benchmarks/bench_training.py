@@ -216,10 +216,10 @@ def bench_rl_step(args) -> None:
     import pandas as pd
 
     from spader_pipeline.agent.prompts import resolve_template
-    from spader_pipeline.agent.rollout import LocalSearch
     from spader_pipeline.native import NativeTrainerConfig, train_native
     from spader_pipeline.pipelines.training.nodes import samples_from_verl
     from spader_pipeline.retrieval import load_retriever
+    from spader_pipeline.retrieval.service import LocalSearch
 
     data = Path(args.data)
     if not (data / "05_model_input/verl/train.parquet").is_file():

@@ -2,8 +2,9 @@
 
 Every settings block of the project is a dataclass; :func:`from_mapping` is the one way a mapping
 becomes one. Unknown keys are an error that names the block and lists the known keys, so a typo
-or a stale key in ``conf/`` fails the run instead of silently falling back to a default. Standard
-library only, so the pure algorithms core can use it too.
+or a stale key in ``conf/`` fails the run instead of silently falling back to a default.
+:func:`method_settings` is the one way a training method's block is laid over the shared blocks.
+Standard library only, so the pure algorithms core can use it too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["from_mapping"]
+__all__ = ["from_mapping", "merge_settings", "method_settings"]
 
 T = TypeVar("T")
 
@@ -44,3 +45,24 @@ def from_mapping(
     if unknown:
         raise ValueError(f"unknown {where or cls.__name__} settings {unknown}; known: {sorted(known)}")
     return cls(**values, **fixed)
+
+
+def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``base`` with ``override`` laid over it; nested mappings are merged key by key."""
+    out = dict(base)
+    for key, value in (override or {}).items():
+        nested = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = merge_settings(out[key], value) if nested else value
+    return out
+
+
+def method_settings(
+    training: Mapping[str, Any], method: Mapping[str, Any], shared: str | None = None
+) -> dict[str, Any]:
+    """The settings of one training method (``conf/base/parameters_training.yml``): the method's
+    block (``train_<method>.method``) laid over ``training.reward``, the reward settings every method
+    and both backends share, and, given ``shared``, over the shared block ``training[shared]``
+    (e.g. ``native``)."""
+    base = dict(training.get(shared) or {}) if shared else {}
+    base["reward"] = training.get("reward") or {}
+    return merge_settings(base, method)

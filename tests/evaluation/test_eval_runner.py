@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from spader_pipeline.agent.rollout import GeneratedTurn, LocalSearch, RolloutConfig
+from spader_pipeline.agent.rollout import GeneratedTurn, RolloutConfig
 from spader_pipeline.agent.scripted import ScriptedPolicy
 from spader_pipeline.evaluation.models import ModelSpec
 from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint, read_work_file
+from spader_pipeline.retrieval.service import LocalSearch
 
 CORPUS = [
     {"id": "0", "title": "Ghana", "contents": "Country in West Africa. Accra is the capital."},

@@ -33,7 +33,7 @@ def test_config_is_strict_and_typed():
 
 
 def test_trained_models_come_from_their_manifests_with_the_training_link(tmp_path):
-    """The merged VERL folder is wherever the manifest says (defect: evaluate looked for train_<m>/final)."""
+    """The merged VERL folder is wherever the manifest says (not under train_<m>/final)."""
     merged = _checkpoint(tmp_path / "06_models/merged/train_spader")
     manifest = {"path": str(merged), "method": "spader", "backend": "verl", "mlflow_run_id": "abc"}
     spec = ModelSpec.from_manifest("spader", manifest, TRAINED, source="spader_model_manifest",

@@ -57,7 +57,7 @@ def _launch(params, tmp_path, *, model_type="qwen3", url="http://127.0.0.1:8123"
                         training, tmp_path / "run", retrieval_url=url)
 
 
-def test_defect2_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, monkeypatch):
+def test_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     _launch(params, tmp_path, nnodes=1)  # one node: loopback is fine
     for url in ("http://127.0.0.1:8123", "http://localhost:8000", "http://0.0.0.0:8000"):
@@ -68,7 +68,7 @@ def test_defect2_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_
     assert yaml.safe_load(Path(tool_cfg).read_text())["tools"][0]["config"]["retrieval_service_url"] == "http://10.0.0.5:8000"
 
 
-def test_defect2_loopback_service_is_refused_before_it_starts():
+def test_loopback_service_is_refused_before_it_starts():
     from spader_pipeline.launch.verl import _retrieval
 
     with pytest.raises(ValueError, match="loopback"), _retrieval(verl_settings({"verl": {"nnodes": 2}}),
@@ -76,7 +76,7 @@ def test_defect2_loopback_service_is_refused_before_it_starts():
         pass
 
 
-def test_defect2_started_service_binds_one_address_and_advertises_another():
+def test_started_service_binds_one_address_and_advertises_another():
     assert verl_settings({}).retrieval.advertised_url(8000) == "http://127.0.0.1:8000"
     settings = verl_settings({"verl": {"retrieval": {"bind_host": "0.0.0.0", "advertised_host": "head-node.cluster"}}})
     assert settings.retrieval.bind_host == "0.0.0.0"
@@ -86,12 +86,9 @@ def test_defect2_started_service_binds_one_address_and_advertises_another():
     assert is_loopback_url("http://127.0.0.2:1") and not is_loopback_url("http://10.1.2.3:1")
 
 
-def test_retrieval_is_the_shared_settings_block_and_old_keys_say_where_they_went(params, tmp_path, monkeypatch):
+def test_retrieval_is_the_shared_settings_block(params, tmp_path, monkeypatch):
     """training.verl.retrieval is the RetrievalSettings of training.search / evaluate.retrieval."""
     assert verl_settings(params["training"]).retrieval == RetrievalSettings(mode="service")
-    with pytest.raises(ValueError, match=r"retrieval_port -> training.verl.retrieval.port; "
-                                         r"retrieval_url -> training.verl.retrieval.url"):
-        verl_settings({"verl": {"retrieval_url": "http://x:1", "retrieval_port": 8000}})
     with pytest.raises(ValueError, match=r"unknown training.verl.retrieval settings \['host'\]"):
         verl_settings({"verl": {"retrieval": {"host": "0.0.0.0"}}})
     # the client settings reach the search tool's config of the run
@@ -102,7 +99,7 @@ def test_retrieval_is_the_shared_settings_block_and_old_keys_say_where_they_went
     assert (tool["timeout"], tool["max_retries"], tool["retrieval_service_url"]) == (7.5, 1, "http://127.0.0.1:8123")
 
 
-def test_defect3_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
+def test_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
     """Workers of a pre-started cluster do not inherit the launching shell: forward via runtime_env."""
     prefix = "++ray_kwargs.ray_init.runtime_env.env_vars."
     forwarded = dict(a[len(prefix):].split("=", 1) for a in launch.argv if a.startswith(prefix))
@@ -110,7 +107,7 @@ def test_defect3_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
     assert forwarded["MLFLOW_RUN_ID"] == "abc123" and forwarded["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/x.db"
 
 
-def test_defect7_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_path, monkeypatch):
+def test_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert "spader_model=llama3_8b" in _launch(params, tmp_path, model_type="llama").argv  # paper: 200 free steps
     assert "spader_model=qwen3_8b" in _launch(params, tmp_path, model_type="qwen3").argv

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from spader_pipeline.agent.tokens import examples_from_dialogues
 from spader_pipeline.modeling.warm_start import (
     SFTExample,
     WarmStartConfig,
     example_from_tokens,
-    examples_from_dialogues,
     length_buckets,
     masked_lm_loss,
     train_sft,

@@ -6,7 +6,6 @@ import torch
 from native_toy import QUESTIONS, TEMPLATE, toy_batch
 from transformers import AutoModelForCausalLM
 
-from spader_pipeline.agent.rollout import LocalSearch
 from spader_pipeline.native import NativeTrainerConfig, train_native
 from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
 from spader_pipeline.native.trainer import (
@@ -14,6 +13,7 @@ from spader_pipeline.native.trainer import (
     _questions_for_step,
     response_logprobs,
 )
+from spader_pipeline.retrieval.service import LocalSearch
 
 
 @pytest.mark.parametrize(

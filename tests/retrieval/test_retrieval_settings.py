@@ -34,3 +34,33 @@ def test_service_url_starts_a_service_on_the_index(bm25_index):
         assert httpx.get(url + "/health", timeout=10).status_code == 200
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_service_url_checks_the_url_before_anything_starts(tmp_path):
+    seen = []
+
+    def refuse(url):
+        seen.append(url)
+        raise ValueError("unusable")
+
+    with pytest.raises(ValueError, match="unusable"), service_url(RetrievalSettings(), tmp_path / "no-index", check=refuse):
+        pass
+    assert seen and seen[0].startswith("http://127.0.0.1:")  # refused before a service on the missing index
+
+
+def test_search_backend_is_the_index_in_process_or_a_client_on_the_service(bm25_index):
+    import asyncio
+
+    from spader_pipeline.retrieval import RetrievalClient
+    from spader_pipeline.retrieval.service import LocalSearch
+    from spader_pipeline.retrieval.settings import search_backend
+
+    with search_backend({"mode": "local"}, bm25_index, where="search") as local:
+        assert isinstance(local, LocalSearch)
+        in_process = asyncio.run(local.search(["capital"], topk=2))
+    with search_backend(None, bm25_index, where="search") as client:  # default: service
+        assert isinstance(client, RetrievalClient)
+        assert asyncio.run(client.search(["capital"], topk=2)) == in_process
+    with pytest.raises(ValueError, match=r"unknown training.search settings \['host'\]"), \
+            search_backend({"host": "x"}, bm25_index, where="training.search"):
+        pass

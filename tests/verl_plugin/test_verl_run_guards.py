@@ -65,12 +65,22 @@ def test_defect4_threshold_is_read_from_the_search_tool_config(tmp_path):
 
 
 def _missing_in_fresh_process(**env) -> str:
-    """What a fresh worker process (verl imported the way Ray workers do) lacks, as printed text."""
-    code = "from spader_pipeline.launch.verl_registration import missing_registrations as m; print(m())"
+    """What a fresh worker process lacks, as printed text: the check arrives pickled by value, as
+    Ray ships it, so the worker imports verl (and its plugins) the way Ray workers do."""
+    from ray import cloudpickle
+
+    from spader_pipeline.verl_plugin import registration
+
+    cloudpickle.register_pickle_by_value(registration)
+    try:
+        payload = cloudpickle.dumps(registration.missing_registrations)
+    finally:
+        cloudpickle.unregister_pickle_by_value(registration)
+    code = "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read())())"
     base = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], input=payload, env={**base, **env}, capture_output=True,
                          timeout=600, check=True)
-    return out.stdout.strip().splitlines()[-1]
+    return out.stdout.decode().strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -83,7 +93,7 @@ def test_defect3_registration_check_sees_a_worker_without_the_plugin():
 
 
 def test_registration_report_names_node_and_cause():
-    from spader_pipeline.launch.verl_registration import format_reports
+    from spader_pipeline.verl_plugin.registration import format_reports
 
     text = format_reports({"n1": {"host": "gpu7", "missing": {"agent loop": ["spader_search"]},
                                   "import_error": "ModuleNotFoundError: No module named 'spader_pipeline'",

@@ -173,8 +173,8 @@ def _compose(method: str, ws: dict, run_dir: Path):
     """The method's overlay + the launcher's overrides + CPU-test sizes, composed by Hydra."""
     from hydra import compose, initialize_config_dir
 
+    from spader_pipeline.launch.overrides import build_overrides
     from spader_pipeline.launch.verl import verl_parameters, write_tool_config
-    from spader_pipeline.verl_plugin.overrides import build_overrides
 
     tool_config = write_tool_config(ROOT / "conf/base/verl/tool_config/search_tool.yaml", ws["url"],
                                     run_dir / "search_tool.yaml")

@@ -21,7 +21,7 @@ assistant turns; three ship here:
 
 The search backend is anything with ``async search(queries, topk=..., max_chars=...) ->
 SearchResponse`` (the retrieval client of :mod:`spader_pipeline.retrieval`, or
-:class:`LocalSearch` around an in-process retriever).
+:class:`~spader_pipeline.retrieval.service.LocalSearch` around an in-process retriever).
 
 Typical use (training or evaluation)::
 
@@ -64,7 +64,6 @@ __all__ = [
     "FinishReason",
     "GeneratedTurn",
     "Generator",
-    "LocalSearch",
     "RolloutConfig",
     "RolloutState",
     "SamplingParams",
@@ -315,21 +314,6 @@ class Generator:
 
     async def aclose(self) -> None:
         """Release resources (HTTP clients, servers)."""
-
-
-class LocalSearch:
-    """Adapter: an in-process searcher (``load_retriever(index_dir)``) as an async backend.
-
-    A retrieval ``Searcher`` answers through its ``respond`` method, which applies the same
-    ranking *and* character budget (``max_chars``) as the HTTP service, so in-process training
-    sees exactly the observations an evaluation against the service sees.
-    """
-
-    def __init__(self, retriever: Any) -> None:
-        self.retriever = retriever
-
-    async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> SearchResponse:
-        return await asyncio.to_thread(self.retriever.respond, list(queries), topk, max_chars)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,14 +18,15 @@ VERL see the same tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from spader_pipeline.agent.rollout import GeneratedTurn, RolloutState
+from spader_pipeline.modeling.warm_start import SFTExample, example_from_tokens
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TokenLayout", "encode_dialogue", "make_token_builder"]
+__all__ = ["TokenLayout", "encode_dialogue", "examples_from_dialogues", "make_token_builder"]
 
 
 def make_token_builder(
@@ -117,3 +118,20 @@ def encode_dialogue(
         ids = merge.token_ids
         history.append(dict(message))
     return ids[:prompt_length], ids[prompt_length:], mask
+
+
+def examples_from_dialogues(
+    tokenizer: Any, conversations: Iterable[Sequence[Mapping[str, str]]], *, model_type: str | None = None,
+    max_length: int | None = None,
+) -> list[SFTExample]:
+    """Chat conversations → warm-start examples (:mod:`spader_pipeline.modeling.warm_start`) in the
+    rollout's token layout (:func:`encode_dialogue`), loss on the assistant turns only."""
+    builder = make_token_builder(tokenizer, model_type)
+    out = []
+    for messages in conversations:
+        prompt, response, mask = encode_dialogue(messages, tokenizer, builder=builder)
+        example = example_from_tokens(prompt, response, mask)
+        if max_length is not None:
+            example = SFTExample(example.input_ids[:max_length], example.loss_mask[:max_length])
+        out.append(example)
+    return out

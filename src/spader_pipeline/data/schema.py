@@ -10,11 +10,18 @@ A row is a plain dict (it travels through pandas, JSON lines and parquet)::
 
 ``ground_truth`` is a list of entities; each entity is a list of surface forms, canonical first.
 An entity is found when *any* of its surface forms matches (see ``algorithms.matching``).
+
+What every later stage writes per sample — the questions a training or evaluation samples, and
+what the agent did on one — is a :class:`SampleRecord`, built by :func:`sample_record`.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from spader_pipeline.agent.rollout import Trajectory
 
 SPLITS = ("train", "validation", "test")
 UNIFIED_COLUMNS = ("id", "question", "ground_truth", "data_source", "split")
@@ -29,6 +36,43 @@ class QARow(TypedDict):
     ground_truth: list[list[str]]
     data_source: str
     split: str
+
+
+class SampleRecord(TypedDict, total=False):
+    """One sample as the later stages write it: the question (a :class:`QARow` without its split)
+    and, after a rollout, what the agent did."""
+
+    id: str
+    question: str
+    ground_truth: list[list[str]]
+    data_source: str | None
+    status: str
+    """evaluation: ``ok``, or ``failed`` after its retries"""
+    finish_reason: str
+    history: list[dict[str, str]]
+    """the trajectory's chat messages, prompt first"""
+    predicted: list[str] | None
+    """the final answer; ``None`` when the agent gave no valid one"""
+
+
+def sample_record(
+    sample: Mapping[str, Any], trajectory: Trajectory | None = None, *, status: str | None = None
+) -> SampleRecord:
+    """The record of ``sample`` (any mapping with ``id``, ``question``, ``ground_truth`` and
+    optionally ``data_source``), with ``status`` and the outcome of ``trajectory`` when given."""
+    record: SampleRecord = {
+        "id": str(sample["id"]),
+        "question": str(sample["question"]),
+        "ground_truth": ground_truth_lists(sample["ground_truth"]),
+        "data_source": sample.get("data_source"),
+    }
+    if status is not None:
+        record["status"] = status
+    if trajectory is not None:
+        record["finish_reason"] = trajectory.finish_reason
+        record["history"] = trajectory.messages
+        record["predicted"] = list(trajectory.predicted) if trajectory.predicted is not None else None
+    return record
 
 
 def ground_truth_lists(value: Any) -> list[list[str]]:

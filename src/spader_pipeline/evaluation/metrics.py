@@ -1,8 +1,8 @@
 """Evaluation metrics of multi-answer search agents (definitions: ``docs/metrics.md``).
 
 Correctness comes from :mod:`spader_pipeline.algorithms.matching` — the same alias-aware scoring
-the training rewards use (reference defect 2). Search counts come from the executed tool calls of
-the assistant turns only, never the prompt's example call (reference defect 4).
+the training rewards use. Search counts come from the executed tool calls of the assistant turns
+only, never the prompt's example call.
 
 * :func:`sample_metrics` — every per-sample metric of one trajectory;
 * :func:`entity_corpus_frequency` — in how many corpus passages each gold entity occurs (for the

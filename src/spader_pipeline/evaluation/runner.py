@@ -29,7 +29,7 @@ from spader_pipeline.agent.rollout import (
     run_rollouts,
 )
 from spader_pipeline.algorithms.matching import normalize_ground_truth
-from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.data.schema import sample_record
 from spader_pipeline.evaluation.metrics import sample_metrics
 
 logger = logging.getLogger(__name__)
@@ -47,27 +47,18 @@ def trajectory_record(
     assistant = [s.text for s in trajectory.steps]
     canonical = normalize_ground_truth(sample["ground_truth"]).canonical
     found = trajectory.entities_found(sample["ground_truth"])
-    record: dict[str, Any] = {
-        "id": str(sample["id"]),
-        "question": str(sample["question"]),
-        "ground_truth": ground_truth_lists(sample["ground_truth"]),
-        "data_source": sample.get("data_source"),
-        "status": "ok",
-        "finish_reason": trajectory.finish_reason,
-        "history": trajectory.messages,
-        "predicted": list(trajectory.predicted) if trajectory.predicted is not None else None,
-        "steps": [
-            {
-                "turn": s.turn,
-                "kind": s.kind,
-                "queries": list(s.queries),
-                "doc_ids": s.doc_ids,
-                "entities_found": [canonical[i] for i in hits],
-                "error": s.error,
-            }
-            for s, hits in zip(trajectory.steps, found, strict=True)
-        ],
-    }
+    record: dict[str, Any] = dict(sample_record(sample, trajectory, status="ok"))
+    record["steps"] = [
+        {
+            "turn": s.turn,
+            "kind": s.kind,
+            "queries": list(s.queries),
+            "doc_ids": s.doc_ids,
+            "entities_found": [canonical[i] for i in hits],
+            "error": s.error,
+        }
+        for s, hits in zip(trajectory.steps, found, strict=True)
+    ]
     record.update(
         sample_metrics(
             predicted=trajectory.predicted,
@@ -84,15 +75,8 @@ def trajectory_record(
 
 
 def failure_record(sample: Mapping[str, Any], error: str, attempts: int) -> dict[str, Any]:
-    return {
-        "id": str(sample["id"]),
-        "question": str(sample["question"]),
-        "ground_truth": ground_truth_lists(sample["ground_truth"]),
-        "data_source": sample.get("data_source"),
-        "status": "failed",
-        "error": error,
-        "attempts": attempts,
-    }
+    """The record of a sample whose rollout failed ``attempts`` times: its question and the error."""
+    return {**sample_record(sample, status="failed"), "error": error, "attempts": attempts}
 
 
 def _attempt_error(trajectory: Trajectory, search_errors_fail: bool) -> str | None:

@@ -11,10 +11,9 @@ with a work file named by :func:`resume_key`, and yields an :class:`EvaluationRe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import aggregate
 from spader_pipeline.evaluation.models import ModelSpec, open_generator
 from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint
-from spader_pipeline.retrieval.settings import RetrievalSettings, service_url
+from spader_pipeline.retrieval.settings import service_url
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +79,6 @@ def resume_key(
                        list(samples), dict(index_manifest), retrieval_url)
 
 
-@contextlib.contextmanager
-def retrieval_service(settings: RetrievalSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
-    """The configured service URL, or a service started on the index for the duration."""
-    with service_url(settings, index_manifest["index_dir"]) as url:
-        yield url
-
-
 def prompt_for(model: ModelSpec, config: EvaluationConfig, prompt: Mapping[str, Any]) -> tuple[str, str]:
     """(name, text) of the model's prompt template."""
     name = model.prompt_template or config.prompt_template or prompt["template"]
@@ -110,7 +102,7 @@ def evaluate_models(
     results: list[EvaluationResult] = []
     if not models or not datasets:
         return results
-    with retrieval_service(config.retrieval, index_manifest) as url:
+    with service_url(config.retrieval, index_manifest["index_dir"]) as url:
         for model in models:
             template_name, template = prompt_for(model, config, prompt)
             rollout = RolloutConfig.from_mapping({**config.rollout, **model.rollout})

@@ -9,8 +9,8 @@ What the launch does, in order:
    ``nnodes > 1`` the URL they get must not be loopback: bind the started service with
    ``retrieval.bind_host`` (e.g. ``0.0.0.0``) and give the address the other nodes reach it at in
    ``retrieval.advertised_host``, or pass an external ``retrieval.url``;
-2. composes the command with the algorithms package's
-   :func:`~spader_pipeline.verl_plugin.overrides.main_ppo_argv` (the method's Hydra overlay in
+2. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (the method's
+   Hydra overlay in
    ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
 3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
    reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
@@ -36,29 +36,22 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
+from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
-from spader_pipeline.typed_config import from_mapping
+from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
 DEFAULT_CONFIG_DIR = Path("conf/base/verl")
 
-#: former flat ``training.verl`` retrieval keys → where they live now (``training.verl.retrieval``)
-MOVED_RETRIEVAL_KEYS = {
-    "retrieval_url": "retrieval.url",
-    "retrieval_bind_host": "retrieval.bind_host",
-    "retrieval_advertised_host": "retrieval.advertised_host",
-    "retrieval_port": "retrieval.port",
-    "start_retrieval_service": "retrieval.mode (service starts one; or set retrieval.url)",
-}
 #: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
 #: environment variables of the launch that every Ray worker needs too
@@ -117,13 +110,12 @@ def verl_parameters(
     *,
     tool_config_path: str | Path | None = None,
 ) -> dict[str, Any]:
-    """The parameter dict of :func:`~spader_pipeline.verl_plugin.overrides.build_overrides` for one method.
+    """The parameter dict of :func:`~spader_pipeline.launch.overrides.build_overrides` for one method.
 
     ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
     ``training.reward`` the shared reward settings (the same ones the native trainer uses).
     """
     verl = verl_settings(training)
-    reward = {**dict(training.get("reward") or {}), **dict(method.get("reward") or {})}
     params: dict[str, Any] = {
         "method": method["method"],
         "model_path": str(Path(init_manifest["path"]).resolve()),
@@ -134,7 +126,7 @@ def verl_parameters(
         "run_dir": str(Path(run_dir).resolve()),
         "experiment_name": f"train_{method['method']}",
         "logger": list(verl.logger),
-        "reward": reward,
+        "reward": method_settings(training, method)["reward"],
         "options": dict(method.get("options") or {}),
         "overrides": list(verl.overrides or []),
         "model": verl.model or model_family(init_manifest["path"]),
@@ -150,16 +142,11 @@ def verl_parameters(
 
 def verl_settings(training: Mapping[str, Any]) -> VerlSettings:
     """``training.verl`` as :class:`VerlSettings`; unknown keys raise (a misspelt or dead key never
-    passes silently), and so do the former flat ``retrieval_*`` keys, naming their new place."""
+    passes silently)."""
     block = training.get("verl")
     if isinstance(block, VerlSettings):
         return block
     values = dict(block or {})
-    moved = [f"{key} -> training.verl.{MOVED_RETRIEVAL_KEYS[key]}" for key in sorted(values) if key in MOVED_RETRIEVAL_KEYS]
-    if moved:
-        raise ValueError("training.verl's retrieval keys moved into the training.verl.retrieval block "
-                         "(the same settings as training.search and evaluate.retrieval; docs/training.md): "
-                         + "; ".join(moved))
     values["retrieval"] = retrieval_settings(values.get("retrieval"), where="training.verl.retrieval")
     return from_mapping(VerlSettings, values, where="training.verl")
 
@@ -200,8 +187,6 @@ def check_worker_url(url: str, nnodes: int) -> str:
 
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
     """Hydra overrides forwarding :data:`FORWARDED_ENV` of ``env`` to every Ray worker."""
-    from spader_pipeline.verl_plugin.overrides import hydra_value
-
     return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_value(env[key])}"
             for key in FORWARDED_ENV if env.get(key)]
 
@@ -251,8 +236,6 @@ def build_launch(
     python: str | None = None,
 ) -> Launch:
     """Compose the VERL launch for one method (pure apart from writing the tool config copy)."""
-    from spader_pipeline.verl_plugin.overrides import main_ppo_argv
-
     verl = verl_settings(training)
     check_worker_url(retrieval_url, verl.nnodes)
     config_dir = Path(verl.config_dir)
@@ -319,17 +302,10 @@ def run_streaming(
 
 @contextlib.contextmanager
 def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
-    """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run."""
-    settings = verl.retrieval
-    if settings.url:
-        yield check_worker_url(settings.url, verl.nnodes)
-        return
-    if settings.mode == "service":
-        from spader_pipeline.local_servers import free_port
-
-        settings = replace(settings, port=settings.port or free_port(settings.bind_host))
-        check_worker_url(settings.advertised_url(settings.port), verl.nnodes)  # before starting anything
-    with service_url(settings, index_manifest["index_dir"]) as url:
+    """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run
+    (its URL checked before it starts)."""
+    with service_url(verl.retrieval, index_manifest["index_dir"],
+                     check=lambda url: check_worker_url(url, verl.nnodes)) as url:
         yield url
 
 

@@ -6,9 +6,10 @@ trajectories by default, or a user's own SFT data) before RL.
 
 An example is a token sequence with a loss mask: 1 on tokens the model would have generated
 (assistant turns and the ``<|im_end|>`` that closes them), 0 on prompt and observation tokens.
-Chat conversations are tokenised by the rollout's own token layout (VERL's continuous-token
-builder, through :func:`spader_pipeline.agent.hf_backend.encode_dialogue`), so the model is trained
-on exactly the token boundaries it sees in RL and under VERL.
+Chat conversations become examples in the rollout's own token layout
+(:func:`spader_pipeline.agent.tokens.examples_from_dialogues`, VERL's continuous-token builder), so
+the model is trained on exactly the token boundaries it sees in RL and under VERL; this module only
+sees token ids.
 
 Three things make the loop fast on CPU (measured in ``benchmarks/bench_training_warm_start.py``):
 
@@ -24,7 +25,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -218,22 +219,3 @@ def _warmup_cosine(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def examples_from_dialogues(
-    tokenizer, conversations: Iterable[Sequence[Mapping[str, str]]], *, model_type: str | None = None,
-    max_length: int | None = None,
-) -> list[SFTExample]:
-    """Chat conversations → examples, tokenised by the rollout's own layout
-    (:func:`spader_pipeline.agent.hf_backend.encode_dialogue`, VERL's token builder)."""
-    from spader_pipeline.agent.hf_backend import encode_dialogue, make_token_builder
-
-    builder = make_token_builder(tokenizer, model_type)
-    out = []
-    for messages in conversations:
-        prompt, response, mask = encode_dialogue(messages, tokenizer, builder=builder)
-        example = example_from_tokens(prompt, response, mask)
-        if max_length is not None:
-            example = SFTExample(example.input_ids[:max_length], example.loss_mask[:max_length])
-        out.append(example)
-    return out

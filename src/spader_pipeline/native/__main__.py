@@ -25,6 +25,7 @@ from pathlib import Path
 
 from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.trainer import train_native
+from spader_pipeline.retrieval.settings import search_backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,23 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(args.spec).read_text())
     config = NativeTrainerConfig.from_mapping(spec["config"])
     samples = [json.loads(line) for line in Path(spec["samples"]).read_text().splitlines() if line.strip()]
-    if spec.get("search_url"):
-        from spader_pipeline.retrieval import RetrievalClient
-
-        search = RetrievalClient(spec["search_url"])
-    else:
-        from spader_pipeline.agent.rollout import LocalSearch
-        from spader_pipeline.retrieval import load_retriever
-
-        search = LocalSearch(load_retriever(spec["index_dir"]))
-    result = train_native(
-        config,
-        model_path=spec["model_path"],
-        samples=samples,
-        search=search,
-        run_dir=spec["run_dir"],
-        prompt_template=spec.get("prompt_template") or "Question: {question}",
-    )
+    search_params = {"url": spec["search_url"]} if spec.get("search_url") else {"mode": "local"}
+    with search_backend(search_params, spec.get("index_dir", ""), where="run.json search") as search:
+        result = train_native(
+            config,
+            model_path=spec["model_path"],
+            samples=samples,
+            search=search,
+            run_dir=spec["run_dir"],
+            prompt_template=spec.get("prompt_template") or "Question: {question}",
+        )
     sys.stdout.write(json.dumps({"steps": result.steps, "resumed_from": result.resumed_from,
                                  "final_model_dir": str(result.final_model_dir)}) + "\n")
     return 0

@@ -136,7 +136,7 @@ def train_native(
 
     Args:
         samples: training questions, each ``{"id", "question", "ground_truth"}``.
-        search: an async search backend (``RetrievalClient`` or ``agent.rollout.LocalSearch``).
+        search: an async search backend (``RetrievalClient`` or ``retrieval.service.LocalSearch``).
         run_dir: output directory (checkpoints, ``final/``, ``metrics.jsonl``, ``samples/``).
         prompt_template: the prompt template text (``{question}`` placeholder).
         log_metrics / log_artifact: callbacks (e.g. MLflow); ``None`` = only local files.

@@ -1,7 +1,9 @@
-"""The in-process searcher: first-stage retriever + document store + optional reranker."""
+"""The in-process searcher: first-stage retriever + document store + optional reranker, and
+:class:`LocalSearch`, the same searcher behind the async interface of the HTTP client."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -95,3 +97,19 @@ class Searcher:
 
     def close(self) -> None:
         self.docs.close()
+
+
+class LocalSearch:
+    """An in-process searcher (``load_retriever(index_dir)``) with the async ``search`` of
+    :class:`~spader_pipeline.retrieval.client.RetrievalClient`.
+
+    :meth:`Searcher.respond` applies the same ranking *and* character budget (``max_chars``) as the
+    HTTP service, so in-process training sees exactly the observations an evaluation against the
+    service sees.
+    """
+
+    def __init__(self, retriever: Any) -> None:
+        self.retriever = retriever
+
+    async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> SearchResponse:
+        return await asyncio.to_thread(self.retriever.respond, list(queries), topk, max_chars)

@@ -7,19 +7,23 @@ in process (``mode: local``, the fastest) or through a service it starts for its
 (``mode: service``), listening on ``bind_host``:``port`` and reached by clients at
 ``advertised_host`` (clients on other machines, e.g. VERL's agent-loop workers on several nodes).
 Built strictly with :func:`spader_pipeline.typed_config.from_mapping`.
+
+The two functions here are the one place that choice is made: :func:`search_backend` for a stage
+that searches itself (rollouts: in process or over HTTP), :func:`service_url` for one that hands a
+URL on (evaluation's clients, VERL's search tool).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from spader_pipeline.typed_config import from_mapping
 
-__all__ = ["RetrievalSettings", "retrieval_settings", "service_url"]
+__all__ = ["RetrievalSettings", "retrieval_settings", "search_backend", "service_url"]
 
 #: bind addresses that mean "every interface" (no client can use them as an address)
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -68,10 +72,17 @@ def retrieval_settings(params: RetrievalSettings | Mapping[str, Any] | None, *, 
 
 
 @contextlib.contextmanager
-def service_url(settings: RetrievalSettings, index_dir: str | os.PathLike) -> Iterator[str]:
+def service_url(
+    settings: RetrievalSettings, index_dir: str | os.PathLike, *, check: Callable[[str], object] | None = None
+) -> Iterator[str]:
     """The service URL: ``settings.url``, or the advertised URL of a service started on ``index_dir``
-    for the duration (always stopped afterwards). ``mode: local`` is refused: the caller needs HTTP."""
+    for the duration (always stopped afterwards). ``mode: local`` is refused: the caller needs HTTP.
+
+    ``check(url)`` runs before anything starts; it raises for a URL the caller's clients cannot use.
+    """
     if settings.url:
+        if check is not None:
+            check(settings.url)
         yield settings.url
         return
     if settings.mode == "local":
@@ -80,5 +91,34 @@ def service_url(settings: RetrievalSettings, index_dir: str | os.PathLike) -> It
     from spader_pipeline.retrieval.client import running_service
 
     port = settings.port or free_port(settings.bind_host)
+    if check is not None:
+        check(settings.advertised_url(port))
     with running_service(index_dir, host=settings.bind_host, port=port, startup_timeout=settings.startup_timeout):
         yield settings.advertised_url(port)
+
+
+@contextlib.contextmanager
+def search_backend(
+    params: RetrievalSettings | Mapping[str, Any] | None, index_dir: str | os.PathLike, *, where: str
+) -> Iterator[Any]:
+    """What a rollout searches with: a :class:`~spader_pipeline.retrieval.client.RetrievalClient` on
+    :func:`service_url` (``url`` or ``mode: service``), or the index in process (``mode: local``,
+    :class:`~spader_pipeline.retrieval.service.LocalSearch`); closed afterwards. ``params`` is read
+    by :func:`retrieval_settings` (``where`` names the block in errors)."""
+    settings = retrieval_settings(params, where=where)
+    if settings.url or settings.mode == "service":
+        from spader_pipeline.retrieval.client import RetrievalClient
+
+        with service_url(settings, index_dir) as url:
+            yield RetrievalClient(url, timeout=settings.timeout, max_retries=settings.max_retries)
+        return
+    from spader_pipeline.retrieval.index import load_retriever
+    from spader_pipeline.retrieval.service import LocalSearch
+
+    retriever = load_retriever(index_dir)
+    try:
+        yield LocalSearch(retriever)
+    finally:
+        close = getattr(retriever, "close", None)
+        if close is not None:
+            close()

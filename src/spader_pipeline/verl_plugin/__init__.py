@@ -10,7 +10,9 @@ Importing it registers
   (:mod:`.estimators`, ``register_adv_est``);
 * the reward-loop reward manager ``spader`` (:mod:`.reward_manager`);
 
-and provides :class:`.batch_reward.GroupRewardAgentLoopManager` and :func:`.overrides.build_overrides`.
+and provides :class:`.batch_reward.GroupRewardAgentLoopManager` (whose start-up check is
+:mod:`.registration`). Everything verl calls lives here; :mod:`spader_pipeline.launch` only builds and
+starts runs.
 
 Every Ray process registers too, through either ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin``
 or the ``verl.plugins`` entry point in ``pyproject.toml`` (verl imports both on ``import verl``).

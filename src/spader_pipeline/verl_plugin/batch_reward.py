@@ -26,7 +26,7 @@ Also, on every generated batch:
   logs them as ``timing_s/search/...``); above ``max_error_rate`` of the search tool's config the run
   stops with :class:`SearchServiceError` instead of training on error observations.
 * **start-up**: the manager checks that every Ray node registers the plugin
-  (:func:`spader_pipeline.launch.verl_registration.check_workers_registered`).
+  (:func:`.registration.check_workers_registered`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from verl.experimental.agent_loop import AgentLoopManager
 from verl.trainer.ppo.reward import resolve_reward_manager_cls
 from verl.utils.ray_utils import auto_await
 
+from .registration import check_workers_registered
 from .trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
 __all__ = [
@@ -126,8 +127,6 @@ class GroupRewardAgentLoopManager(AgentLoopManager):
     """verl's ``AgentLoopManager`` plus a whole-batch reward assembly after each generation."""
 
     def __init__(self, config, *args, **kwargs):
-        from spader_pipeline.launch.verl_registration import check_workers_registered
-
         check_workers_registered()
         super().__init__(config, *args, **kwargs)
         self.reward_cls = resolve_reward_manager_cls(config)

@@ -5,12 +5,12 @@ import pandas as pd
 import pytest
 
 from spader_pipeline.pipelines.training.nodes import (
-    _merge,
     _summary,
     samples_from_verl,
     train_policy,
     warm_start,
 )
+from spader_pipeline.typed_config import method_settings
 
 
 def _verl_frame(n=5):
@@ -37,8 +37,8 @@ def test_disabled_warm_start_passes_the_base_model_through():
 
 
 def test_method_block_overrides_shared_settings_key_by_key():
-    merged = _merge({"reward": {"tool_round_cost": 0.01, "format_penalty": 0.0}, "seed": 0},
-                    {"method": "spader", "reward": {"beta": 4.0}})
+    training = {"reward": {"tool_round_cost": 0.01, "format_penalty": 0.0}, "native": {"seed": 0}}
+    merged = method_settings(training, {"method": "spader", "reward": {"beta": 4.0}}, "native")
     assert merged == {"reward": {"tool_round_cost": 0.01, "format_penalty": 0.0, "beta": 4.0}, "seed": 0, "method": "spader"}
 
 

@@ -18,7 +18,7 @@ import mlflow
 import pandas as pd
 
 from spader_pipeline import tracking
-from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.data.schema import SampleRecord, sample_record
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import entity_corpus_frequency
 from spader_pipeline.evaluation.models import ModelSpec
@@ -31,19 +31,8 @@ logger = logging.getLogger(__name__)
 TABLE_HEAD = ["model", "dataset", "num_samples", "num_failed", "precision", "recall", "f1", "exact_match"]
 
 
-def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    rows = []
-    for row in frame.to_dict(orient="records"):
-        gt = ground_truth_lists(row["ground_truth"])
-        rows.append(
-            {
-                "id": str(row["id"]),
-                "question": str(row["question"]),
-                "ground_truth": gt,
-                "data_source": row.get("data_source"),
-            }
-        )
-    return rows
+def _records(frame: pd.DataFrame) -> list[SampleRecord]:
+    return [sample_record(row) for row in frame.to_dict(orient="records")]
 
 
 def select_eval_sets(

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,9 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.data.schema import ground_truth_lists
-from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
-from spader_pipeline.typed_config import from_mapping
+from spader_pipeline.data.schema import SampleRecord, sample_record
+from spader_pipeline.retrieval.settings import search_backend
+from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
 
@@ -28,43 +27,18 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 
 
-def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Training questions ``{"id", "question", "ground_truth", "data_source"}`` from the VERL parquet
+def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[SampleRecord]:
+    """Training questions (:func:`~spader_pipeline.data.schema.sample_record`) from the VERL parquet
     (``extra_info.question``, ``reward_model.ground_truth``); an optional seeded subset of ``limit``."""
-    rows = []
+    rows: list[SampleRecord] = []
     for row in frame.to_dict(orient="records"):
         extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
-        gt = ground_truth_lists(reward.get("ground_truth", []))
-        rows.append({"id": str(extra.get("id", len(rows))), "question": str(extra["question"]),
-                     "ground_truth": gt, "data_source": row.get("data_source")})
+        rows.append(sample_record({"id": extra.get("id", len(rows)), "question": extra["question"],
+                                   "ground_truth": reward.get("ground_truth", []), "data_source": row.get("data_source")}))
     if limit and len(rows) > limit:
         keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
         rows = [rows[int(i)] for i in sorted(keep)]
     return rows
-
-
-@contextlib.contextmanager
-def search_backend(params: RetrievalSettings | Mapping[str, Any], index_manifest: Mapping[str, Any]) -> Iterator[Any]:
-    """The search backend for rollouts (:class:`~spader_pipeline.retrieval.settings.RetrievalSettings`):
-    a running service (``url``), the in-process index (``mode: local``, fastest), or the retrieval
-    service started on the index (``mode: service``)."""
-    settings = retrieval_settings(params, where="search")
-    if settings.url or settings.mode == "service":
-        from spader_pipeline.retrieval import RetrievalClient
-
-        with service_url(settings, index_manifest["index_dir"]) as url:
-            yield RetrievalClient(url, timeout=settings.timeout, max_retries=settings.max_retries)
-    else:
-        from spader_pipeline.agent.rollout import LocalSearch
-        from spader_pipeline.retrieval import load_retriever
-
-        retriever = load_retriever(index_manifest["index_dir"])
-        try:
-            yield LocalSearch(retriever)
-        finally:
-            close = getattr(retriever, "close", None)
-            if close is not None:
-                close()
 
 
 def _template(prompt: Mapping[str, Any], name: str | None = None) -> str:
@@ -94,8 +68,9 @@ def warm_start(
     """
     from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
     from spader_pipeline.agent.scripted import ScriptedPolicy
+    from spader_pipeline.agent.tokens import examples_from_dialogues
     from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.warm_start import WarmStartConfig, examples_from_dialogues, train_sft
+    from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
 
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")
@@ -111,7 +86,7 @@ def warm_start(
         source = str(params["data_path"])
     else:
         samples = samples_from_verl(verl_train, params.get("max_demonstrations"), seed)
-        with search_backend(params.get("search", {}), index_manifest) as search:
+        with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
             demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout_cfg, template)
         conversations = [t.messages for t in demos if t.predicted is not None]
         source = "scripted"
@@ -144,7 +119,7 @@ def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -
         return {}
     samples = samples_from_verl(frame, n, seed=1)
     gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
-    with search_backend(params.get("search", {}), index_manifest) as search:
+    with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
         trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
     turns = [s for t in trajs for s in t.steps]
     recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]
@@ -160,13 +135,6 @@ def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -
 # ----------------------------------------------------------------------------------------------
 
 
-def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in (override or {}).items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-    return out
-
-
 def method_run_identity(
     init_manifest: Mapping[str, Any], method: Mapping[str, Any], training: Mapping[str, Any]
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -178,12 +146,11 @@ def method_run_identity(
     """
     name = method["method"]
     backend = training.get("backend", "native")
-    shared = training.get("native") or {}
-    seed = int(_merge(shared, method).get("seed", 0))
+    seed = int(method_settings(training, method, "native").get("seed", 0))
     base = init_manifest.get("base") or init_manifest["path"]
     tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": backend, "seed": seed, **_merge({"reward": training.get("reward") or {}}, method)}
+    params = {"backend": backend, "seed": seed, **method_settings(training, method)}
     return f"{name} seed{seed}", tags, params
 
 
@@ -229,11 +196,9 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
 
     from spader_pipeline.native import NativeTrainerConfig, train_native
 
-    # training.reward is shared by both backends; the method block adds its own reward settings
-    settings = _merge({**training.get("native", {}), "reward": training.get("reward") or {}}, method)
-    config = NativeTrainerConfig.from_mapping(settings)
+    config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
-    with search_backend(training.get("search", {}), index_manifest) as search:
+    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
         result = train_native(
             config,
             model_path=init_manifest["path"],

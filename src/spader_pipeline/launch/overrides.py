@@ -2,7 +2,7 @@
 
 The Hydra overlays in ``conf/base/verl/`` hold the paper settings; ``build_overrides`` adds only what
 a run chooses (data, model path, cluster size, output directories, method hyper-parameters), so every
-GRPO-vs-SPADER difference stays visible in config (reference defect 8).
+GRPO-vs-SPADER difference stays visible in config (docs/training.md, "RL: the VERL backend").
 
 Parameter dict (all keys optional except ``method``)::
 

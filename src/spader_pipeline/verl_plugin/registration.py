@@ -6,14 +6,17 @@ load (package missing, environment variable not forwarded to a pre-started clust
 not at all. :func:`check_workers_registered` runs one Ray task per alive node that imports verl
 *the way verl's own workers do* and reports what is missing.
 
-This module must not import :mod:`spader_pipeline.verl_plugin` (importing it registers everything and
-would make the check pass trivially); Ray tasks defined here unpickle without it.
+The task must reach the worker without importing this package (importing it registers everything
+and would make the check pass trivially), so the module is pickled by value
+(``cloudpickle.register_pickle_by_value``): the worker runs the functions below without importing
+:mod:`spader_pipeline` until :func:`_node_report` looks for the reason of a failure.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Mapping
 
 #: what the project's verl runs need, by registry
@@ -67,8 +70,10 @@ def check_workers_registered(timeout: float = 300.0) -> None:
     Uses the running Ray session (call it from inside a verl run, e.g. the agent-loop manager).
     """
     import ray
+    from ray import cloudpickle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     task = ray.remote(num_cpus=0)(_node_report)
     # the nodes verl places its agent-loop workers on (AgentLoopManager._init_agent_loop_workers)
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]

@@ -12,7 +12,7 @@ pytest.importorskip("verl")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from spader_pipeline.verl_plugin.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
+from spader_pipeline.launch.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "base" / "verl"
 OVERLAYS = [
@@ -71,8 +71,8 @@ def test_every_overlay_composes_with_paper_settings(composed):
     )
 
 
-def test_defect8_grpo_and_spader_differ_only_by_the_method(composed):
-    """Reference defect 8: the reference GRPO also differed in format penalty, reward path and logging."""
+def test_grpo_and_spader_differ_only_by_the_method(composed):
+    """The SPADER reference's GRPO baseline also differed in format penalty, reward path and logging."""
     for model in ("qwen3_8b", "llama3_8b"):
         diff = _diff(composed[f"grpo_{model}"], composed[f"spader_{model}"])
         assert diff == {
