@@ -304,7 +304,7 @@ def run_streaming(
 def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterator[str]:
     """The URL the agent-loop workers use: ``retrieval.url``, or a service started here for the run
     (its URL checked before it starts)."""
-    with service_url(verl.retrieval, index_manifest["index_dir"],
+    with service_url(verl.retrieval, index_manifest.get("index_dir"),
                      check=lambda url: check_worker_url(url, verl.nnodes)) as url:
         yield url
 

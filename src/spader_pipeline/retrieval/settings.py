@@ -73,7 +73,7 @@ def retrieval_settings(params: RetrievalSettings | Mapping[str, Any] | None, *, 
 
 @contextlib.contextmanager
 def service_url(
-    settings: RetrievalSettings, index_dir: str | os.PathLike, *, check: Callable[[str], object] | None = None
+    settings: RetrievalSettings, index_dir: str | os.PathLike | None, *, check: Callable[[str], object] | None = None
 ) -> Iterator[str]:
     """The service URL: ``settings.url``, or the advertised URL of a service started on ``index_dir``
     for the duration (always stopped afterwards). ``mode: local`` is refused: the caller needs HTTP.
@@ -87,6 +87,8 @@ def service_url(
         return
     if settings.mode == "local":
         raise ValueError("this stage searches over HTTP: set retrieval mode 'service' or a url")
+    if index_dir is None:
+        raise ValueError("no retrieval url is set and the index manifest names no index_dir to serve")
     from spader_pipeline.local_servers import free_port
     from spader_pipeline.retrieval.client import running_service
 
