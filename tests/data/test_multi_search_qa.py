@@ -14,7 +14,7 @@ def _params(**overrides) -> dict:
         "salt": "spader-v1",
         "splits": {"train": 0.6, "validation": 0.1, "test": 0.3},
         "min_answers": 5, "max_subgroups": 4, "max_subgroup_answers": 8, "min_subgroup_answers": 1,
-        "max_share": 0.5, "max_uses_per_subgroup": 3, "max_facet_words": 4,
+        "max_share": 0.5, "max_uses_per_subgroup": 4, "max_facet_words": 4,
         "element_window": 10, "element_per_search": 3,
     }
     return {**params, **overrides}
@@ -47,6 +47,7 @@ def test_description_normalisation_and_plurals():
     assert multi_search_qa.pluralize("country") == "countries"
     assert multi_search_qa.pluralize("genus") == "genera"
     assert multi_search_qa.pluralize("class") == "classes"
+    assert multi_search_qa.pluralize("statesman") == "statesmen"
 
 
 def test_union_questions_on_synthetic_articles():
@@ -116,3 +117,22 @@ def test_real_corpus_sizes(real_questions):
     assert statistics.median(len(q.titles) for q in train) >= 5
     held_out = {tuple(q.titles) for q in real_questions if q.split != "train"}
     assert not held_out & {tuple(q.titles) for q in train}
+
+
+def test_question_wording():
+    lower = (frozenset({"romance"}), frozenset({"roman"}))
+    assert multi_search_qa.union_question("nationality", "painter", ["French", "Dutch", "German"], lower) == (
+        "Which French, Dutch or German painters are there?"
+    )
+    assert multi_search_qa.union_question("in", "Country", ["West Africa", "East Africa"], lower) == (
+        "Which countries are in West Africa or East Africa?"
+    )
+    assert multi_search_qa.union_question("in", "City", ["Maharashtra, India", "Egypt"], lower) == (
+        "Which cities are in Maharashtra, India or Egypt?"
+    )
+    assert multi_search_qa.union_question("in", "City", ["Egypt", "Maharashtra, India", "Peru"], lower) == (
+        "Which cities are in Egypt; Maharashtra, India or Peru?"
+    )
+    assert multi_search_qa.union_question("word", "language", ["Romance", "Dravidian"], lower) == (
+        "Which romance or Dravidian languages are there?"
+    )

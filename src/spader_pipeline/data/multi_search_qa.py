@@ -57,7 +57,8 @@ _FUNCTION_WORDS = frozenset("a an and by for from in of on or the to with".split
 
 _IRREGULAR_PLURALS = {
     "genus": "genera", "phylum": "phyla", "subphylum": "subphyla", "species": "species",
-    "series": "series", "man": "men", "woman": "women", "child": "children", "people": "peoples",
+    "series": "series", "child": "children", "people": "peoples", "phenomenon": "phenomena",
+    "criterion": "criteria",
 }
 
 
@@ -82,6 +83,8 @@ def _plural_last(phrase: str) -> str:
     lower = word.lower()
     if lower in _IRREGULAR_PLURALS:
         plural = _IRREGULAR_PLURALS[lower]
+    elif lower.endswith("man"):  # statesman, woman
+        plural = word[:-3] + "men"
     elif re.search(r"[^aeiou]y$", lower):
         plural = word[:-1] + "ies"
     elif re.search(r"(s|x|z|ch|sh)$", lower):
@@ -95,7 +98,7 @@ def _plural_last(phrase: str) -> str:
 
 def _or_list(items: list[str]) -> str:
     sep = "; " if any("," in item for item in items) else ", "  # "Maharashtra, India; Egypt"
-    return items[0] if len(items) == 1 else sep.join(items[:-1]) + sep.rstrip(",") + " or " + items[-1]
+    return items[0] if len(items) == 1 else sep.join(items[:-1]) + " or " + items[-1]
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def facet_of(description: str, max_facet_words: int = 4) -> _Facet | None:
     Facets longer than ``max_facet_words`` words (clauses rather than names) give None.
     """
     facet = _split_facet(description)
-    if facet is None or len(facet.facet.split()) > max_facet_words or ";" in facet.facet:
+    if facet is None or len(facet.facet.split()) > max_facet_words or re.search(r"[;'\"]", facet.facet):
         return None
     return facet
 
@@ -147,36 +150,41 @@ def _split_facet(description: str) -> _Facet | None:
     if match and match["facet"].split()[0].lower() not in _FUNCTION_WORDS - {"the"}:
         return _Facet(match["prep"], match["head"], match["facet"])
     match = _LAST_WORD.match(description)
-    if match and "," not in match["facet"] and match["facet"].split()[-1].lower() not in _FUNCTION_WORDS:
+    words = match["facet"].split() if match else []
+    if match and "," not in match["facet"] and len(words) <= 2 and not {words[0], words[-1]} & _FUNCTION_WORDS:
         return _Facet("word", match["head"], match["facet"])
     return None
 
 
-def _sentence_case(phrase: str, proper_words: frozenset[str]) -> str:
-    """Lower the first letter of a description's first word unless it is a name ("Roman")."""
-    first = phrase.split(" ", 1)[0]
-    return phrase if first.lower() in proper_words else phrase[:1].lower() + phrase[1:]
+def _sentence_case(phrase: str, words: tuple[frozenset[str], frozenset[str]], *, head: bool) -> str:
+    """Lower the first letter of a description's first word: a head unless it is a name
+    ("Roman"), a facet only when descriptions write it lower-case ("music", not "Catalan")."""
+    lower, upper = words
+    first = phrase.split(" ", 1)[0].lower()
+    lowered = first not in upper if head else first in lower
+    return phrase[:1].lower() + phrase[1:] if lowered else phrase
 
 
-def union_question(kind: str, head: str, facets: list[str], proper_words: frozenset[str]) -> str:
-    """The question for the union of ``head`` over ``facets`` (see the module docstring)."""
-    names = pluralize(_sentence_case(head, proper_words))
+def union_question(kind: str, head: str, facets: list[str], words: tuple[frozenset[str], frozenset[str]]) -> str:
+    """The question for the union of ``head`` over ``facets``; ``words``: (lower-case-only,
+    capitalised-only) words inside descriptions (see the module docstring)."""
+    names = pluralize(_sentence_case(head, words, head=True))
     if kind == "nationality":
         return f"Which {_or_list(facets)} {names} are there?"
     if kind == "in":
         return f"Which {names} are in {_or_list(facets)}?"
     if kind == "of":
         return f"Which {names} of {_or_list(facets)} are there?"
-    return f"Which {_or_list([_sentence_case(f, proper_words) for f in facets])} {names} are there?"
+    return f"Which {_or_list([_sentence_case(f, words, head=False) for f in facets])} {names} are there?"
 
 
-def _proper_words(descriptions: list[str]) -> frozenset[str]:
-    """Words capitalised, and never lower-case, after the first word of some description."""
+def description_words(descriptions: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """Words written only lower-case, and only capitalised, after the first word of descriptions."""
     lower, upper = set(), set()
     for description in descriptions:
         for word in description.split()[1:]:
             (lower if word[:1].islower() else upper).add(word.lower())
-    return frozenset(upper - lower)
+    return frozenset(lower - upper), frozenset(upper - lower)
 
 
 def element_questions(articles: pd.DataFrame, window: int, per_search: int) -> list[MultiSearchQuestion]:
@@ -224,7 +232,7 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
     for title, description in zip(described["title"], normalized, strict=True):
         if description and not _ELEMENT.match(description):
             groups[description].append(title)
-    proper_words = _proper_words(list(described["description"]))
+    words = description_words(list(described["description"]))
 
     heads: dict[tuple[str, str], list[tuple[str, SubGroup]]] = defaultdict(list)
     for description in sorted(groups):
@@ -257,7 +265,7 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
             out.append(
                 MultiSearchQuestion(
                     key=f"{kind}|{head}",
-                    question=union_question(kind, head, facets, proper_words),
+                    question=union_question(kind, head, facets, words),
                     subgroups=tuple(group for _, group in combo),
                     queries=tuple(group.description for _, group in combo),
                 )
