@@ -5,7 +5,7 @@ import statistics
 import pandas as pd
 import pytest
 
-from spader_pipeline.data import multi_search_qa, wiki
+from spader_pipeline.data import multi_search_qa, validation, wiki
 from spader_pipeline.pipelines.data_prep import nodes
 
 
@@ -35,7 +35,7 @@ def _synthetic_articles() -> pd.DataFrame:
     rows += [("Big 0", "Family of birds")] * 1 + [(f"Big {i}", "Family of birds") for i in range(1, 12)]
     rows += [("Lonely", "Unique description of something")]
     return pd.DataFrame(
-        [{"title": t, "description": d, "extract": f"{t} is a thing. " * 5, "topic": ""} for t, d in rows]
+        [{"title": t, "description": d, "extract": f"{t} is a country, a king or a painter. " * 5, "topic": ""} for t, d in rows]
     ).drop_duplicates("title")
 
 
@@ -43,6 +43,8 @@ def test_description_normalisation_and_plurals():
     assert multi_search_qa.normalize_description("King of France from 987 to 996") == "King of France"
     assert multi_search_qa.normalize_description("French painter (1840–1926)") == "French painter"
     assert multi_search_qa.normalize_description("16th-century Italian painter") == "Italian painter"
+    assert multi_search_qa.normalize_description("Empire in West Africa from c. 1230 to 1600") == "Empire in West Africa"
+    assert multi_search_qa.normalize_description("Roman emperor from AD 14 to 37") == "Roman emperor"
     assert multi_search_qa.pluralize("actor and filmmaker") == "actors and filmmakers"
     assert multi_search_qa.pluralize("country") == "countries"
     assert multi_search_qa.pluralize("genus") == "genera"
@@ -108,6 +110,7 @@ def real_questions():
     return multi_search_qa.build_questions(wiki.load_wiki_articles(), _params())
 
 
+@pytest.mark.slow
 def test_real_corpus_sizes(real_questions):
     """The thresholds of docs/data.md: >= 300 training and >= 150 held-out questions, median >= 5."""
     train = [q for q in real_questions if q.split == "train"]
@@ -119,8 +122,15 @@ def test_real_corpus_sizes(real_questions):
     assert not held_out & {tuple(q.titles) for q in train}
 
 
+@pytest.mark.slow
+def test_real_rows_pass_validation(real_questions):
+    rows = multi_search_qa.question_rows(real_questions)
+    outcome = validation.validate_tables({"embedded": rows})
+    assert len(outcome.clean) == len(rows) and len(outcome.quarantine) == 0
+
+
 def test_question_wording():
-    lower = (frozenset({"romance"}), frozenset({"roman"}))
+    lower = {"romance": True, "dravidian": False, "country": False}  # heads are lowered regardless
     assert multi_search_qa.union_question("nationality", "painter", ["French", "Dutch", "German"], lower) == (
         "Which French, Dutch or German painters are there?"
     )
@@ -135,4 +145,13 @@ def test_question_wording():
     )
     assert multi_search_qa.union_question("word", "language", ["Romance", "Dravidian"], lower) == (
         "Which romance or Dravidian languages are there?"
+    )
+    assert multi_search_qa.union_question("of", "Prime Minister", ["India", "Iran"], lower) == (
+        "Which Prime Ministers of India or Iran are there?"
+    )
+    assert multi_search_qa.word_case(["The music was Catalan music. Music and Catalan art; music"]) == {
+        "music": True, "catalan": False, "and": True, "art": True, "was": True,  # "The", "Music": sentence starts
+    }
+    assert multi_search_qa.union_question("of", "Greek goddess", ["love", "war"], lower) == (
+        "Which Greek goddesses of love or war are there?"
     )

@@ -26,14 +26,17 @@ answer set, never occurs in two splits.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from spader_pipeline.data.embedded_qa import DATA_SOURCE, _short_hash, _stable_fraction, assign_split
@@ -68,8 +71,9 @@ def normalize_description(description: str) -> str:
     text = re.sub(r"\b\d+(?:st|nd|rd|th)[- ]century\b", "", text)
     text = re.sub(r"\b(?:from|since|until|between|to|and|in|c\.|ca\.)?\s*\d{1,4}s?\b(?: BC| BCE| AD| CE)?", "", text)
     text = re.sub(r"\b\d+(?:st|nd|rd|th)\b", "", text)
-    text = re.sub(r"\s+", " ", text)
-    return re.sub(r"(?:\s|[,;:–-])+$", "", text).strip(" ,;:–-")
+    text = re.sub(r"\s+", " ", text).strip(" ,;:–-")
+    # connectives the removed years leave behind: "Empire in West Africa from to"
+    return re.sub(r"(?:[\s,;:–-]+(?:from|to|since|until|between|and|c\.|ca\.|BC|BCE|AD|CE)\b)+$", "", text).strip(" ,;:–-")
 
 
 def pluralize(noun_phrase: str) -> str:
@@ -147,7 +151,10 @@ def _split_facet(description: str) -> _Facet | None:
     if match:
         return _Facet("nationality", match["head"], match["facet"])
     match = _PREPOSITION.match(description)
-    if match and match["facet"].split()[0].lower() not in _FUNCTION_WORDS - {"the"}:
+    # a comma in a place ("Maharashtra, India") is a name; elsewhere it starts a clause
+    if match and match["facet"].split()[0].lower() not in _FUNCTION_WORDS - {"the"} and (
+        match["prep"] == "in" or "," not in match["facet"]
+    ):
         return _Facet(match["prep"], match["head"], match["facet"])
     match = _LAST_WORD.match(description)
     words = match["facet"].split() if match else []
@@ -156,35 +163,49 @@ def _split_facet(description: str) -> _Facet | None:
     return None
 
 
-def _sentence_case(phrase: str, words: tuple[frozenset[str], frozenset[str]], *, head: bool) -> str:
-    """Lower the first letter of a description's first word: a head unless it is a name
-    ("Roman"), a facet only when descriptions write it lower-case ("music", not "Catalan")."""
-    lower, upper = words
-    first = phrase.split(" ", 1)[0].lower()
-    lowered = first not in upper if head else first in lower
+def _sentence_case(phrase: str, case: Mapping[str, bool], *, head: bool) -> str:
+    """Lower the first letter of a description's first word: a head's unless it is a nationality
+    ("Greek goddess") or a title ("Prime Minister"); a facet's when the articles write that word
+    lower-case mid-sentence more often than not ("music", not "Catalan")."""
+    words = phrase.split(" ")
+    if head:
+        lowered = not _NATIONALITY.match(phrase) and not any(w[:1].isupper() for w in words[1:])
+    else:
+        lowered = case.get(words[0].lower(), False)
     return phrase[:1].lower() + phrase[1:] if lowered else phrase
 
 
-def union_question(kind: str, head: str, facets: list[str], words: tuple[frozenset[str], frozenset[str]]) -> str:
-    """The question for the union of ``head`` over ``facets``; ``words``: (lower-case-only,
-    capitalised-only) words inside descriptions (see the module docstring)."""
-    names = pluralize(_sentence_case(head, words, head=True))
+def union_question(kind: str, head: str, facets: list[str], case: Mapping[str, bool]) -> str:
+    """The question for the union of ``head`` over ``facets``; ``case``: word → written lower-case
+    (see :func:`word_case`)."""
+    names = pluralize(_sentence_case(head, case, head=True))
     if kind == "nationality":
         return f"Which {_or_list(facets)} {names} are there?"
     if kind == "in":
         return f"Which {names} are in {_or_list(facets)}?"
     if kind == "of":
         return f"Which {names} of {_or_list(facets)} are there?"
-    return f"Which {_or_list([_sentence_case(f, words, head=False) for f in facets])} {names} are there?"
+    return f"Which {_or_list([_sentence_case(f, case, head=False) for f in facets])} {names} are there?"
 
 
-def description_words(descriptions: list[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """Words written only lower-case, and only capitalised, after the first word of descriptions."""
-    lower, upper = set(), set()
-    for description in descriptions:
-        for word in description.split()[1:]:
-            (lower if word[:1].islower() else upper).add(word.lower())
-    return frozenset(lower - upper), frozenset(upper - lower)
+_TOKEN = re.compile(r"[^\W\d_][\w-]*|[.!?]")
+
+
+def word_case(texts: list[str]) -> dict[str, bool]:
+    """Word (lower-cased) → whether ``texts`` write it lower-case more often than capitalised,
+    counting only words inside a sentence (not after ``.``, ``!``, ``?`` or at the start)."""
+    lower: dict[str, int] = defaultdict(int)
+    upper: dict[str, int] = defaultdict(int)
+    for text in texts:
+        sentence_start = True
+        for token in _TOKEN.findall(text):
+            if token in ".!?":
+                sentence_start = True
+                continue
+            if not sentence_start:
+                (lower if token[:1].islower() else upper)[token.lower()] += 1
+            sentence_start = False
+    return {word: lower[word] > upper[word] for word in set(lower) | set(upper)}
 
 
 def element_questions(articles: pd.DataFrame, window: int, per_search: int) -> list[MultiSearchQuestion]:
@@ -215,6 +236,23 @@ def element_questions(articles: pd.DataFrame, window: int, per_search: int) -> l
     return out
 
 
+_MAX_COMBINATIONS = 20_000
+
+
+def _combinations(n: int, max_size: int, seed: str) -> list[tuple[int, ...]]:
+    """Index sets of 2..``max_size`` of ``n`` members: all of them, or, where there are more than
+    ``_MAX_COMBINATIONS`` (a head with ~40 facets has 10^5), that many drawn with a seeded generator."""
+    sizes = range(2, min(max_size, n) + 1)
+    if sum(math.comb(n, k) for k in sizes) <= _MAX_COMBINATIONS:
+        return [c for k in sizes for c in itertools.combinations(range(n), k)]
+    rng = np.random.default_rng(int(hashlib.sha1(seed.encode()).hexdigest()[:12], 16))
+    drawn: set[tuple[int, ...]] = set()
+    for k in sizes:  # the same number of draws per size; a draw is the first k of a random permutation
+        picks = np.sort(np.argsort(rng.random((_MAX_COMBINATIONS // len(sizes), n)), axis=1)[:, :k], axis=1)
+        drawn.update(map(tuple, picks.tolist()))
+    return sorted(drawn)
+
+
 def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[MultiSearchQuestion]:
     """Union questions over description heads (without splits; see :func:`build_questions`)."""
     salt = str(params.get("salt", "spader"))
@@ -232,7 +270,7 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
     for title, description in zip(described["title"], normalized, strict=True):
         if description and not _ELEMENT.match(description):
             groups[description].append(title)
-    words = description_words(list(described["description"]))
+    case = word_case([*described["description"], *described.get("extract", [])])
 
     heads: dict[tuple[str, str], list[tuple[str, SubGroup]]] = defaultdict(list)
     for description in sorted(groups):
@@ -247,12 +285,11 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
         if len(members) < 2:
             continue
         candidates = []
-        for size in range(2, max_subgroups + 1):
-            for combo in itertools.combinations(members, size):
-                sizes = [len(group.titles) for _, group in combo]
-                total = sum(sizes)
-                if total >= min_answers and max(sizes) <= max_share * total:
-                    candidates.append(combo)
+        for combo in _combinations(len(members), max_subgroups, f"{salt}|{kind}|{head}"):
+            sizes = [len(members[i][1].titles) for i in combo]
+            total = sum(sizes)
+            if total >= min_answers and max(sizes) <= max_share * total:
+                candidates.append(tuple(members[i] for i in combo))
         # a salted order, then each sub-group in at most ``max_uses`` questions
         candidates.sort(key=lambda c: _stable_fraction("|".join(g.description for _, g in c), salt))
         uses: dict[str, int] = defaultdict(int)
@@ -265,7 +302,7 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
             out.append(
                 MultiSearchQuestion(
                     key=f"{kind}|{head}",
-                    question=union_question(kind, head, facets, words),
+                    question=union_question(kind, head, facets, case),
                     subgroups=tuple(group for _, group in combo),
                     queries=tuple(group.description for _, group in combo),
                 )
@@ -295,6 +332,11 @@ def build_multi_search_qa(articles: pd.DataFrame, params: Mapping[str, Any]) -> 
     """Unified rows of the multi-search questions (``embedded_qa.mode: multi_search``)."""
     questions = build_questions(articles, params)
     logger.info("multi-search QA: %d questions", len(questions))
+    return question_rows(questions)
+
+
+def question_rows(questions: list[MultiSearchQuestion]) -> list[QARow]:
+    """Unified rows (``ground_truth``: each title with its bare form) of built questions."""
     return [
         {
             "id": make_id(DATA_SOURCE, f"multi-{_short_hash(q.question + '|' + '|'.join(q.titles))}"),
