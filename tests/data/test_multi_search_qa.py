@@ -152,6 +152,10 @@ def test_question_wording():
     assert multi_search_qa.word_case(["The music was Catalan music. Music and Catalan art; music"]) == {
         "music": True, "catalan": False, "and": True, "art": True, "was": True,  # "The", "Music": sentence starts
     }
+    lower["west"] = True
+    assert multi_search_qa.union_question("word", "language", ["West Germanic", "Romance"], lower) == (
+        "Which West Germanic or romance languages are there?"
+    )
     assert multi_search_qa.union_question("of", "Greek goddess", ["love", "war"], lower) == (
         "Which Greek goddesses of love or war are there?"
     )

@@ -5,20 +5,22 @@ description, normalised (years, ordinals and parentheses removed: "King of Franc
 → "King of France"), is the same. The sub-groups of one question share a *head* and differ in one
 *facet*, which the question names:
 
-- nationality × rest: "French painter", "Dutch painter" → *Which French or Dutch painters are there?*
-- "<head> of/in <facet>": "Country in West Africa", "Country in East Africa" → *Which countries are in
-  West Africa or East Africa?*; "Family of birds", "Family of insects" → *Which families of birds or
-  insects are there?*
-- "<facet> <head word>": "Indo-Aryan language", "Dravidian language" → *Which Indo-Aryan or
-  Dravidian languages are there?*
+- nationality × rest: "French composer", "Czech composer" → *Which Czech or French composers are
+  there?*
+- "<head> of/in <facet>": "Country in Central Africa", "Country in East Asia" → *Which countries are
+  in Central Africa or East Asia?*; "Family of fruit bats", "Family of primates" → *Which families of
+  fruit bats or primates are there?*
+- "<facet> <head word>": "Cushitic language", "Semitic language" → *Which Cushitic or Semitic
+  languages are there?*
 - atomic-number windows: *Which chemical elements have atomic numbers from 21 to 30?* (the number is
-  in every element's description).
+  in every element's description; a sub-group is a few consecutive numbers).
 
 Every passage starts with its article's description (``wiki.iter_passages``), so membership stays
-decidable from retrieved text, and each sub-group is what one search for its description retrieves:
-a question needs about one search per sub-group. Sub-groups larger than ``max_subgroup_answers``
-(more than one search returns) are left out, and no sub-group holds more than ``max_share`` of a
-question's answers, so one search can find at most that share.
+decidable from retrieved text, and a search for a sub-group's description retrieves that
+sub-group: a question needs about one search per sub-group. Sub-groups larger than
+``max_subgroup_answers`` are left out (they need more searches than the question has facets), and
+no sub-group holds more than ``max_share`` of a question's answers, so the search for one
+sub-group finds at most that share.
 
 Splits are assigned per head (a salted hash, as in ``embedded_qa``), so a sub-group, and hence an
 answer set, never occurs in two splits.
@@ -165,13 +167,13 @@ def _split_facet(description: str) -> _Facet | None:
 
 def _sentence_case(phrase: str, case: Mapping[str, bool], *, head: bool) -> str:
     """Lower the first letter of a description's first word: a head's unless it is a nationality
-    ("Greek goddess") or a title ("Prime Minister"); a facet's when the articles write that word
-    lower-case mid-sentence more often than not ("music", not "Catalan")."""
+    ("Greek goddess"); a facet's when the articles write that word lower-case mid-sentence more
+    often than not ("music", not "Catalan"); neither in a name of several capitalised words
+    ("Prime Minister", "West Germanic")."""
     words = phrase.split(" ")
-    if head:
-        lowered = not _NATIONALITY.match(phrase) and not any(w[:1].isupper() for w in words[1:])
-    else:
-        lowered = case.get(words[0].lower(), False)
+    if any(w[:1].isupper() for w in words[1:]):  # "Prime Minister", "West Germanic"
+        return phrase
+    lowered = not _NATIONALITY.match(phrase) if head else case.get(words[0].lower(), False)
     return phrase[:1].lower() + phrase[1:] if lowered else phrase
 
 
