@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.data import embedded_qa, formats, readers, validation, wiki
+from spader_pipeline.data import embedded_qa, formats, multi_search_qa, readers, validation, wiki
 from spader_pipeline.data.schema import PARSE_ERROR, RAW_RECORD, UNIFIED_COLUMNS
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ def build_embedded_questions(articles: pd.DataFrame, params: dict[str, Any]) -> 
     """Unified rows of the embedded QA set (``data.embedded_qa``)."""
     if not params.get("enabled", True):
         return pd.DataFrame(columns=["id", "question", "ground_truth", "data_source", "split"])
+    if params.get("mode", "descriptions") == "multi_search":
+        rows = multi_search_qa.build_multi_search_qa(articles, {"salt": params["salt"], **params["multi_search"]})
+        return pd.DataFrame.from_records(rows)
     return pd.DataFrame.from_records(embedded_qa.build_embedded_qa(articles, params))
 
 
