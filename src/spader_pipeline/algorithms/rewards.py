@@ -199,8 +199,9 @@ def exploration_step_rewards(
 def final_answer_reward(
     f1: torch.Tensor, format_ok: torch.Tensor, *, weight: float = 1.0, format_penalty: float = 0.0
 ) -> torch.Tensor:
-    """``[B]``: ``w_F·F1`` for well-formed answers, ``−format_penalty`` for format errors."""
-    f1 = f1.float()
+    """``[B]``: ``w_F·F1`` for well-formed answers, ``−format_penalty`` for format errors (float32, or
+    float64 for float64 scores)."""
+    f1 = f1 if f1.dtype == torch.float64 else f1.float()
     ok = format_ok.to(torch.bool).to(f1.device)
     return torch.where(ok, weight * f1, torch.full_like(f1, -float(format_penalty)))
 

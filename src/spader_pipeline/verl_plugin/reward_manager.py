@@ -47,7 +47,7 @@ from spader_pipeline.algorithms.methods import (
     method_rewards,
     reward_config_from_mapping,
 )
-from spader_pipeline.algorithms.rewards import SpaderRewardConfig
+from spader_pipeline.algorithms.rewards import SpaderRewardConfig, outcome_reward
 from spader_pipeline.algorithms.steps import segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
 
@@ -87,11 +87,11 @@ class ManagerSettings:
         return cls(method, reward_config_from_mapping(method, kwargs), verl_options(method, algorithm), require)
 
     def final_term(self, record: TrajectoryRecord) -> float:
-        """The group-free outcome (what verl's streaming path writes on the last token)."""
-        if not record.format_ok:
-            return -self.reward.format_penalty
+        """The group-free outcome, without tool cost (what verl's streaming path writes on the last token)."""
         score = answer_score(self.method, self.options, f1=record.score.f1, exact_match=record.score.exact_match)
-        return self.reward.final_answer_weight * score
+        final = outcome_reward(torch.tensor([float(score)], dtype=torch.float64), torch.tensor([record.format_ok]),
+                               self.reward)
+        return float(final[0])
 
 
 def make_payload(
