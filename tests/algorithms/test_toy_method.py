@@ -172,7 +172,6 @@ def test_verl_trainer_loop_trains_the_toy_method(toy, loop, workspace, tmp_path)
     block = {"method": "toy", "reward": {"tool_round_cost": 0.0}, "options": {"scale": 2.0}}
     with loop.ray_for_trainer_loop(workspace["model"], paths=[HERE], modules=[Path(__file__).stem],
                                    env={WORKER_FLAG: "1"}):
-        loop.RecordingWorkerGroup.calls = []
         metrics, config = loop.run_trainer_loop("toy", workspace, tmp_path / "run", config_dir=conf, block=block)
         calls = list(loop.RecordingWorkerGroup.calls)
     assert config.algorithm.adv_estimator == "toy_baseline" and config.algorithm.toy_baseline.scale == 2.0
