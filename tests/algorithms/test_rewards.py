@@ -84,7 +84,8 @@ def test_exploration_group_novelty_and_gt_normalisation():
 
 
 def test_defect1_tool_cost_applies_with_the_real_global_step():
-    """Reference defect 1: the step never reached the reward, so s = 0 and the cost was never charged."""
+    """The SPADER release never passed the step to the reward, so s = 0 and the cost was never charged
+    (docs/algorithms.md, "Reference defects fixed")."""
     found = torch.zeros(1, 2, 1, dtype=torch.bool)
     counts = torch.tensor([[3.0, 0.0]])
     cfg = SpaderRewardConfig()
@@ -137,7 +138,8 @@ def test_spader_rewards_token_placement_and_spa_alignment():
 
 
 def test_defect7_step_extraction_makes_no_per_token_item_calls(monkeypatch):
-    """Reference defect 7: the reference calls tensor.item() once per token (≈4.2M per step)."""
+    """The SPADER release calls tensor.item() once per token, ≈4.2M per step (docs/algorithms.md,
+    "Reference defects fixed")."""
     calls = {"n": 0}
     original = torch.Tensor.item
 

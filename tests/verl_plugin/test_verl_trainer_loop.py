@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -80,14 +81,13 @@ def _template() -> str:
     return resolve_template(prompt)
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+@contextmanager
+def trainer_loop_workspace(root: Path):
     """Tiny Qwen3 + tokenizer, a 6-document BM25 index served on 127.0.0.1, VERL parquet files."""
     from spader_pipeline.data.formats import verl_rows
     from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
     from spader_pipeline.retrieval import build_index_from_file, running_service
 
-    root = tmp_path_factory.mktemp("verl-loop")
     template = _template()
     texts = [f"{t}\n{c}" for t, c in DOCS] + [template] + [q for *_, q, _ in QUESTIONS]
     texts += ['<think>I should search.</think><tool_call>["x"]</tool_call><answer>["Ghana"]</answer>'] * 3
@@ -112,24 +112,31 @@ def workspace(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_session(workspace):
-    """One local Ray for the four methods (workers find the test helpers on PYTHONPATH). The workers
-    load the plugin only through the launcher's ``VERL_USE_EXTERNAL_MODULES`` (entry points off), so
-    the run proves that what the launch forwards registers everything in verl's workers."""
+def workspace(tmp_path_factory):
+    with trainer_loop_workspace(tmp_path_factory.mktemp("verl-loop")) as ws:
+        yield ws
+
+
+@contextmanager
+def ray_for_trainer_loop(model_dir, *, paths=(), modules=(), env=None):
+    """A local Ray whose workers find the test helpers (and ``paths``) on PYTHONPATH and load the
+    plugin only through the launcher's ``VERL_USE_EXTERNAL_MODULES`` (entry points off), plus
+    ``modules`` (e.g. a module defining another method); yields the scripted LLM server."""
     from spader_pipeline.launch.verl import verl_environment
 
     if ray.is_initialized():
         ray.shutdown()
-    paths = [str(HERE), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    pythonpath = [str(HERE), *map(str, paths), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     launch_env = verl_environment(tracking_uri=None, run_id=None, base={})
     env = {
-        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONPATH": os.pathsep.join(pythonpath),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VERL_LOGGING_LEVEL": "WARN",
-        "VERL_USE_EXTERNAL_MODULES": launch_env["VERL_USE_EXTERNAL_MODULES"],
+        "VERL_USE_EXTERNAL_MODULES": ",".join([launch_env["VERL_USE_EXTERNAL_MODULES"], *modules]),
         "VERL_USE_EXTERNAL_PLUGINS": "none",
+        **dict(env or {}),
     }
     # Through the environment Ray's own processes inherit, not a job runtime_env: a job with one gets
     # fresh workers set up for it, and the workers Ray pre-starts at init would sit idle (each is a
@@ -145,9 +152,17 @@ def ray_session(workspace):
             else:
                 os.environ[key] = value
     try:
-        yield start_scripted_server(str(workspace["model"]), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
+        yield start_scripted_server(str(model_dir), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session(workspace):
+    """One local Ray for the four methods: the run proves that what the launch forwards registers
+    everything in verl's workers."""
+    with ray_for_trainer_loop(workspace["model"]) as server:
+        yield server
 
 
 def project_parameters() -> dict:
@@ -169,8 +184,10 @@ def pays_tool_cost(method: str) -> bool:
     return bool(method_block(method)["reward"].get("tool_round_cost"))
 
 
-def _compose(method: str, ws: dict, run_dir: Path):
-    """The method's overlay + the launcher's overrides + CPU-test sizes, composed by Hydra."""
+def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / "conf/base/verl",
+             block: dict | None = None):
+    """The method's overlay (``<config_dir>/<method>.yaml``) + the launcher's overrides for its
+    ``train_<method>.method`` block (or ``block``) + CPU-test sizes, composed by Hydra."""
     from hydra import compose, initialize_config_dir
 
     from spader_pipeline.launch.overrides import build_overrides
@@ -213,21 +230,21 @@ def _compose(method: str, ws: dict, run_dir: Path):
             ],
         },
     }
-    params = verl_parameters({"path": str(ws["model"])}, method_block(method), training, run_dir,
+    params = verl_parameters({"path": str(ws["model"])}, block or method_block(method), training, run_dir,
                              tool_config_path=tool_config)
-    with initialize_config_dir(config_dir=str(ROOT / "conf/base/verl"), version_base=None):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose(config_name=method, overrides=build_overrides(params))
 
 
-def run_trainer_loop(method: str, ws: dict, run_dir: Path) -> tuple[list[dict], object]:
+def run_trainer_loop(method: str, ws: dict, run_dir: Path, **compose) -> tuple[list[dict], object]:
     """verl's ``main()`` checks and ``TaskRunner.run`` with the GPU boundaries replaced; returns the
-    metrics verl's file tracker logged and the composed config."""
+    metrics verl's file tracker logged and the composed config (``compose``: see :func:`_compose`)."""
     from verl.trainer.main_ppo_v0 import BaseTaskRunner, TaskRunner
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    config = _compose(method, ws, run_dir)
+    config = _compose(method, ws, run_dir, **compose)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
     class CpuTaskRunner(BaseTaskRunner):

@@ -2,7 +2,7 @@
 
 Only numpy, torch, pyahocorasick and the standard library are imported here (no verl, Ray, Kedro or
 HTTP), so the native trainer and the VERL plugin share exactly one implementation; each RL method is
-defined once in :mod:`.methods`.
+defined once, in its own module of :mod:`.methods`.
 """
 
 from .advantages import (

@@ -4,16 +4,17 @@ SPADER (arXiv 2606.00593; docs/algorithms.md). For trajectory ``i`` of a prompt 
 (the ``t``-th run of model tokens) and the documents retrieved by that step's tool call:
 
 * ``found_{i,t}`` — ground-truth entities with an alias in those **retrieved documents** (whole words,
-  normalised; never the model's own query text — reference defect 3);
+  normalised; never the model's own query text, which would credit naming an entity as finding it);
 * ``new_{i,t} = found_{i,t} \\ ∪_{k<t} found_{i,k}`` — first discovery within the trajectory;
 * ``N(e)`` — number of trajectories of the group that found ``e`` at any step;
 * ``r_{i,t} = (1/|GT|)·[Σ_{e∈new_{i,t}} (α + β·exp(−λ·(N(e)−1))) − c_eff·Count_{i,t}]`` where
   ``Count_{i,t}`` is the number of queries the step executed and ``c_eff`` follows the warm-up schedule of
-  :func:`tool_cost_coefficient`, driven by the trainer's real global step (reference defect 1: the
-  reference never received the step, so the cost was never applied).
-* the final step additionally receives ``w_F·F1`` (or ``−format_penalty`` on a format error).
+  :func:`tool_cost_coefficient`, driven by the trainer's real global step (without it the schedule
+  stays at step 0 and the cost is never applied).
+* the final step additionally receives the outcome ``w_F·F1`` (or ``−format_penalty`` on a format
+  error), :func:`outcome_reward`, the term every method shares.
 
-``|GT|`` is the number of distinct normalised entities (the SPADER reference used the raw list length).
+``|GT|`` is the number of distinct normalised entities (the SPADER release code used the raw list length).
 Everything is batch-vectorised: discovery is one Aho-Corasick pass per prompt group
 (:mod:`.matching`), the rest is tensor algebra over ``found`` of shape ``[B, S, E]``.
 """
@@ -29,7 +30,7 @@ import torch
 
 from .advantages._groups import group_index
 from .matching import GroundTruth, find_entities_in_steps, normalize_ground_truths
-from .steps import StepLayout, scatter_to_anchors, segment_steps
+from .steps import StepLayout, gather_steps, place_on_anchors, segment_steps
 
 __all__ = [
     "ExplorationRewards",
@@ -41,6 +42,7 @@ __all__ = [
     "first_discoveries",
     "first_occurrence_steps",
     "novelty_weight",
+    "outcome_reward",
     "spader_rewards",
     "tool_cost_coefficient",
 ]
@@ -197,10 +199,39 @@ def exploration_step_rewards(
 def final_answer_reward(
     f1: torch.Tensor, format_ok: torch.Tensor, *, weight: float = 1.0, format_penalty: float = 0.0
 ) -> torch.Tensor:
-    """``[B]``: ``w_F·F1`` for well-formed answers, ``−format_penalty`` for format errors."""
-    f1 = f1.float()
+    """``[B]``: ``w_F·F1`` for well-formed answers, ``−format_penalty`` for format errors (float32, or
+    float64 for float64 scores)."""
+    f1 = f1 if f1.dtype == torch.float64 else f1.float()
     ok = format_ok.to(torch.bool).to(f1.device)
     return torch.where(ok, weight * f1, torch.full_like(f1, -float(format_penalty)))
+
+
+def outcome_reward(
+    score: torch.Tensor,
+    format_ok: torch.Tensor,
+    config: SpaderRewardConfig,
+    *,
+    cost_coefficient: float = 0.0,
+    num_gt: torch.Tensor | None = None,
+    query_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B]`` the outcome term every method pays on its answer step: the final-answer reward on
+    ``score`` (:func:`final_answer_reward` with ``w_F`` and the format penalty of ``config``) minus the
+    trajectory's tool cost ``c_eff·ΣCount/|GT|`` (rows without gold entities pay none).
+
+    Methods that charge the tool cost per step (SPADER) pass ``cost_coefficient=0``;
+    ``num_gt [B]`` and ``query_counts [B, S]`` are needed only when it is not 0.
+    """
+    final = final_answer_reward(
+        score, format_ok, weight=config.final_answer_weight, format_penalty=config.format_penalty
+    )
+    if cost_coefficient == 0:
+        return final
+    if num_gt is None or query_counts is None:
+        raise ValueError("a tool cost on the outcome needs num_gt and query_counts")
+    gt = num_gt.float()
+    cost = cost_coefficient * query_counts.float().sum(dim=1) / gt.clamp(min=1)
+    return final - torch.where(gt > 0, cost, torch.zeros_like(cost))
 
 
 @dataclass(frozen=True)
@@ -249,9 +280,7 @@ def spader_rewards(
     layout = layout if layout is not None else segment_steps(response_mask)
     bsz, length = response_mask.shape
     width = layout.max_steps
-    final = final_answer_reward(
-        f1, format_ok, weight=config.final_answer_weight, format_penalty=config.format_penalty
-    )
+    final = outcome_reward(f1, format_ok, config)  # the tool cost is charged per step here
     step = torch.zeros((bsz, width), dtype=torch.float32)
     exploration = None
     if config.enable_exploration and found is not None and width:
@@ -263,12 +292,6 @@ def spader_rewards(
         q = torch.zeros((bsz, width), dtype=torch.float32)
         q[:, : min(width, query_counts.shape[1])] = query_counts[:, :width].float()
         exploration = exploration_step_rewards(f, index, num_gt, q, global_step=global_step, config=config)
-        step = exploration.step_rewards * layout.step_mask
-    if width:
-        last = (layout.num_steps - 1).clamp(min=0)
-        has_steps = (layout.num_steps > 0).float()
-        step = step.scatter_add(1, last.unsqueeze(1), (final * has_steps).unsqueeze(1))
-    token = scatter_to_anchors(step, layout, length)
-    if length:  # a response without model tokens still carries its final term (on token 0, as the reference)
-        token[:, 0] += torch.where(layout.num_steps == 0, final, torch.zeros_like(final))
-    return SpaderRewards(token, step, final, exploration, layout)
+        step = exploration.step_rewards
+    token = place_on_anchors(step, final, layout, length)
+    return SpaderRewards(token, gather_steps(token, layout), final, exploration, layout)

@@ -3,8 +3,8 @@
 A response is ``[model turn][observation][model turn]…[model turn][padding]``; ``response_mask`` is 1
 on model tokens and 0 on observation and padding tokens. Every maximal run of 1s is one *decision
 step*; its last token is the step's *anchor* (where SPADER places step rewards; docs/algorithms.md),
-and the last run is the answer step. The SPADER reference walks every token with ``tensor.item()``;
-here the segmentation is a handful of batched tensor ops (reference defect 7).
+and the last run is the answer step. The segmentation is a handful of batched tensor ops, with no
+Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["StepLayout", "gather_steps", "scatter_to_anchors", "segment_steps", "spread_over_steps"]
+__all__ = [
+    "StepLayout",
+    "gather_steps",
+    "place_on_anchors",
+    "scatter_to_anchors",
+    "segment_steps",
+    "spread_over_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,24 @@ def scatter_to_anchors(step_values: torch.Tensor, layout: StepLayout, length: in
     rows, steps = layout.run_row[keep], layout.run_step[keep]
     out[rows, layout.anchors[rows, steps]] = step_values[rows, steps]
     return out
+
+
+def place_on_anchors(
+    step_values: torch.Tensor, outcome: torch.Tensor, layout: StepLayout, length: int
+) -> torch.Tensor:
+    """Token rewards ``[B, T]``: ``step_values [B, S]`` on their steps' anchors plus ``outcome [B]`` on
+    the answer step's anchor (the last step); a response without model tokens gets ``outcome`` on
+    token 0. Every method's reward layout is written with this (docs/algorithms.md)."""
+    width = layout.max_steps
+    if width:
+        step_values = step_values * layout.step_mask.to(step_values.dtype)
+        last = (layout.num_steps - 1).clamp(min=0)
+        has_steps = (layout.num_steps > 0).to(outcome.dtype)
+        step_values = step_values.scatter_add(1, last.unsqueeze(1), (outcome * has_steps).unsqueeze(1))
+    token = scatter_to_anchors(step_values, layout, length)
+    if length:
+        token[:, 0] += torch.where(layout.num_steps == 0, outcome, torch.zeros_like(outcome))
+    return token
 
 
 def spread_over_steps(step_values: torch.Tensor, layout: StepLayout) -> torch.Tensor:

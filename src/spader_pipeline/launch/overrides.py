@@ -15,7 +15,7 @@ Parameter dict (all keys optional except ``method``)::
     project_name, experiment_name, total_training_steps, logger: [console, mlflow]
     tool_config_path, agent_loop_config_path
     reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
-    options: {...}            # the method's options dataclass → algorithm[.<estimator>] (Method.verl_options_key)
+    options: {...}            # the method's options dataclass → algorithm[.<estimator>] (estimators.verl_options_path)
     overrides: ["key=value"]  # appended last, verbatim
 
 Reward settings and method options are checked against the method registry
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.algorithms.methods import (
-    get_method,
     method_names,
     options_from_mapping,
     reward_config_from_mapping,
@@ -150,10 +149,12 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
     for key, value in reward.items():
         out.append(f"++reward.reward_kwargs.{key}={_value(value)}")
 
+    from spader_pipeline.verl_plugin.estimators import verl_options_path  # imports verl: only when building
+
     options = dict(params.get("options") or {})
     options_from_mapping(method, options)  # checks names and values
     for key, value in options.items():
-        out.append(f"++{get_method(method).verl_options_key}.{key}={_value(value)}")
+        out.append(f"++{verl_options_path(method)}.{key}={_value(value)}")
 
     extra = params.get("overrides") or []
     if isinstance(extra, str) or not isinstance(extra, Sequence):

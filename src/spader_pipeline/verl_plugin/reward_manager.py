@@ -10,7 +10,7 @@ verl's reward loop scores one sample at a time (``run_single``) and only the cla
 * :meth:`SpaderRewardManager.assemble_rm_scores` (driver, whole batch): rebuilds the token-level
   rewards from the payloads with the group-level terms — SPADER's novelty weights ``N(e)``, CalibAdv's
   silver documents, TSPO's first occurrence — and the tool cost scheduled by the batch's real
-  ``meta_info["global_steps"]`` (reference defect 1).
+  ``meta_info["global_steps"]`` (the schedule of SPADER, arXiv 2606.00593; docs/algorithms.md).
 
 Where verl calls ``assemble_rm_scores``: only on its colocated-reward path. On the default streaming
 path verl writes the per-sample scalar on the last token itself, so the SPADER overlays install
@@ -21,7 +21,7 @@ The method (``reward.reward_kwargs.method``) decides the token layout, exactly a
 trainer: :func:`spader_pipeline.algorithms.methods.method_rewards` (see that module's table). The
 other ``reward_kwargs`` are :class:`~spader_pipeline.algorithms.rewards.SpaderRewardConfig` fields
 (plus ``require_global_step``); the method's options are read where its estimator reads them
-(``algorithm.<estimator>``).
+(:func:`~.estimators.verl_options_path`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from spader_pipeline.algorithms.methods import (
     RewardInputs,
     SpaOptions,
     answer_score,
+    get_method,
     method_rewards,
     reward_config_from_mapping,
 )
-from spader_pipeline.algorithms.rewards import SpaderRewardConfig
+from spader_pipeline.algorithms.rewards import SpaderRewardConfig, outcome_reward
 from spader_pipeline.algorithms.steps import segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
 
@@ -67,7 +68,7 @@ class ManagerSettings:
 
     ``reward.reward_kwargs`` holds ``method``, the reward config's fields (one name each, as in
     ``conf/base/parameters_training.yml``) and ``require_global_step``; the method's options come
-    from ``algorithm.<estimator>``, where verl hands them to the estimator too.
+    from :func:`~.estimators.verl_options_path`, where verl hands them to the estimator too.
     """
 
     method: str = "spader"
@@ -86,11 +87,11 @@ class ManagerSettings:
         return cls(method, reward_config_from_mapping(method, kwargs), verl_options(method, algorithm), require)
 
     def final_term(self, record: TrajectoryRecord) -> float:
-        """The group-free outcome (what verl's streaming path writes on the last token)."""
-        if not record.format_ok:
-            return -self.reward.format_penalty
+        """The group-free outcome, without tool cost (what verl's streaming path writes on the last token)."""
         score = answer_score(self.method, self.options, f1=record.score.f1, exact_match=record.score.exact_match)
-        return self.reward.final_answer_weight * score
+        final = outcome_reward(torch.tensor([float(score)], dtype=torch.float64), torch.tensor([record.format_ok]),
+                               self.reward)
+        return float(final[0])
 
 
 def make_payload(
@@ -112,15 +113,17 @@ def make_payload(
         "final": settings.final_term(record),
         "split": record.split,
     }
-    if settings.method == "calibadv":
+    method = get_method(settings.method)
+    if method.needs_step_documents:
         payload["docs"] = [list(s.document_keys) for s in record.steps]
+    if method.needs_step_thinks:
         payload["thinks"] = [s.think[:4000] for s in record.steps]
     return payload
 
 
 @register("spader")
 class SpaderRewardManager(RewardManagerBase):
-    """Reward-loop manager for SPADER / outcome / CalibAdv / TSPO rewards (see module docstring)."""
+    """Reward-loop manager for every registered method's rewards (see module docstring)."""
 
     settings: ClassVar[ManagerSettings] = ManagerSettings()
 
@@ -255,7 +258,7 @@ def assemble_token_rewards(
         if settings.require_global_step and settings.reward.tool_round_cost > 0:
             raise ValueError(
                 "spader reward: meta_info['global_steps'] is missing, so the tool-cost schedule cannot run "
-                "(the reference silently used step 0 and never charged the cost). Use "
+                "(at step 0 the cost would never be charged). Use "
                 "GroupRewardAgentLoopManager or pass the step; set reward_kwargs.require_global_step=false "
                 "to accept step 0."
             )
