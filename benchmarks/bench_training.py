@@ -15,7 +15,7 @@ project's path with the instruction encoded for every row (before :mod:`spader_p
   length-bucketed batches and the output layer only at positions with loss. Reported: real
   (non-padding) tokens per second.
 * **RL log-probs** (no grad): full logits + ``log_softmax`` over the whole sequence, then gather, vs
-  :func:`spader_pipeline.native.trainer.response_logprobs` (output layer only at model tokens).
+  :func:`spader_pipeline.native.update.response_logprobs` (output layer only at model tokens).
   Results must agree.
 
 * **RL step** (``--rl-step``; needs the default run's data, index and models under ``--data``):
@@ -135,7 +135,7 @@ def bench_sft(model, examples, repeats: int, batch_tokens: int) -> dict[str, flo
 
 def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
     from spader_pipeline.native.batch import RolloutBatch
-    from spader_pipeline.native.trainer import response_logprobs
+    from spader_pipeline.native.update import response_logprobs
 
     batch_examples = examples[:16]
     prompt = 100

@@ -115,10 +115,10 @@ def workspace(loop, tmp_path_factory):
 
 @pytest.mark.slow
 def test_native_trainer_trains_the_toy_method(toy, loop, workspace, tmp_path):
-    from spader_pipeline.agent.rollout import LocalSearch
     from spader_pipeline.native import NativeTrainerConfig, train_native
     from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
     from spader_pipeline.retrieval import load_retriever
+    from spader_pipeline.retrieval.service import LocalSearch
 
     config = NativeTrainerConfig(
         method="toy", options={"scale": 2.0}, reward={"tool_round_cost": 0.0}, total_steps=2, prompts_per_step=2,
@@ -134,7 +134,7 @@ def test_native_trainer_trains_the_toy_method(toy, loop, workspace, tmp_path):
         prompt_template=loop._template(), log_metrics=lambda m, s: logged.append(dict(m)),
     )
     assert result.steps == 2 and CALLS == [4, 4]  # the toy estimator ran on each step's 2 × 2 rollouts
-    assert {"reward/mean", "adv/std"} <= set(logged[-1])
+    assert {"method_reward/mean", "adv/std"} <= set(logged[-1])
     assert load_trainer_state(latest_checkpoint(tmp_path)[1])["extra"]["method"] == "toy"
 
 

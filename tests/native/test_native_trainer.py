@@ -8,11 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from spader_pipeline.native import NativeTrainerConfig, train_native
 from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
-from spader_pipeline.native.trainer import (
-    _length_sorted_micro_batches,
-    _questions_for_step,
-    response_logprobs,
-)
+from spader_pipeline.native.trainer import _questions_for_step
+from spader_pipeline.native.update import length_sorted_micro_batches, response_logprobs
 from spader_pipeline.retrieval.service import LocalSearch
 
 
@@ -64,7 +61,7 @@ def test_response_logprobs_match_full_forward(native_model_dir):
 def test_length_sorted_micro_batches_cover_every_row_once_and_give_the_same_logprobs(native_model_dir):
     model = AutoModelForCausalLM.from_pretrained(native_model_dir)
     batch = toy_batch()
-    parts = _length_sorted_micro_batches(batch, 2)
+    parts = length_sorted_micro_batches(batch, 2)
     lengths = batch.attention_mask.sum(dim=1)
     order = torch.cat(parts)
     assert sorted(order.tolist()) == list(range(len(lengths))) and (lengths[order].diff() >= 0).all()
@@ -86,7 +83,8 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     )
     assert result.steps == 2 and [s for s, _ in logged] == [1, 2]
     assert {"method_reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "policy/entropy",
-            "perf/generate_tokens_per_second"} <= set(logged[0][1])
+            "perf/generate_tokens_per_second", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "group/distinct_query_seqs",
+            "group/distinct_docs", "group/entity_recall_union", "group/first_divergence_turn"} <= set(logged[0][1])
     assert [p.name for p in artifacts] == ["step_000001.json", "step_000002.json"]
     step, path = latest_checkpoint(tmp_path)
     assert step == 2 and load_trainer_state(path)["extra"]["method"] == method

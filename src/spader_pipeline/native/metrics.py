@@ -1,0 +1,84 @@
+"""Per-step metrics of the native trainer (names and definitions: docs/metrics.md).
+
+Comparable across methods: ``answer/*``, ``retrieval/*``, ``rollout/*``, ``group/*`` and
+``adv/corr_vs_grpo``; the scale of ``method_reward/*`` and ``adv/mean|std|abs_mean`` depends on the
+method's reward terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spader_pipeline.algorithms.group_metrics import advantage_agreement, group_diversity, normalise_query
+from spader_pipeline.native.batch import Advantages, RolloutBatch
+from spader_pipeline.native.update import UpdateStats
+
+
+def step_metrics(batch: RolloutBatch, adv: Advantages, update: UpdateStats, epochs: int) -> dict[str, float]:
+    """Rewards, answers, retrieval, trajectory shape, advantages and loss terms of one step."""
+    mask = batch.response_mask
+    returns = adv.returns
+    traj_found = batch.found.any(dim=1).sum(dim=-1).float() if batch.found.numel() else torch.zeros(len(mask))
+    gt = batch.num_gt.float().clamp(min=1)
+    tok_adv = adv.advantages[mask.bool()]
+    groups: dict[str, list[float]] = {}
+    for uid, r in zip(batch.uids.tolist(), returns.tolist(), strict=True):
+        groups.setdefault(uid, []).append(r)
+    zero_groups = sum(1 for v in groups.values() if max(v) - min(v) < 1e-8) / max(len(groups), 1)
+    sums = update.sums
+    return {
+        "method_reward/mean": float(returns.mean()),
+        "method_reward/std": float(returns.std()) if len(returns) > 1 else 0.0,
+        "method_reward/final_mean": float(torch.where(batch.format_ok, batch.f1, torch.zeros_like(batch.f1)).mean()),
+        "method_reward/discovery_mean": float(adv.discovery.mean()),
+        "method_reward/tool_cost_coef": float(adv.cost_coefficient),
+        "answer/f1": float(batch.f1.mean()),
+        "answer/recall": float(batch.recall.mean()),
+        "answer/precision": float(batch.precision.mean()),
+        "answer/format_ok": float(batch.format_ok.float().mean()),
+        "retrieval/entities_found": float(traj_found.mean()),
+        "retrieval/recall": float((traj_found / gt).mean()),
+        "rollout/turns": float(batch.num_turns.mean()),
+        "rollout/tool_calls": float(batch.num_searches.mean()),
+        "rollout/response_tokens": float((batch.attention_mask.sum(dim=1) - batch.prompt_lengths).float().mean()),
+        "rollout/model_tokens": float(mask.sum(dim=1).mean()),
+        "adv/mean": float(tok_adv.mean()) if tok_adv.numel() else 0.0,
+        "adv/std": float(tok_adv.std()) if tok_adv.numel() > 1 else 0.0,
+        "adv/abs_mean": float(tok_adv.abs().mean()) if tok_adv.numel() else 0.0,
+        "adv/zero_groups": zero_groups,
+        "loss/policy": sums["policy"] / epochs,
+        "loss/kl": sums["kl"] / epochs,
+        "policy/entropy": sums["entropy"] / epochs,
+        "policy/clipfrac": sums["clipfrac"] / epochs,
+        "policy/clipfrac_lower": sums["clipfrac_lower"] / epochs,
+        "policy/approx_kl": sums["approx_kl"] / epochs,
+    }
+
+
+def turn_actions(trajectory: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """A trajectory's turns as ``(kind, normalised queries or answers)`` (group_metrics.TurnAction)."""
+    actions = []
+    for step in trajectory.steps:
+        items = step.queries if step.kind == "search" else step.answers
+        actions.append((step.kind, tuple(normalise_query(str(x)) for x in items)))
+    return actions
+
+
+def retrieved_documents(trajectory: Any) -> list[str]:
+    """Identities of every document the trajectory retrieved (all turns, all queries)."""
+    return [doc for step in trajectory.steps for per_query in step.doc_ids for doc in per_query]
+
+
+def mechanism_metrics(
+    batch: RolloutBatch, trajectories: Sequence[Any], adv: Advantages, grpo: Advantages
+) -> dict[str, float]:
+    """Whether groups explored differently (``group/*``) and whether the method's advantages differ
+    from GRPO's on the same batch (``adv/corr_vs_grpo``, ``adv/rel_l2_vs_grpo``)."""
+    diversity = group_diversity(
+        batch.uids, [turn_actions(t) for t in trajectories], [retrieved_documents(t) for t in trajectories],
+        batch.found, batch.num_gt,
+    )
+    return {**diversity, **advantage_agreement(adv.advantages, grpo.advantages, batch.response_mask)}

@@ -1,0 +1,171 @@
+"""The policy update of one native RL step: clipped PPO loss + KL to the reference, one AdamW step.
+
+The loss functions are verl's own (``verl.trainer.ppo.core_algos``: ``compute_policy_loss_vanilla``
+aggregated by ``agg_loss``, ``kl_penalty``), configured through verl's ``ActorConfig``, so the
+native trainer optimises exactly what verl's actor does (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spader_pipeline.modeling.shared_prefix import decoder_states
+from spader_pipeline.modeling.warm_start import autocast
+from spader_pipeline.native.batch import Advantages, RolloutBatch
+from spader_pipeline.native.config import NativeTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def response_logprobs(
+    model, batch: RolloutBatch, rows: slice | torch.Tensor, *, temperature: float, bf16: bool | str, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[b, R]`` of the sampled response tokens (0 off model tokens), optionally entropy.
+
+    The decoder runs on the micro-batch's sequences (trimmed to their longest; the leading tokens
+    all rows share, the prompt template's instruction, encoded once); the output layer runs only at
+    positions that predict a model token (``response_mask == 1``).
+    """
+    mask = batch.response_mask[rows]
+    device = next(model.parameters()).device
+    lengths = batch.attention_mask[rows].sum(dim=1)
+    width = int(lengths.max())
+    input_ids = batch.input_ids[rows, :width].to(device)
+    attention = batch.attention_mask[rows, :width].to(device)
+    r_idx, c_idx = mask.nonzero(as_tuple=True)
+    positions = batch.prompt_lengths[rows][r_idx] + c_idx - 1  # logits at p-1 predict token p
+    targets = batch.response_ids[rows][r_idx, c_idx].to(device)
+    with autocast(input_ids.device, bf16):
+        hidden = decoder_states(model, input_ids, attention)  # the shared instruction encoded once
+        logits = model.lm_head(hidden[r_idx.to(device), positions.to(device)])
+    logits = logits.float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    token_logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    out[r_idx.to(device), c_idx.to(device)] = token_logp
+    entropy = None
+    if with_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(dim=-1).detach()
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        entropy[r_idx.to(device), c_idx.to(device)] = ent
+    return out, entropy
+
+
+def length_sorted_micro_batches(batch: RolloutBatch, size: int) -> list[torch.Tensor]:
+    """Row indices of the micro-batches: rows sorted by length, ``size`` per micro-batch.
+
+    Each micro-batch is trimmed to its longest sequence, so sorting keeps padding (wasted decoder
+    work) small. The loss is a token-weighted sum over the whole batch, so the grouping of rows
+    does not change the gradient.
+    """
+    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
+    return list(order.split(size))
+
+
+def all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool | str) -> torch.Tensor:
+    """Log-probs ``[B, R]`` of the whole batch (the behaviour policy's, before any epoch updates)."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
+        logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
+                                    with_entropy=False)
+        out[rows] = logp.cpu()
+    return out
+
+
+def actor_config(config: NativeTrainerConfig) -> Any:
+    """verl's ``ActorConfig`` for the loss functions (clip ratios, aggregation, KL settings)."""
+    from verl.workers.config.actor import ActorConfig
+
+    return ActorConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=config.prompts_per_step,
+        ppo_micro_batch_size_per_gpu=config.micro_batch_size,
+        rollout_n=config.group_size,
+        clip_ratio=config.clip_ratio_low,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=config.loss_agg_mode,
+        use_kl_loss=config.kl_coef > 0,
+        kl_loss_coef=config.kl_coef,
+        kl_loss_type=config.kl_type,
+    )
+
+
+@dataclass
+class UpdateStats:
+    """Loss terms summed over micro-batches (divide by epochs for the logged means) and the grad norm."""
+
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("policy", "kl", "entropy", "clipfrac", "clipfrac_lower", "approx_kl"), 0.0))
+    grad_norm: float = 0.0
+
+
+def update_policy(
+    model, reference, optimizer, trainable, batch: RolloutBatch, adv: Advantages, config: NativeTrainerConfig,
+    actor_cfg: Any, *, bf16: bool | str, step: int,
+) -> UpdateStats:
+    """``config.ppo_epochs`` passes of the clipped PPO loss (token-mean over the whole batch) plus
+    ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    device = next(model.parameters()).device
+    policy_loss_fn = get_policy_loss_fn("vanilla")
+    total_tokens = float(batch.response_mask.sum().clamp(min=1))
+    actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch.uids))
+    old_logp = None
+    if config.ppo_epochs > 1:
+        with torch.no_grad():
+            old_logp = all_logprobs(model, batch, config, bf16)
+    stats = UpdateStats()
+    for _epoch in range(config.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
+            mask = batch.response_mask[rows].to(device)
+            if mask.sum() == 0:
+                continue
+            logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
+                                              bf16=bf16, with_entropy=True)
+            old = logp.detach() if old_logp is None else old_logp[rows].to(device)
+            pg_loss, pg_metrics = policy_loss_fn(
+                old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
+                loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
+            )
+            loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats)
+            loss.backward()
+            _accumulate(stats, pg_loss, pg_metrics, entropy, mask, weight=float(mask.sum()) / total_tokens)
+        stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
+        if math.isfinite(stats.grad_norm):
+            optimizer.step()
+        else:
+            logger.warning("step %d: non-finite gradient norm, update skipped", step)
+    return stats
+
+
+def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats: UpdateStats) -> torch.Tensor | float:
+    """``kl_coef`` × KL(policy ‖ reference) of the micro-batch (0 without a reference model)."""
+    if reference is None:
+        return 0.0
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+
+    with torch.no_grad():
+        ref_logp, _ = response_logprobs(reference, batch, rows, temperature=config.temperature,
+                                        bf16=bf16, with_entropy=False)
+    kl = kl_penalty(logp, ref_logp, config.kl_type)
+    kl_loss = agg_loss(kl, mask, config.loss_agg_mode, **actor_cfg.global_batch_info)
+    stats.sums["kl"] += float(kl_loss.detach())
+    return config.kl_coef * kl_loss
+
+
+def _accumulate(stats: UpdateStats, pg_loss, pg_metrics, entropy, mask, *, weight: float) -> None:
+    sums = stats.sums
+    sums["policy"] += float(pg_loss.detach())
+    sums["entropy"] += weight * float((entropy * mask).sum() / mask.sum())
+    sums["clipfrac"] += weight * pg_metrics["actor/pg_clipfrac"]
+    sums["clipfrac_lower"] += weight * pg_metrics["actor/pg_clipfrac_lower"]
+    sums["approx_kl"] += weight * pg_metrics["actor/ppo_kl"]
