@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from spader_pipeline.agent.rollout import RolloutConfig, observe_search
+from spader_pipeline.agent.search_step import observe_search
+from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.retrieval.schemas import SearchResponse
 
 LONG = "Country in West Africa. Ghana is a country with a long coast, many rivers and a capital city called Accra."

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_loops import normalize_answer_previous
 
-from spader_pipeline.algorithms import matching
+from spader_pipeline.algorithms import entity_search, matching
+from spader_pipeline.algorithms.entity_search import EntityMatcher, find_entities_batched
 from spader_pipeline.algorithms.matching import (
-    EntityMatcher,
-    find_entities_batched,
     normalize_answer,
     normalize_ground_truth,
     score_answers,
@@ -22,7 +21,7 @@ from spader_pipeline.algorithms.matching import (
 
 
 def test_doctests():
-    assert doctest.testmod(matching).failed == 0
+    assert doctest.testmod(matching).failed == 0 and doctest.testmod(entity_search).failed == 0
 
 
 @pytest.mark.parametrize(
@@ -282,14 +281,14 @@ def test_find_entities_in_steps_shares_documents_and_ors_them():
         [[shared], ["nothing here"]],
         [[shared, shared]],
     ]
-    found = matching.find_entities_in_steps([gt_a, gt_a, gt_b], steps, 3)
+    found = entity_search.find_entities_in_steps([gt_a, gt_a, gt_b], steps, 3)
     assert found.shape == (3, 3, 3)
     # "entity beatles": Beatles as whole words, never "entity b"
     assert found[0].tolist() == [[True, True, True], [False, False, False], [False, True, False]]
     assert found[1].tolist() == [[False, True, True], [False, False, False], [False, False, False]]
     assert found[2, 0].tolist() == [True, False, False] and not found[2, 1:].any()
     # steps beyond the width are ignored
-    assert matching.find_entities_in_steps([gt_a], [[["queen"], ["queen"]]], 1).shape == (1, 1, 3)
+    assert entity_search.find_entities_in_steps([gt_a], [[["queen"], ["queen"]]], 1).shape == (1, 1, 3)
 
 
 @settings(max_examples=60, deadline=None)
@@ -302,7 +301,7 @@ def test_find_entities_in_steps_equals_per_document_matcher(gt, pool, picks):
     steps = [[[pool[j % len(pool)] for j in step] for step in traj] for traj in picks]
     width = max(len(t) for t in steps)
     g = normalize_ground_truth(gt)
-    found = matching.find_entities_in_steps([g] * len(steps), steps, width)
+    found = entity_search.find_entities_in_steps([g] * len(steps), steps, width)
     matcher = EntityMatcher(g)
     for i, traj in enumerate(steps):
         for t, docs in enumerate(traj):

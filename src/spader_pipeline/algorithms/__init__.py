@@ -12,7 +12,8 @@ from .advantages import (
     spa_advantage,
     tspo_advantage,
 )
-from .matching import AnswerScore, EntityMatcher, normalize_answer, score_answers
+from .entity_search import EntityMatcher
+from .matching import AnswerScore, normalize_answer, score_answers
 from .methods import METHODS, RewardInputs, get_method, method_advantages, method_rewards
 from .rewards import (
     SpaderRewardConfig,

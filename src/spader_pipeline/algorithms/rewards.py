@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from .advantages._groups import group_index
-from .matching import GroundTruth, find_entities_in_steps, normalize_ground_truths
+from .entity_search import find_entities_in_steps
+from .matching import GroundTruth, normalize_ground_truths
 from .steps import StepLayout, gather_steps, place_on_anchors, segment_steps
 
 __all__ = [

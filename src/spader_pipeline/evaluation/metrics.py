@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from spader_pipeline.algorithms.matching import EntityMatcher, normalize_ground_truth, score_answers
+from spader_pipeline.algorithms.entity_search import EntityMatcher
+from spader_pipeline.algorithms.matching import normalize_ground_truth, score_answers
 
 RECALL_AT = (5, 10, 20, 50)
 DEFAULT_LONG_TAIL_EDGES = (1, 2, 5, 20)

@@ -38,7 +38,8 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from spader_pipeline.algorithms.matching import find_entities_in_steps, normalize_ground_truth
+from spader_pipeline.algorithms.entity_search import find_entities_in_steps
+from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.algorithms.methods import (
     RewardInputs,
     SpaOptions,

@@ -23,7 +23,8 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from spader_pipeline.agent.protocol import normalize_string_list
-from spader_pipeline.agent.rollout import RolloutConfig, observe_search
+from spader_pipeline.agent.search_step import observe_search
+from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.retrieval import RetrievalClient
 
 logger = logging.getLogger(__name__)
