@@ -65,7 +65,7 @@ def test_spec_6_4_worked_check():
 
 
 def test_defect2_multi_alias_entities_match_any_alias():
-    """Reference defect 2: training flattened [[a, b]] with str() so multi-alias entities never matched."""
+    """Reference defect 2 (docs/algorithms.md): training flattened [[a, b]] with str() so multi-alias entities never matched."""
     gt = [["Paul McCartney", "James Paul McCartney"], ["Ringo Starr", "Richard Starkey"]]
     s = score_answers(["richard starkey", "Paul McCartney"], gt)
     assert s.recall == 1.0 and s.precision == 1.0 and s.exact_match == 1.0
@@ -105,7 +105,7 @@ def test_recall_at_k():
 
 
 def test_defect3_word_boundaries():
-    """Reference defect 3: substring matching let "entity b" match "entity beatles"."""
+    """Reference defect 3 (docs/algorithms.md): substring matching let "entity b" match "entity beatles"."""
     m = EntityMatcher([["Entity B"], ["Cat"]])
     found = m.found_in(["entity beatles", "concatenate", "The entity  B.", "a cat!", ""])
     assert found.tolist() == [[False, False], [False, False], [True, False], [False, True], [False, False]]

@@ -265,7 +265,7 @@ VERL_TENSOR_KEYS = {"prompts", "responses", "response_mask", "input_ids", "atten
                     "rm_scores", "rollout_log_probs"}
 
 
-def test_defect1_extra_fields_do_not_collide_with_verl_batch_tensors(lm, search_url):
+def test_extra_fields_do_not_collide_with_verl_batch_tensors(lm, search_url):
     """verl copies every extra field into non_tensor_batch; a tensor name there breaks to_tensordict()."""
     from spader_pipeline.verl_plugin.trajectory import MASK_FIELD
 
@@ -277,7 +277,7 @@ def test_defect1_extra_fields_do_not_collide_with_verl_batch_tensors(lm, search_
     assert output.extra_fields[MASK_FIELD] == output.response_mask
 
 
-def test_defect4_search_failures_are_counted_per_trajectory(lm, search_url):
+def test_search_failures_are_counted_per_trajectory(lm, search_url):
     """A dead retrieval service turns every search into an error observation: the loop counts them."""
     from spader_pipeline.verl_plugin.trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
@@ -292,7 +292,7 @@ def test_defect4_search_failures_are_counted_per_trajectory(lm, search_url):
     assert fields["down"]["tool_call_counts"] == 1
 
 
-def test_defect9_token_builder_runs_off_the_event_loop(lm, search_url):
+def test_token_builder_runs_off_the_event_loop(lm, search_url):
     """Chat-template work (prompt, assistant turns, observations) runs in the thread pool, not on the
     agent worker's event loop, as in verl's own agent loops."""
     import threading

@@ -396,7 +396,7 @@ def test_forged_observation_in_model_text_earns_nothing():
     assert rm.sum(dim=1).tolist() == pytest.approx([0.4, 0.4])
 
 
-def test_defect5_padded_validation_rows_do_not_count_in_group_terms(spader_batch):
+def test_padded_validation_rows_do_not_count_in_group_terms(spader_batch):
     """verl pads a validation batch with copies of its first rows (same uid); they must not change
     the group terms (SPADER's novelty counts) of the real rows."""
     from verl.protocol import pad_dataproto_to_divisor

@@ -1,5 +1,5 @@
 """Guards of a VERL run: a dead retrieval service stops it, padded rows stay out of the group terms,
-and a node without the plugin is reported before training (issue 9, defects 3-5)."""
+and a node without the plugin is reported before training."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_original_rows_marks_verl_padding_copies():
     assert original_rows(uid, 8).all()
 
 
-def test_defect4_search_error_rate_and_threshold():
+def test_search_error_rate_and_threshold():
     health = search_health(_generated([2, 1, 0, 1], [2, 0, 0, 1]))
     assert health == {"search/calls": 4.0, "search/error_rate": 0.75}
     with pytest.raises(SearchServiceError, match="75% of 4 searches"):
@@ -54,7 +54,7 @@ def test_defect4_search_error_rate_and_threshold():
     assert search_health(DataProto.from_dict(tensors={"x": np.zeros((1, 1))})) == {}
 
 
-def test_defect4_threshold_is_read_from_the_search_tool_config(tmp_path):
+def test_threshold_is_read_from_the_search_tool_config(tmp_path):
     tool_config = ROOT / "conf/base/verl/tool_config/search_tool.yaml"
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"multi_turn": {"tool_config_path": str(tool_config)}}}})
     assert _max_error_rate(config) == 0.5
@@ -84,7 +84,7 @@ def _missing_in_fresh_process(**env) -> str:
 
 
 @pytest.mark.slow
-def test_defect3_registration_check_sees_a_worker_without_the_plugin():
+def test_registration_check_sees_a_worker_without_the_plugin():
     """A worker that loads no plugin (entry points off, module not forwarded) is reported by name.
     (The same check passes in every Ray worker of test_verl_trainer_loop.py, whose workers get the
     plugin only through the launcher's VERL_USE_EXTERNAL_MODULES.)"""

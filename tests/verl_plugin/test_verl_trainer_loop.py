@@ -324,7 +324,7 @@ def test_trainer_loop_trains_two_steps_and_validates(runs, method):
     assert "val-core/embedded/reward/mean@1" in train[-1]  # the last step validates too
     for data in train:
         assert {"critic/advantages/mean", "critic/score/mean", "timing_s/gen", "num_turns/mean"} <= set(data)
-        # the retrieval service answered every search (defect 4: the rate reaches verl's metrics)
+        # the retrieval service answered every search (the error rate reaches verl's metrics)
         assert data["timing_s/search/calls"] > 0 and data["timing_s/search/error_rate"] == 0.0
         assert data["tool_call_counts/max"] >= 1
     names = [name for name, _ in run["calls"]]

@@ -191,7 +191,7 @@ class Trajectory:
 
 @runtime_checkable
 class SearchBackend(Protocol):
-    """What the loop needs from retrieval (contract C: ``RetrievalClient`` satisfies it): one typed
+    """What the loop needs from retrieval (``RetrievalClient`` satisfies it, docs/retrieval.md): one typed
     :class:`~spader_pipeline.retrieval.schemas.SearchResponse` per call, whatever the backend."""
 
     async def search(
