@@ -11,6 +11,9 @@ def test_default_run_evaluates_the_trained_models_of_the_catalog(project_root):
 
     pipelines = register_pipelines()
     assert set(DEFAULT_CHAIN) <= set(pipelines)
+    from spader_pipeline.algorithms.methods import method_names
+
+    assert {f"train_{m}" for m in method_names()} <= set(pipelines)  # one per registered method
     default = pipelines["__default__"]
     (evaluate,) = [n for n in default.nodes if n.name == "run_evaluations"]
     # the trained models are inputs: the merged/passed-through manifest of each method, not paths

@@ -13,7 +13,7 @@ from kedro.pipeline import Pipeline
 
 from spader_pipeline import tracking
 from spader_pipeline.hooks import MlflowTrackingHooks, lone_method_node
-from spader_pipeline.pipelines import train_grpo, training
+from spader_pipeline.pipelines import training
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_held_out_scores_are_copied_onto_the_training_run(experiment):
 
 
 def test_a_lone_method_pipeline_adopts_the_kedro_run(experiment):
-    assert lone_method_node(train_grpo.create_pipeline()).name == "train_grpo.train_policy"
+    assert lone_method_node(training.method_pipeline("grpo")).name == "train_grpo.train_policy"
     assert lone_method_node(training.create_pipeline()) is None
     assert lone_method_node(Pipeline([])) is None
     with mlflow.start_run(run_name="train_grpo", tags={tracking.ADOPT_TAG: "true"}) as top:

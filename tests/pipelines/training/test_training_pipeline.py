@@ -10,11 +10,11 @@ import pytest
 from kedro.framework.session import KedroSession
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spader_pipeline.pipelines import train_grpo, train_spader, training
+from spader_pipeline.pipelines import training
 
 
 def test_method_pipelines_differ_only_in_their_namespaced_method_block():
-    grpo, spader = train_grpo.create_pipeline(), train_spader.create_pipeline()
+    grpo, spader = training.method_pipeline("grpo"), training.method_pipeline("spader")
     assert [n.name for n in grpo.nodes] == ["train_grpo.train_policy"]
     assert grpo.inputs() == {"warm_start_manifest", "verl_train", "index_manifest", "params:train_grpo.method",
                              "params:training", "params:prompt"}
