@@ -85,3 +85,29 @@ def test_advantage_agreement_undefined_cases_are_nan():
     assert math.isnan(out["adv/corr_vs_grpo"]) and math.isnan(out["adv/rel_l2_vs_grpo"])
     with pytest.raises(ValueError, match="shapes differ"):
         advantage_agreement(torch.ones(2, 3), torch.ones(2, 4), torch.ones(2, 3))
+
+
+def test_comparison_advantages_are_grpo_on_the_same_batch():
+    from spader_pipeline.algorithms.group_metrics import comparison_advantages
+    from spader_pipeline.algorithms.methods import (
+        GrpoOptions,
+        RewardInputs,
+        method_advantages,
+        method_rewards,
+        reward_config_from_mapping,
+    )
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 1, 1]]).float()
+    inputs = RewardInputs(
+        f1=torch.tensor([1.0, 0.0, 0.5, 0.25]), exact_match=torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        format_ok=torch.tensor([True, True, True, False]), found=torch.zeros((4, 2, 3), dtype=torch.bool),
+        num_gt=torch.tensor([3, 3, 3, 3]), query_counts=torch.ones((4, 2)),
+    )
+    index = ["a", "a", "b", "b"]
+    spader_reward = reward_config_from_mapping("spader", {})  # tool cost 0.01: GRPO's own (0) replaces it
+    got = comparison_advantages(mask, index, inputs, global_step=500, reward=spader_reward)
+    grpo_reward = reward_config_from_mapping("grpo", {})
+    tokens = method_rewards("grpo", mask, index, inputs, global_step=500, reward=grpo_reward, options=GrpoOptions())
+    expected, _ = method_advantages("grpo", tokens.token_rewards, mask, index, GrpoOptions())
+    torch.testing.assert_close(got, expected)
+    assert advantage_agreement(got, expected, mask)["adv/corr_vs_grpo"] == pytest.approx(1.0)

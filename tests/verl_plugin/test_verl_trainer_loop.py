@@ -18,6 +18,7 @@ the checkpoint (weight-sync) manager. One Ray session serves the four methods.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -280,13 +281,30 @@ def run_trainer_loop(method: str, ws: dict, run_dir: Path, **compose) -> tuple[l
 
 @pytest.fixture(scope="module")
 def runs(workspace, ray_session, tmp_path_factory):
+    """Each method's trainer loop, with an MLflow run handed over as the launcher does (``MLFLOW_RUN_ID``)."""
+    import mlflow
+
+    store = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("trainer-loop", artifact_location=str(store / "artifacts"))
     out = {}
     for method in METHODS:
         run_dir = tmp_path_factory.mktemp(f"run-{method}")
+        run_id = client.create_run(experiment, run_name=f"{method} seed0").info.run_id
+        saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
+        os.environ.update(MLFLOW_TRACKING_URI=uri, MLFLOW_RUN_ID=run_id)
         start = time.perf_counter()
-        metrics, config = run_trainer_loop(method, workspace, run_dir)
+        try:
+            metrics, config = run_trainer_loop(method, workspace, run_dir)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         print(f"{method}: trainer loop {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        out[method] = {"metrics": metrics, "calls": list(RecordingWorkerGroup.calls), "config": config}
+        logged = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+                  for key in client.get_run(run_id).data.metrics}
+        out[method] = {"metrics": metrics, "calls": list(RecordingWorkerGroup.calls), "config": config,
+                       "mlflow": logged}
     return out
 
 
@@ -330,6 +348,20 @@ def test_trainer_loop_trains_two_steps_and_validates(runs, method):
     names = [name for name, _ in run["calls"]]
     assert names.count("update_actor") == 2 and names.count("compute_log_prob") == 2
     assert names.count("compute_ref_log_prob") == 2  # KL loss: the reference policy is used
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_training_step_logs_whether_the_update_differs_from_grpo(runs, method):
+    """group/* and adv/*_vs_grpo (docs/metrics.md) reach the run's MLflow run for both training steps,
+    under the native trainer's names; validation batches are not logged as steps."""
+    logged = runs[method]["mlflow"]
+    for key in ("adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "group/distinct_query_seqs", "group/diverse_frac",
+                "group/distinct_docs", "group/entity_recall_union", "group/entity_recall_mean",
+                "group/first_divergence_turn", "group/identical_frac"):
+        assert [step for step, _ in logged[key]] == [1, 2], (key, logged.get(key))
+    assert all(n >= 1 for _, n in logged["group/distinct_query_seqs"])
+    if method == "grpo":  # GRPO against itself: identical, or undefined when every group ties
+        assert all(math.isnan(c) or c == pytest.approx(1.0) for _, c in logged["adv/corr_vs_grpo"])
 
 
 @pytest.mark.parametrize("method", METHODS)

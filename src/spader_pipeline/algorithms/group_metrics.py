@@ -16,13 +16,21 @@ Both trainers log them under the names documented in ``docs/metrics.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["advantage_agreement", "group_diversity", "normalise_query"]
+from .methods import RewardInputs, get_method, method_advantages, method_rewards
+from .rewards import SpaderRewardConfig
+from .steps import StepLayout
+
+__all__ = ["COMPARISON_METHOD", "advantage_agreement", "comparison_advantages", "group_diversity", "normalise_query"]
+
+COMPARISON_METHOD = "grpo"
+"""The method every run's advantages are compared with, on the run's own batch (``adv/*_vs_grpo``)."""
 
 TurnAction = tuple[str, tuple[str, ...]]
 """One turn's action: its kind (``search``/``answer``/...) and its normalised queries or answers."""
@@ -140,3 +148,24 @@ def advantage_agreement(
     ref_norm = float(b.norm())
     rel = float((a - b).norm()) / ref_norm if ref_norm > 1e-12 else math.nan
     return {"adv/corr_vs_grpo": corr, "adv/rel_l2_vs_grpo": rel}
+
+
+def comparison_advantages(
+    response_mask: torch.Tensor,
+    index: Sequence[object] | np.ndarray,
+    inputs: RewardInputs,
+    *,
+    global_step: int,
+    reward: SpaderRewardConfig,
+    layout: StepLayout | None = None,
+) -> torch.Tensor:
+    """GRPO's token advantages ``[B, T]`` of a batch any method sampled: GRPO's outcome layout and
+    estimator with its default options, the run's final-answer settings (``reward``) and GRPO's own
+    tool cost. Both trainers compute it beside the method's advantages for :func:`advantage_agreement`."""
+    method = get_method(COMPARISON_METHOD)
+    options = method.options()
+    reward = dataclasses.replace(reward, tool_round_cost=method.tool_round_cost)
+    rewards = method_rewards(method.name, response_mask, index, inputs, global_step=global_step, reward=reward,
+                             options=options, layout=layout)
+    advantages, _ = method_advantages(method.name, rewards.token_rewards, response_mask, index, options, layout)
+    return advantages

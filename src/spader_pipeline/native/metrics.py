@@ -73,7 +73,7 @@ def retrieved_documents(trajectory: Any) -> list[str]:
 
 
 def mechanism_metrics(
-    batch: RolloutBatch, trajectories: Sequence[Any], adv: Advantages, grpo: Advantages
+    batch: RolloutBatch, trajectories: Sequence[Any], adv: Advantages, grpo: torch.Tensor
 ) -> dict[str, float]:
     """Whether groups explored differently (``group/*``) and whether the method's advantages differ
     from GRPO's on the same batch (``adv/corr_vs_grpo``, ``adv/rel_l2_vs_grpo``)."""
@@ -81,4 +81,4 @@ def mechanism_metrics(
         batch.uids, [turn_actions(t) for t in trajectories], [retrieved_documents(t) for t in trajectories],
         batch.found, batch.num_gt,
     )
-    return {**diversity, **advantage_agreement(adv.advantages, grpo.advantages, batch.response_mask)}
+    return {**diversity, **advantage_agreement(adv.advantages, grpo, batch.response_mask)}

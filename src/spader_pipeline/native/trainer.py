@@ -16,7 +16,6 @@ docs/metrics.md.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -33,11 +32,17 @@ import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
-from spader_pipeline.algorithms.methods import get_method
+from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
-from spader_pipeline.native.batch import Advantages, RolloutBatch, build_batch, compute_advantages
+from spader_pipeline.native.batch import (
+    Advantages,
+    RolloutBatch,
+    build_batch,
+    compute_advantages,
+    reward_inputs,
+)
 from spader_pipeline.native.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -50,9 +55,6 @@ from spader_pipeline.native.records import append_history, read_history, write_h
 from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
 
 logger = logging.getLogger(__name__)
-
-COMPARISON_METHOD = "grpo"
-"""The method every run's advantages are compared with on its own batch (``adv/corr_vs_grpo``)."""
 
 MetricsLogger = Callable[[Mapping[str, float], int], None]
 ArtifactLogger = Callable[[Path], None]
@@ -212,17 +214,16 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     return Rollouts(trajectories, batch, seconds, generator.generated_tokens)
 
 
-def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, Advantages]:
-    """The method's rewards and advantages (the global step drives the tool-cost schedule), and GRPO's
-    on the same batch — GRPO's own tool cost, the run's final-answer settings — for ``adv/*_vs_grpo``."""
+def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, torch.Tensor]:
+    """The method's rewards and advantages (the global step drives the tool-cost schedule), and
+    GRPO's advantages ``[B, R]`` on the same batch, for ``adv/*_vs_grpo`` (docs/metrics.md)."""
     adv = compute_advantages(batch, config.method, global_step=step, reward=config.reward, options=config.options)
-    reference = get_method(COMPARISON_METHOD)
-    reward = dataclasses.replace(config.reward, tool_round_cost=reference.tool_round_cost)
-    baseline = compute_advantages(batch, reference.name, global_step=step, reward=reward, options=reference.options())
-    return adv, baseline
+    grpo = comparison_advantages(batch.response_mask, batch.uids, reward_inputs(batch), global_step=step,
+                                 reward=config.reward)
+    return adv, grpo
 
 
-def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: Advantages, update: UpdateStats,
+def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.Tensor, update: UpdateStats,
                 timing: Mapping[str, float]) -> dict[str, float]:
     """All metrics of the step (docs/metrics.md)."""
     config, batch = run.config, rollouts.batch

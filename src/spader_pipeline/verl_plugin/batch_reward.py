@@ -32,9 +32,12 @@ Also, on every generated batch:
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
+from mlflow.entities import Metric
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.experimental.agent_loop import AgentLoopManager
@@ -86,14 +89,16 @@ def search_health(output: DataProto, keep: np.ndarray | None = None) -> dict[str
 
 
 def assemble_group_rewards(
-    reward_cls, prompts: DataProto, output: DataProto, group_size: int | None = None
+    reward_cls, prompts: DataProto, output: DataProto, group_size: int | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> DataProto:
     """Replace ``output.batch["rm_scores"]`` by ``reward_cls.assemble_rm_scores`` over the whole batch.
 
     ``prompts`` is the (repeated) generation input: it supplies ``uid`` and ``meta_info["global_steps"]``
     in the same row order as ``output``. With ``group_size`` (rollouts per prompt), rows beyond the
     first ``group_size`` of a ``uid`` — verl's padding copies — are left out of the assembly and keep
-    their per-sample score.
+    their per-sample score. With ``metrics`` (a dict), the reward class's ``step_metrics`` of the
+    assembled batch (``group/*``, ``adv/*_vs_grpo``) are added to it.
     """
     if "rm_scores" not in output.batch.keys():
         return output
@@ -114,6 +119,9 @@ def assemble_group_rewards(
         merged = merged.select_idxs(keep)
     scores = merged.batch["rm_scores"].sum(dim=-1).tolist()
     assembled = reward_cls.assemble_rm_scores(merged, scores)
+    step_metrics = getattr(reward_cls, "step_metrics", None)
+    if metrics is not None and step_metrics is not None:
+        metrics.update(step_metrics(merged, assembled))
     if keep.all():
         output.batch["rm_scores"] = assembled
     else:
@@ -143,13 +151,35 @@ class GroupRewardAgentLoopManager(AgentLoopManager):
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         output = await super().generate_sequences(prompts)
         group_size = self._group_size(prompts)
-        output = assemble_group_rewards(self.reward_cls, prompts, output, group_size)
+        training = not prompts.meta_info.get("validate", False)
+        metrics: dict[str, float] | None = {} if training else None
+        output = assemble_group_rewards(self.reward_cls, prompts, output, group_size, metrics)
+        if metrics:
+            log_step_metrics(metrics, prompts.meta_info.get("global_steps"))
         uid = prompts.non_tensor_batch.get("uid")
         health = search_health(output, original_rows(uid, group_size) if uid is not None else None)
         if health:
             output.meta_info.setdefault("timing", {}).update(health)
             check_search_health(health, self.max_error_rate)
         return output
+
+
+def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
+    """Log the mechanism metrics of a training step to the run's MLflow run, under the native trainer's
+    names (docs/metrics.md): the run verl's own MLflow logger writes into (the active run, or
+    ``MLFLOW_RUN_ID`` that the launcher hands to verl). verl's trainer only forwards a generation
+    batch's ``timing`` to its logger, which would file them as ``timing_s/…``; without an MLflow run
+    they are logged at debug level only."""
+    import mlflow
+
+    active = mlflow.active_run()
+    run_id = active.info.run_id if active else os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        logger.debug("step %s mechanism metrics (no MLflow run): %s", step, metrics)
+        return
+    timestamp = int(time.time() * 1000)
+    entries = [Metric(key, float(value), timestamp, int(step or 0)) for key, value in metrics.items()]
+    mlflow.MlflowClient().log_batch(run_id, metrics=entries)
 
 
 def check_search_health(health: dict[str, float], max_error_rate: float) -> None:

@@ -38,18 +38,26 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from spader_pipeline.agent.protocol import parse_turn
 from spader_pipeline.algorithms.entity_search import find_entities_in_steps
+from spader_pipeline.algorithms.group_metrics import (
+    advantage_agreement,
+    comparison_advantages,
+    group_diversity,
+    normalise_query,
+)
 from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.algorithms.methods import (
     RewardInputs,
     SpaOptions,
     answer_score,
     get_method,
+    method_advantages,
     method_rewards,
     reward_config_from_mapping,
 )
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig, outcome_reward
-from spader_pipeline.algorithms.steps import segment_steps
+from spader_pipeline.algorithms.steps import StepLayout, segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
 
 from .estimators import verl_options
@@ -95,6 +103,13 @@ class ManagerSettings:
         return float(final[0])
 
 
+def turn_action(text: str) -> tuple[str, list[str]]:
+    """A model turn as ``(kind, normalised queries or answers)``, as the native trainer records it."""
+    parsed = parse_turn(text)
+    items = parsed.queries if parsed.kind == "search" else parsed.answers
+    return parsed.kind, [normalise_query(str(x)) for x in items]
+
+
 def make_payload(
     record: TrajectoryRecord, ground_truth: Sequence[Sequence[str]], settings: ManagerSettings
 ) -> dict:
@@ -113,6 +128,8 @@ def make_payload(
         "format_ok": record.format_ok,
         "final": settings.final_term(record),
         "split": record.split,
+        "actions": [list(turn_action(s.text)) for s in record.steps],
+        "doc_keys": [key for s in record.steps for key in s.document_keys],
     }
     method = get_method(settings.method)
     if method.needs_step_documents:
@@ -211,6 +228,17 @@ class SpaderRewardManager(RewardManagerBase):
             settings=cls.settings,
         )
 
+    @classmethod
+    def step_metrics(cls, data: DataProto, token_rewards: torch.Tensor) -> dict[str, float]:
+        """Mechanism metrics of an assembled batch (``group/*``, ``adv/*_vs_grpo``); ``{}`` without payloads."""
+        payloads = _payloads(data, [])
+        if payloads is None:
+            return {}
+        return mechanism_metrics_from_payloads(
+            response_mask=data.batch["response_mask"], index=data.non_tensor_batch["uid"], payloads=payloads,
+            token_rewards=token_rewards, global_step=data.meta_info.get("global_steps"), settings=cls.settings,
+        )
+
 
 def _payloads(data: DataProto, scores: Sequence[Any]) -> list[dict] | None:
     raw = data.non_tensor_batch.get(PAYLOAD_KEY) if data.non_tensor_batch else None
@@ -231,6 +259,20 @@ def assemble_token_rewards(
 ) -> torch.Tensor:
     """``rm_scores [B, T]`` from per-sample payloads: the method's reward layout
     (:func:`~spader_pipeline.algorithms.methods.method_rewards`, as the native trainer)."""
+    inputs, layout, step = reward_inputs_from_payloads(response_mask, payloads, global_step, settings)
+    out = method_rewards(
+        settings.method, response_mask, index, inputs, global_step=step,
+        reward=settings.reward, options=settings.options, layout=layout,
+    )
+    return out.token_rewards
+
+
+def reward_inputs_from_payloads(
+    response_mask: torch.Tensor, payloads: Sequence[Mapping[str, Any]], global_step: int | None,
+    settings: ManagerSettings,
+) -> tuple[RewardInputs, StepLayout, int]:
+    """What the method registry's rewards read (``RewardInputs``), the step layout of ``response_mask``
+    ``[B, T]`` and the global step, from the per-sample payloads."""
     bsz, _ = response_mask.shape
     if len(payloads) != bsz:
         raise ValueError(f"{len(payloads)} payloads for a batch of {bsz}")
@@ -274,8 +316,24 @@ def assemble_token_rewards(
         step_documents=[[] if i in unaligned else [list(d) for d in p.get("docs", [])] for i, p in enumerate(payloads)],
         step_thinks=[list(p.get("thinks", [])) for p in payloads],
     )
-    out = method_rewards(
-        settings.method, response_mask, index, inputs, global_step=int(global_step),
-        reward=settings.reward, options=settings.options, layout=layout,
-    )
-    return out.token_rewards
+    return inputs, layout, int(global_step)
+
+
+def mechanism_metrics_from_payloads(
+    *,
+    response_mask: torch.Tensor,
+    index: Sequence[object] | np.ndarray,
+    payloads: Sequence[Mapping[str, Any]],
+    token_rewards: torch.Tensor,
+    global_step: int | None,
+    settings: ManagerSettings,
+) -> dict[str, float]:
+    """The native trainer's ``group/*`` and ``adv/*_vs_grpo`` metrics (docs/metrics.md) for a verl batch:
+    the method's advantages from its ``token_rewards [B, T]`` and GRPO's, beside them, on the same batch."""
+    inputs, layout, step = reward_inputs_from_payloads(response_mask, payloads, global_step, settings)
+    advantages, _ = method_advantages(settings.method, token_rewards, response_mask, index, settings.options, layout)
+    grpo = comparison_advantages(response_mask, index, inputs, global_step=step, reward=settings.reward, layout=layout)
+    actions = [[(str(kind), tuple(items)) for kind, items in p.get("actions", [])] for p in payloads]
+    diversity = group_diversity(index, actions, [list(p.get("doc_keys", [])) for p in payloads],
+                                inputs.found, inputs.num_gt)
+    return {**diversity, **advantage_agreement(advantages, grpo, response_mask)}
