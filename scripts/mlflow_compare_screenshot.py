@@ -103,19 +103,24 @@ def _close_side_panel(page) -> None:
 
 def _scroll_metrics_to(page, label: re.Pattern) -> None:
     """Scroll the Compare view's metrics table (it scrolls inside the page) until ``label``'s row is
-    in view, with the mouse wheel over the values as a user does: the names follow only then."""
-    target = page.get_by_role("link", name=label).first
-    if not target.count():
+    in view, with the mouse wheel over the values as a user does: the names follow only then. The
+    table renders only the rows near its view, so the row may appear only while scrolling."""
+    first = page.get_by_role("link", name=re.compile(r"^(adv|answer)\/")).first.bounding_box()
+    if first is None:
         return
-    first = page.get_by_role("link", name=re.compile(r"^answer\/")).first.bounding_box()
     page.mouse.move(first["x"] + 600, first["y"] + 10)  # over the values: their grid drives the names
     bottom = page.get_by_text("Artifacts", exact=True).first.bounding_box()["y"]
-    for _ in range(100):
-        box = target.bounding_box()
+    for _ in range(200):
+        target = page.get_by_role("link", name=label).first
+        box = target.bounding_box() if target.count() else None
         if box and box["y"] + box["height"] < bottom - 20:
-            return
+            break
         page.mouse.wheel(0, 40)
         page.wait_for_timeout(100)
+    # the names column follows the values' grid on its scroll events: end on a slow one so both settle
+    page.wait_for_timeout(500)
+    page.mouse.wheel(0, 1)
+    page.wait_for_timeout(800)
 
 
 def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromium: str) -> list[Path]:
