@@ -69,8 +69,8 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
     fig.suptitle(f"Training curves on the training questions (points: steps; lines: moving average over "
-                 f"{window} steps)\nrecall, F1, retrieval recall compare the methods; the return includes each "
-                 "method's own terms. Same sampling seed: curves coincide until the policies differ", fontsize=10)
+                 f"{window} steps)\nrecall, F1 and retrieval recall compare the methods; the return includes each "
+                 "method's own terms.\nSame sampling seed: curves coincide until the policies differ", fontsize=10)
     fig.tight_layout()
     return fig
 
