@@ -97,9 +97,9 @@ class _Hit:
 # Questions with several facets (the multi-search task, docs/data.md)
 # --------------------------------------------------------------------------------------------------
 
-_FIRST_FACET = "Search each group the question names, one at a time."
+_FIRST_FACET = "Search each group in turn."
 _NEXT_FACET = "Search the next group."
-_AGAIN = "Every hit matched; that group may have more."
+_AGAIN = "All matched; search it again."
 _FACET_ANSWER = "The titles whose first line names a group."
 
 _ELEMENTS_Q = re.compile(r"^Which chemical elements have atomic numbers from (\d+) to (\d+)\?$")
@@ -124,7 +124,9 @@ class QuestionFacets:
     of Dacia or Sweden are there?*) or ``elements`` (*Which chemical elements have atomic numbers
     from 21 to 30?*, one facet per ``NUMBERS_PER_SEARCH`` numbers). ``head`` is the shared noun
     phrase in the singular, ``names`` its plural as the question writes it, ``facets`` in question
-    order; ``numbers``: the atomic numbers of each facet (``elements`` only).
+    order; ``numbers``: the atomic numbers of each facet (``elements`` only). ``joined``: "X, Y or
+    Z" may also be two facets, "X, Y" and "Z" (a list of two writes no "; "): lines of "X, Y" count
+    as facet 0 too, and so do lines naming the whole list ("Genus of plants, fungi or algae").
     """
 
     form: Literal["leading", "in", "of", "elements"]
@@ -132,6 +134,7 @@ class QuestionFacets:
     names: str
     facets: tuple[str, ...]
     numbers: tuple[tuple[int, ...], ...] = ()
+    joined: bool = False
 
     def description(self, i: int) -> str:
         """The short description the articles of facet ``i`` presumably share."""
@@ -164,7 +167,12 @@ class QuestionFacets:
             number = int(found.group(1)) if found else None
             return next((i for i, numbers in enumerate(self.numbers) if number in numbers), None)
         signature = _signature(line)
-        return next((i for i in range(len(self.facets)) if _signature(self.description(i)) == signature), None)
+        found = next((i for i in range(len(self.facets)) if _signature(self.description(i)) == signature), None)
+        if found is None and (signature == _signature(" ".join((self.head, *self.facets))) or (
+            self.joined and signature == _signature(self.description(0)) | _signature(self.facets[1])
+        )):
+            return 0
+        return found
 
 
 def parse_facets(question: str) -> QuestionFacets | None:
@@ -188,14 +196,14 @@ def parse_facets(question: str) -> QuestionFacets | None:
         return QuestionFacets("elements", "chemical element", "chemical elements", facets, chunks) if len(chunks) > 1 else None
     found = _IN_Q.match(text)
     if found:
-        return _facets("in", found["names"], _or_items(found["list"]))
+        return _facets("in", found["names"], _or_items(found["list"]), found["list"])
     found = _THERE_Q.match(text)
     if not found:
         return None
     body = found["body"]
     before, of, after = body.partition(" of ")
     if of and not re.search(r" or |[,;]", before):
-        return _facets("of", before, _or_items(after))
+        return _facets("of", before, _or_items(after), after)
     items = _or_items(body)
     if len(items) < 2:
         return None
@@ -208,11 +216,12 @@ def parse_facets(question: str) -> QuestionFacets | None:
     return _facets("leading", " ".join(words[cut:]), [*items[:-1], " ".join(words[:cut])])
 
 
-def _facets(form: Literal["leading", "in", "of"], names: str, items: list[str]) -> QuestionFacets | None:
+def _facets(form: Literal["leading", "in", "of"], names: str, items: list[str], listed: str = "") -> QuestionFacets | None:
     names = names.strip()
     if len(items) < 2 or not names or not all(items):
         return None
-    return QuestionFacets(form, singular(names), names, tuple(items))
+    joined = len(items) == 3 and "; " not in listed  # "Maharashtra, India or Peru"
+    return QuestionFacets(form, singular(names), names, tuple(items), joined=joined)
 
 
 def _or_items(text: str) -> list[str]:
