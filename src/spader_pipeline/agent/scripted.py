@@ -24,7 +24,7 @@ facet again when every passage it returned matched it (the facet may have more m
 answers the titles whose evidence line names the head and one facet. With ``query_style="varied"``
 the facet order and each query's wording are drawn per question from ``seed`` and the question id,
 so demonstrations do not teach a single query template. A question with one facet (every question
-of the default task) takes the path above, unchanged.
+of the default task) takes the path above.
 """
 
 from __future__ import annotations
@@ -125,8 +125,9 @@ class QuestionFacets:
     from 21 to 30?*, one facet per ``NUMBERS_PER_SEARCH`` numbers). ``head`` is the shared noun
     phrase in the singular, ``names`` its plural as the question writes it, ``facets`` in question
     order; ``numbers``: the atomic numbers of each facet (``elements`` only). ``joined``: "X, Y or
-    Z" may also be two facets, "X, Y" and "Z" (a list of two writes no "; "): lines of "X, Y" count
-    as facet 0 too, and so do lines naming the whole list ("Genus of plants, fungi or algae").
+    Z" may also be two facets, "X, Y" and "Z" (a list of two writes no "; "), so lines of "X, Y"
+    count as facet 0 too. A line naming the whole list ("Genus of plants, fungi or algae") always
+    counts as facet 0.
     """
 
     form: Literal["leading", "in", "of", "elements"]
