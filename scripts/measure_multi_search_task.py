@@ -5,11 +5,15 @@ recall that BM25 over the real corpus allows with 1, 2 and 4 searches of ``--top
 
 - oracle: searches the question's sub-group descriptions, largest sub-group first; with one search
   it takes the better of that and the question's own content words (``agent.scripted.question_query``);
-- scripted: ``agent.scripted.ScriptedPolicy``'s choices (question words, then the best evidence line),
-  answering the titles whose evidence line matches, with 1 and 2 searches.
+- scripted: ``agent.scripted.ScriptedPolicy``'s single-facet choices (question words, then the best
+  evidence line), answering the titles whose evidence line matches, with 1 and 2 searches;
+- policy: ``ScriptedPolicy`` itself, rolled out through ``agent.rollout.run_rollouts`` (it parses
+  the question's facets, searches each, follows up, answers): the recall of its answers with its
+  own number of searches (``fixed`` and ``varied`` wordings, without follow-ups) and with one
+  search, and the mean number of searches.
 
-Recall counts an answer when a retrieved passage belongs to it. Usage (the index is built once
-and cached)::
+Recall counts an answer when a retrieved passage belongs to it (oracle, scripted) or when the
+policy answers its title (policy). Usage (the index is built once and cached)::
 
     PYTHONPATH=src python scripts/measure_multi_search_task.py [--topk 3] [--index /tmp/multi_search_bm25]
 """
@@ -24,10 +28,13 @@ from pathlib import Path
 
 import yaml
 
+from spader_pipeline.agent.prompts import resolve_template
+from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
 from spader_pipeline.agent.scripted import ScriptedPolicy, _Hit, evidence_line, question_query
 from spader_pipeline.data import multi_search_qa, wiki
 from spader_pipeline.retrieval.bm25 import BM25Params, BM25Retriever, build_bm25
 from spader_pipeline.retrieval.corpus import Passage
+from spader_pipeline.retrieval.schemas import Document, QueryResult, SearchResponse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +43,51 @@ def _params() -> dict:
     conf = yaml.safe_load((ROOT / "conf/base/parameters_data_prep.yml").read_text())["data_prep"]
     qa = conf["embedded_qa"]
     return {"salt": qa["salt"], **qa["multi_search"]}, conf["corpus"]
+
+
+class CorpusSearch:
+    """The rollout loop's search backend over the BM25 index and the passages in memory."""
+
+    def __init__(self, retriever: BM25Retriever, passages: list[dict]) -> None:
+        self.retriever, self.passages = retriever, passages
+
+    async def search(self, queries, topk: int = 5, max_chars: int | None = None) -> SearchResponse:
+        results = []
+        for query in queries:
+            rows, scores = self.retriever.top(query, topk)
+            docs = [Document(score=float(s), **self.passages[int(r)]) for r, s in zip(rows, scores, strict=True)]
+            results.append(QueryResult(query=query, documents=docs))
+        return SearchResponse(results=results)
+
+
+#: the policy variants measured: name → ScriptedPolicy options
+POLICIES = {
+    "fixed": {},
+    "fixed_1_search": {"max_searches": 1},
+    "fixed_no_follow_up": {"follow_up": False},
+    "varied": {"query_style": "varied"},
+}
+
+
+def replay_policy(questions, backend, topk: int, template: str) -> dict:
+    """Recall (of the answered titles), precision and searches of each of ``POLICIES``."""
+    rows = multi_search_qa.question_rows(questions)
+    samples = [{"id": row["id"], "question": row["question"]} for row in rows]
+    config = RolloutConfig(max_turns=12, topk=topk, max_chars=None)
+    out = {}
+    for name, options in POLICIES.items():
+        trajectories = run_rollouts_sync(samples, ScriptedPolicy(**options), backend, config, template)
+        recalls, precisions = [], []
+        for q, t in zip(questions, trajectories, strict=True):
+            predicted = set(t.predicted or ())
+            recalls.append(len(predicted & set(q.titles)) / len(q.titles))
+            precisions.append(len(predicted & set(q.titles)) / len(predicted) if predicted else 0.0)
+        out[name] = {
+            "recall": round(statistics.mean(recalls), 3),
+            "precision": round(statistics.mean(precisions), 3),
+            "searches": round(statistics.mean(t.num_searches for t in trajectories), 2),
+        }
+    return out
 
 
 def main() -> None:
@@ -53,6 +105,8 @@ def main() -> None:
     if not (index / "tokenizer.json").exists():
         build_bm25((Passage(**p) for p in passages), index, BM25Params(), show_progress=False)
     retriever = BM25Retriever(index)
+    backend = CorpusSearch(retriever, passages)
+    template = resolve_template(yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"])
 
     def search(query: str) -> list[dict]:
         rows, _ = retriever.top(query, args.topk)
@@ -95,6 +149,7 @@ def main() -> None:
             "subgroups_mean": round(statistics.mean(len(q.subgroups) for q in qs), 2),
             "oracle_recall": {n: round(statistics.mean(v), 3) for n, v in oracle.items()},
             "scripted_recall": {n: round(statistics.mean(v), 3) for n, v in script.items()},
+            "policy": replay_policy(qs, backend, args.topk, template),
         }
     train_sets = {frozenset(q.titles) for q in questions if q.split == "train"}
     held_out = {frozenset(q.titles) for q in questions if q.split != "train"}

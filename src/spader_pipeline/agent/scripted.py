@@ -15,16 +15,30 @@ tokenised for supervised warm start exactly like model rollouts. The thoughts ar
 quote a passage: a small model imitates them, and a thought that repeats the evidence line right
 before ``<answer>`` taught SmolLM2 to answer with that line instead of the titles (and long turns
 were cut by the per-turn token limit).
+
+A question that names several *facets* of one head (the multi-search task, docs/data.md: *Which
+Czech, French or Russian composers are there?*, *Which countries are in East Asia or West Africa?*,
+*Which chemical elements have atomic numbers from 21 to 30?*) is decomposed from its text alone
+(:func:`parse_facets`); the policy then searches once per facet (one query per turn), searches a
+facet again when every passage it returned matched it (the facet may have more members), and
+answers the titles whose evidence line names the head and one facet. With ``query_style="varied"``
+the facet order and each query's wording are drawn per question from ``seed`` and the question id,
+so demonstrations do not teach a single query template. A question with one facet (every question
+of the default task) takes the path above.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState
+from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, Step
 
 _WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
 _QUOTED_RE = re.compile(r"[\"“]([^\"”]{2,200})[\"”]")
@@ -79,17 +93,227 @@ class _Hit:
     line: str
 
 
+# --------------------------------------------------------------------------------------------------
+# Questions with several facets (the multi-search task, docs/data.md)
+# --------------------------------------------------------------------------------------------------
+
+_FIRST_FACET = "Search each group in turn."
+_NEXT_FACET = "Search the next group."
+_AGAIN = "All matched; search it again."
+_FACET_ANSWER = "The titles whose first line names a group."
+
+_ELEMENTS_Q = re.compile(r"^Which chemical elements have atomic numbers from (\d+) to (\d+)\?$")
+_IN_Q = re.compile(r"^Which (?P<names>[^,;\"“”]+?) are in (?P<list>[^\"“”]+)\?$")
+_THERE_Q = re.compile(r"^Which (?P<body>[^\"“”]+) are there\?$")
+_ELEMENT_LINE = re.compile(r"^chemical element with atomic number (\d+)\b", re.IGNORECASE)
+_DATE_WORDS = frozenset("century c ca bc bce ad ce".split())
+_SINGULAR = {
+    "genera": "genus", "phyla": "phylum", "subphyla": "subphylum", "children": "child", "peoples": "people",
+    "phenomena": "phenomenon", "criteria": "criterion", "species": "species", "series": "series",
+}
+#: atomic numbers per search of an element-range question (a search returns ``topk`` = 3 passages)
+NUMBERS_PER_SEARCH = 3
+
+
+@dataclass(frozen=True)
+class QuestionFacets:
+    """What a several-facet question asks for, read from its text alone.
+
+    ``form`` is how the question names the facets: ``leading`` (*Which Czech or French composers
+    are there?*), ``in`` (*Which countries are in East Asia or West Africa?*), ``of`` (*Which kings
+    of Dacia or Sweden are there?*) or ``elements`` (*Which chemical elements have atomic numbers
+    from 21 to 30?*, one facet per ``NUMBERS_PER_SEARCH`` numbers). ``head`` is the shared noun
+    phrase in the singular, ``names`` its plural as the question writes it, ``facets`` in question
+    order; ``numbers``: the atomic numbers of each facet (``elements`` only). ``joined``: "X, Y or
+    Z" may also be two facets, "X, Y" and "Z" (a list of two writes no "; "), so lines of "X, Y"
+    count as facet 0 too. A line naming the whole list ("Genus of plants, fungi or algae") always
+    counts as facet 0.
+    """
+
+    form: Literal["leading", "in", "of", "elements"]
+    head: str
+    names: str
+    facets: tuple[str, ...]
+    numbers: tuple[tuple[int, ...], ...] = ()
+    joined: bool = False
+
+    def description(self, i: int) -> str:
+        """The short description the articles of facet ``i`` presumably share."""
+        return self.queries(i)[0]
+
+    def queries(self, i: int) -> list[str]:
+        """Wordings of a search for facet ``i``; the first is the description itself."""
+        f, h, n = self.facets[i], self.head, self.names
+        if self.form == "elements":
+            return [
+                f"chemical element with atomic number {f}",
+                f"elements with atomic numbers {f}",
+                f"atomic number {f} chemical element",
+                f"chemical elements {', '.join(f.split())}",
+            ]
+        if self.form == "leading":
+            return [f"{f} {h}", f"{f} {n}", f"list of {f} {n}", f"{n}: {f}", f"{h}, {f}"]
+        prep = self.form  # "in" | "of"
+        return [f"{h} {prep} {f}", f"{n} {prep} {f}", f"list of {n} {prep} {f}", f"{f} {n}", f"{h}, {f}"]
+
+    def match(self, line: str) -> int | None:
+        """The facet whose description ``line`` (a passage's evidence line) is, or None.
+
+        Descriptions compare by their words, folded to the singular, without years, ordinals,
+        parentheses and stopwords ("French painter (1600–1650)" is facet "French" of head
+        "painter"); element lines by their atomic number.
+        """
+        if self.form == "elements":
+            found = _ELEMENT_LINE.match(line.strip())
+            number = int(found.group(1)) if found else None
+            return next((i for i, numbers in enumerate(self.numbers) if number in numbers), None)
+        signature = _signature(line)
+        found = next((i for i in range(len(self.facets)) if _signature(self.description(i)) == signature), None)
+        if found is None and (signature == _signature(" ".join((self.head, *self.facets))) or (
+            self.joined and signature == _signature(self.description(0)) | _signature(self.facets[1])
+        )):
+            return 0
+        return found
+
+
+def parse_facets(question: str) -> QuestionFacets | None:
+    """The facets of a question of the multi-search task; None unless it names at least two.
+
+    Lists are written "A, B or C", or "A; B or C" when an item has a comma ("Maharashtra, India").
+    In the ``leading`` form the last item also carries the head: when every other item is
+    capitalised (nationalities: *Which Dutch or Swiss mathematicians and physicists are there?*)
+    the head is what follows the last item's capitalised words, else its last word (*Which
+    single-reed woodwind or brass instruments are there?*).
+    """
+    text = question.strip()
+    found = _ELEMENTS_Q.match(text)
+    if found:
+        low, high = int(found.group(1)), int(found.group(2))
+        if not 0 < low < high <= low + 200:
+            return None
+        span = list(range(low, high + 1))
+        chunks = tuple(tuple(span[i : i + NUMBERS_PER_SEARCH]) for i in range(0, len(span), NUMBERS_PER_SEARCH))
+        facets = tuple(" ".join(map(str, chunk)) for chunk in chunks)
+        return QuestionFacets("elements", "chemical element", "chemical elements", facets, chunks) if len(chunks) > 1 else None
+    found = _IN_Q.match(text)
+    if found:
+        return _facets("in", found["names"], _or_items(found["list"]), found["list"])
+    found = _THERE_Q.match(text)
+    if not found:
+        return None
+    body = found["body"]
+    before, of, after = body.partition(" of ")
+    if of and not re.search(r" or |[,;]", before):
+        return _facets("of", before, _or_items(after), after)
+    items = _or_items(body)
+    if len(items) < 2:
+        return None
+    words = items[-1].split(" ")
+    capitalised = sum(1 for _ in itertools.takewhile(lambda w: w[:1].isupper(), words))
+    nationalities = all(w[:1].isupper() for item in items[:-1] for w in item.split(" "))
+    cut = capitalised if nationalities and 0 < capitalised < len(words) else len(words) - 1
+    if cut < 1:
+        return None
+    return _facets("leading", " ".join(words[cut:]), [*items[:-1], " ".join(words[:cut])])
+
+
+def _facets(form: Literal["leading", "in", "of"], names: str, items: list[str], listed: str = "") -> QuestionFacets | None:
+    names = names.strip()
+    if len(items) < 2 or not names or not all(items):
+        return None
+    joined = len(items) == 3 and "; " not in listed  # "Maharashtra, India or Peru"
+    return QuestionFacets(form, singular(names), names, tuple(items), joined=joined)
+
+
+def _or_items(text: str) -> list[str]:
+    """Items of "A, B or C" / "A; B or C" (one item when there is no " or ")."""
+    head, sep, last = text.strip().rpartition(" or ")
+    if not sep:
+        return [text.strip()]
+    return [item.strip() for item in head.split("; " if "; " in head else ", ")] + [last.strip()]
+
+
+def singular(noun_phrase: str) -> str:
+    """The singular of a plural noun phrase: the last word of each ``and``-joined part."""
+    parts = re.split(r"( and |, )", noun_phrase)
+    return "".join(part if part in (" and ", ", ") else _singular_last(part) for part in parts)
+
+
+def _singular_last(phrase: str) -> str:
+    head, _, word = phrase.rpartition(" ")
+    lower = word.lower()
+    if lower in _SINGULAR:
+        one = word[:1] + _SINGULAR[lower][1:]
+    elif lower.endswith("men") and len(lower) > 3:
+        one = word[:-3] + "man"
+    elif lower.endswith("ies") and len(lower) > 4:
+        one = word[:-3] + "y"
+    elif lower.endswith(("sses", "ches", "shes", "xes", "zzes")):
+        one = word[:-2]
+    elif lower.endswith("s") and not lower.endswith("ss"):
+        one = word[:-1]
+    else:
+        one = word
+    return f"{head} {one}" if head else one
+
+
+def _fold(word: str) -> str:
+    """A word folded so that singular and plural agree (genera/genus, statesmen, niches/niche)."""
+    lower = word.lower()
+    lower = _SINGULAR.get(lower, lower)
+    if lower.endswith("men") and len(lower) > 3:
+        lower = lower[:-3] + "man"
+    folded = _stem(lower)
+    return folded.rstrip("e") or folded
+
+
+def _signature(description: str) -> frozenset[str]:
+    """A description's folded words without parentheses, numbers, dates and stopwords."""
+    text = re.sub(r"\([^)]*\)?", " ", description)
+    return frozenset(
+        _fold(w)
+        for w in _WORD_RE.findall(text)
+        if not any(c.isdigit() for c in w) and w.lower() not in _STOPWORDS and w.lower() not in _DATE_WORDS
+    )
+
+
+QueryStyle = Literal["fixed", "varied"]
+
+
 class ScriptedPolicy(Generator):
     """Rule-based agent (see the module docstring).
 
     Args:
-        follow_up: search a second time with the chosen evidence line before answering.
-        min_overlap: least fraction of the question's content words the chosen line must contain.
+        follow_up: search a second time before answering: with the chosen evidence line (one
+            facet), or once more for each facet whose search returned only matching passages.
+        min_overlap: least fraction of the question's content words the chosen line must contain
+            (one facet).
+        query_style: several facets: ``fixed`` searches the facets in question order with one
+            wording; ``varied`` draws the order and each query's wording from ``seed`` and the
+            question id.
+        seed: seed of the ``varied`` draws.
+        max_searches: several facets: most searches before answering (keep it below the rollout's
+            ``max_turns``); None: one per facet plus the follow-ups.
     """
 
-    def __init__(self, *, follow_up: bool = True, min_overlap: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        follow_up: bool = True,
+        min_overlap: float = 0.5,
+        query_style: QueryStyle = "fixed",
+        seed: int = 0,
+        max_searches: int | None = 5,
+    ) -> None:
+        if query_style not in ("fixed", "varied"):
+            raise ValueError(f"query_style must be 'fixed' or 'varied', not {query_style!r}")
+        if max_searches is not None and max_searches < 1:
+            raise ValueError(f"max_searches must be at least 1 (or None), not {max_searches}")
         self.follow_up = follow_up
         self.min_overlap = min_overlap
+        self.query_style = query_style
+        self.seed = seed
+        self.max_searches = max_searches
 
     async def generate(self, states: Sequence[RolloutState]) -> list[GeneratedTurn]:
         return [GeneratedTurn(text=self.turn(state)) for state in states]
@@ -98,6 +322,9 @@ class ScriptedPolicy(Generator):
         """The next assistant turn for ``state`` (pure function of question and observations)."""
         question = str(state.sample["question"])
         searches = [s for s in state.steps if s.kind == "search"]
+        facets = parse_facets(question)
+        if facets is not None:
+            return self.facet_turn(facets, self.plan(facets, state.sample), searches)
         if not searches:
             query = question_query(question)
             return _search_turn("Search the question's key words.", [query])
@@ -133,6 +360,58 @@ class ScriptedPolicy(Generator):
             return None
         overlap, _, _, line = max(scored.values(), key=lambda v: v[:3])
         return line if overlap >= self.min_overlap else None
+
+    # -- several facets ------------------------------------------------------------------------
+
+    def plan(self, facets: QuestionFacets, sample: Mapping[str, Any]) -> list[tuple[int, int, int]]:
+        """(facet, wording of its search, wording of its follow-up) in search order.
+
+        ``fixed``: question order, wording 0, follow-up wording 1. ``varied``: a permutation and
+        wordings drawn from ``seed`` and the sample's id (its question when it has none).
+        """
+        n_wordings = len(facets.queries(0))
+        if self.query_style == "fixed":
+            return [(i, 0, 1) for i in range(len(facets.facets))]
+        key = f"{self.seed}|{sample.get('id') or sample['question']}"
+        rng = random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
+        order = list(range(len(facets.facets)))
+        rng.shuffle(order)
+        plan = []
+        for i in order:
+            first = rng.randrange(n_wordings)
+            plan.append((i, first, (first + 1 + rng.randrange(n_wordings - 1)) % n_wordings))
+        return plan
+
+    def facet_turn(self, facets: QuestionFacets, plan: Sequence[tuple[int, int, int]], searches: Sequence[Step]) -> str:
+        """The next turn for a question with several facets, given the searches made so far:
+        the plan's searches, then follow-ups, then the answer (``max_searches`` bounds both)."""
+        budget = len(searches) < (self.max_searches or len(plan) * 2)
+        if len(searches) < len(plan) and budget:
+            i, wording, _ = plan[len(searches)]
+            thought = _NEXT_FACET if searches else _FIRST_FACET
+            return _search_turn(thought, [facets.queries(i)[wording]])
+        hits = [_hits(step) for step in searches]
+        if self.follow_up and budget:
+            full = [
+                (i, again)
+                for (i, _, again), step_hits in zip(plan, hits, strict=False)
+                if step_hits and all(facets.match(h.line) == i for h in step_hits)
+            ]
+            done = len(searches) - len(plan)
+            if done < len(full):
+                i, again = full[done]
+                return _search_turn(_AGAIN, [facets.queries(i)[again]])
+        matched = (h.title for step_hits in hits for h in step_hits if h.title and facets.match(h.line) is not None)
+        titles = list(dict.fromkeys(matched))
+        return _answer_turn(_FACET_ANSWER if titles else "No passage matches.", titles)
+
+
+def _hits(step: Step) -> list[_Hit]:
+    """(title, evidence line) of each passage a search step retrieved."""
+    return [
+        _Hit(title, evidence_line(text.split("\n", 1)[1] if "\n" in text else text))
+        for title, text in zip(_flat(step.titles), step.retrieved_texts, strict=False)
+    ]
 
 
 def _flat(nested: Sequence[Sequence[str]]) -> list[str]:

@@ -36,7 +36,7 @@ MODEL_KINDS = ("scripted", "hf", "openai", "served")
 CLIENT_OPTIONS = ("max_retries", "backoff", "timeout", "api_key", "extra_body")
 #: options a model entry may add, by kind: what :func:`open_generator` hands to its generator
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "scripted": ("follow_up", "min_overlap"),
+    "scripted": ("follow_up", "min_overlap", "query_style", "seed", "max_searches"),
     "hf": ("device", "max_prompt_tokens", "chat_template_kwargs"),
     "openai": CLIENT_OPTIONS,
     "served": (*CLIENT_OPTIONS, "server_args"),
