@@ -30,7 +30,6 @@ of the default task) takes the path above.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import random
 import re
@@ -38,33 +37,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from spader_pipeline.agent.question_facets import STOPWORDS, WORD_RE, QuestionFacets, parse_facets, stem
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, Step
 
-_WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
 _QUOTED_RE = re.compile(r"[\"“]([^\"”]{2,200})[\"”]")
-_STOPWORDS = frozenset(
-    """a an the of in on at to for from by with and or is are was were be been being which what who whom
-    whose where when why how that this these those there their its it as did do does done has have had
-    all any every each some list name find give tell me us known also than into about under over after
-    before such many much most other same one ones article articles wikipedia have short description""".split()
-)
-
-
-def _stem(word: str) -> str:
-    """A tiny plural folding (countries→country, plays→play, classes→class), enough for matching."""
-    w = word.lower()
-    if len(w) > 4 and w.endswith("ies"):
-        return w[:-3] + "y"
-    if len(w) > 4 and w.endswith(("sses", "shes", "ches", "xes")):
-        return w[:-2]
-    if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
-        return w[:-1]
-    return w
-
 
 def content_words(text: str) -> list[str]:
     """Words of ``text`` minus question words and stopwords (original spelling, order kept)."""
-    return [w for w in _WORD_RE.findall(text) if w.lower() not in _STOPWORDS]
+    return [w for w in WORD_RE.findall(text) if w.lower() not in STOPWORDS]
 
 
 def question_query(question: str) -> str:
@@ -84,7 +64,7 @@ def evidence_line(contents: str) -> str:
 
 
 def _key(line: str) -> str:
-    return " ".join(w.lower() for w in _WORD_RE.findall(line))
+    return " ".join(w.lower() for w in WORD_RE.findall(line))
 
 
 @dataclass(frozen=True)
@@ -101,180 +81,6 @@ _FIRST_FACET = "Search each group in turn."
 _NEXT_FACET = "Search the next group."
 _AGAIN = "All matched; search it again."
 _FACET_ANSWER = "The titles whose first line names a group."
-
-_ELEMENTS_Q = re.compile(r"^Which chemical elements have atomic numbers from (\d+) to (\d+)\?$")
-_IN_Q = re.compile(r"^Which (?P<names>[^,;\"“”]+?) are in (?P<list>[^\"“”]+)\?$")
-_THERE_Q = re.compile(r"^Which (?P<body>[^\"“”]+) are there\?$")
-_ELEMENT_LINE = re.compile(r"^chemical element with atomic number (\d+)\b", re.IGNORECASE)
-_DATE_WORDS = frozenset("century c ca bc bce ad ce".split())
-_SINGULAR = {
-    "genera": "genus", "phyla": "phylum", "subphyla": "subphylum", "children": "child", "peoples": "people",
-    "phenomena": "phenomenon", "criteria": "criterion", "species": "species", "series": "series",
-}
-#: atomic numbers per search of an element-range question (a search returns ``topk`` = 3 passages)
-NUMBERS_PER_SEARCH = 3
-
-
-@dataclass(frozen=True)
-class QuestionFacets:
-    """What a several-facet question asks for, read from its text alone.
-
-    ``form`` is how the question names the facets: ``leading`` (*Which Czech or French composers
-    are there?*), ``in`` (*Which countries are in East Asia or West Africa?*), ``of`` (*Which kings
-    of Dacia or Sweden are there?*) or ``elements`` (*Which chemical elements have atomic numbers
-    from 21 to 30?*, one facet per ``NUMBERS_PER_SEARCH`` numbers). ``head`` is the shared noun
-    phrase in the singular, ``names`` its plural as the question writes it, ``facets`` in question
-    order; ``numbers``: the atomic numbers of each facet (``elements`` only). ``joined``: "X, Y or
-    Z" may also be two facets, "X, Y" and "Z" (a list of two writes no "; "), so lines of "X, Y"
-    count as facet 0 too. A line naming the whole list ("Genus of plants, fungi or algae") always
-    counts as facet 0.
-    """
-
-    form: Literal["leading", "in", "of", "elements"]
-    head: str
-    names: str
-    facets: tuple[str, ...]
-    numbers: tuple[tuple[int, ...], ...] = ()
-    joined: bool = False
-
-    def description(self, i: int) -> str:
-        """The short description the articles of facet ``i`` presumably share."""
-        return self.queries(i)[0]
-
-    def queries(self, i: int) -> list[str]:
-        """Wordings of a search for facet ``i``; the first is the description itself."""
-        f, h, n = self.facets[i], self.head, self.names
-        if self.form == "elements":
-            return [
-                f"chemical element with atomic number {f}",
-                f"elements with atomic numbers {f}",
-                f"atomic number {f} chemical element",
-                f"chemical elements {', '.join(f.split())}",
-            ]
-        if self.form == "leading":
-            return [f"{f} {h}", f"{f} {n}", f"list of {f} {n}", f"{n}: {f}", f"{h}, {f}"]
-        prep = self.form  # "in" | "of"
-        return [f"{h} {prep} {f}", f"{n} {prep} {f}", f"list of {n} {prep} {f}", f"{f} {n}", f"{h}, {f}"]
-
-    def match(self, line: str) -> int | None:
-        """The facet whose description ``line`` (a passage's evidence line) is, or None.
-
-        Descriptions compare by their words, folded to the singular, without years, ordinals,
-        parentheses and stopwords ("French painter (1600–1650)" is facet "French" of head
-        "painter"); element lines by their atomic number.
-        """
-        if self.form == "elements":
-            found = _ELEMENT_LINE.match(line.strip())
-            number = int(found.group(1)) if found else None
-            return next((i for i, numbers in enumerate(self.numbers) if number in numbers), None)
-        signature = _signature(line)
-        found = next((i for i in range(len(self.facets)) if _signature(self.description(i)) == signature), None)
-        if found is None and (signature == _signature(" ".join((self.head, *self.facets))) or (
-            self.joined and signature == _signature(self.description(0)) | _signature(self.facets[1])
-        )):
-            return 0
-        return found
-
-
-def parse_facets(question: str) -> QuestionFacets | None:
-    """The facets of a question of the multi-search task; None unless it names at least two.
-
-    Lists are written "A, B or C", or "A; B or C" when an item has a comma ("Maharashtra, India").
-    In the ``leading`` form the last item also carries the head: when every other item is
-    capitalised (nationalities: *Which Dutch or Swiss mathematicians and physicists are there?*)
-    the head is what follows the last item's capitalised words, else its last word (*Which
-    single-reed woodwind or brass instruments are there?*).
-    """
-    text = question.strip()
-    found = _ELEMENTS_Q.match(text)
-    if found:
-        low, high = int(found.group(1)), int(found.group(2))
-        if not 0 < low < high <= low + 200:
-            return None
-        span = list(range(low, high + 1))
-        chunks = tuple(tuple(span[i : i + NUMBERS_PER_SEARCH]) for i in range(0, len(span), NUMBERS_PER_SEARCH))
-        facets = tuple(" ".join(map(str, chunk)) for chunk in chunks)
-        return QuestionFacets("elements", "chemical element", "chemical elements", facets, chunks) if len(chunks) > 1 else None
-    found = _IN_Q.match(text)
-    if found:
-        return _facets("in", found["names"], _or_items(found["list"]), found["list"])
-    found = _THERE_Q.match(text)
-    if not found:
-        return None
-    body = found["body"]
-    before, of, after = body.partition(" of ")
-    if of and not re.search(r" or |[,;]", before):
-        return _facets("of", before, _or_items(after), after)
-    items = _or_items(body)
-    if len(items) < 2:
-        return None
-    words = items[-1].split(" ")
-    capitalised = sum(1 for _ in itertools.takewhile(lambda w: w[:1].isupper(), words))
-    nationalities = all(w[:1].isupper() for item in items[:-1] for w in item.split(" "))
-    cut = capitalised if nationalities and 0 < capitalised < len(words) else len(words) - 1
-    if cut < 1:
-        return None
-    return _facets("leading", " ".join(words[cut:]), [*items[:-1], " ".join(words[:cut])])
-
-
-def _facets(form: Literal["leading", "in", "of"], names: str, items: list[str], listed: str = "") -> QuestionFacets | None:
-    names = names.strip()
-    if len(items) < 2 or not names or not all(items):
-        return None
-    joined = len(items) == 3 and "; " not in listed  # "Maharashtra, India or Peru"
-    return QuestionFacets(form, singular(names), names, tuple(items), joined=joined)
-
-
-def _or_items(text: str) -> list[str]:
-    """Items of "A, B or C" / "A; B or C" (one item when there is no " or ")."""
-    head, sep, last = text.strip().rpartition(" or ")
-    if not sep:
-        return [text.strip()]
-    return [item.strip() for item in head.split("; " if "; " in head else ", ")] + [last.strip()]
-
-
-def singular(noun_phrase: str) -> str:
-    """The singular of a plural noun phrase: the last word of each ``and``-joined part."""
-    parts = re.split(r"( and |, )", noun_phrase)
-    return "".join(part if part in (" and ", ", ") else _singular_last(part) for part in parts)
-
-
-def _singular_last(phrase: str) -> str:
-    head, _, word = phrase.rpartition(" ")
-    lower = word.lower()
-    if lower in _SINGULAR:
-        one = word[:1] + _SINGULAR[lower][1:]
-    elif lower.endswith("men") and len(lower) > 3:
-        one = word[:-3] + "man"
-    elif lower.endswith("ies") and len(lower) > 4:
-        one = word[:-3] + "y"
-    elif lower.endswith(("sses", "ches", "shes", "xes", "zzes")):
-        one = word[:-2]
-    elif lower.endswith("s") and not lower.endswith("ss"):
-        one = word[:-1]
-    else:
-        one = word
-    return f"{head} {one}" if head else one
-
-
-def _fold(word: str) -> str:
-    """A word folded so that singular and plural agree (genera/genus, statesmen, niches/niche)."""
-    lower = word.lower()
-    lower = _SINGULAR.get(lower, lower)
-    if lower.endswith("men") and len(lower) > 3:
-        lower = lower[:-3] + "man"
-    folded = _stem(lower)
-    return folded.rstrip("e") or folded
-
-
-def _signature(description: str) -> frozenset[str]:
-    """A description's folded words without parentheses, numbers, dates and stopwords."""
-    text = re.sub(r"\([^)]*\)?", " ", description)
-    return frozenset(
-        _fold(w)
-        for w in _WORD_RE.findall(text)
-        if not any(c.isdigit() for c in w) and w.lower() not in _STOPWORDS and w.lower() not in _DATE_WORDS
-    )
 
 
 QueryStyle = Literal["fixed", "varied"]
@@ -343,7 +149,7 @@ class ScriptedPolicy(Generator):
 
     def best_line(self, question: str, hits: Sequence[_Hit]) -> str | None:
         """The evidence line that covers most of the question's content words (None if too little)."""
-        wanted = {_stem(w) for w in content_words(question)}
+        wanted = {stem(w) for w in content_words(question)}
         if not wanted:
             return None
         scored: dict[str, tuple[float, int, int, str]] = {}
@@ -351,7 +157,7 @@ class ScriptedPolicy(Generator):
             key = _key(hit.line)
             if not key:
                 continue
-            stems = {_stem(w) for w in key.split()}
+            stems = {stem(w) for w in key.split()}
             overlap = len(wanted & stems) / len(wanted)
             extra = len(stems - wanted)
             count = scored[key][2] + 1 if key in scored else 1

@@ -166,20 +166,24 @@ class GroupRewardAgentLoopManager(AgentLoopManager):
 
 def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
     """Log the mechanism metrics of a training step to the run's MLflow run, under the native trainer's
-    names (docs/metrics.md): the run verl's own MLflow logger writes into (the active run, or
-    ``MLFLOW_RUN_ID`` that the launcher hands to verl). verl's trainer only forwards a generation
+    names (docs/metrics.md): the run verl's own MLflow logger writes into (``MLFLOW_RUN_ID`` and
+    ``MLFLOW_TRACKING_URI``, which the launcher hands to verl, else the active run). verl's trainer only forwards a generation
     batch's ``timing`` to its logger, which would file them as ``timing_s/…``; without an MLflow run
     they are logged at debug level only."""
     import mlflow
 
-    active = mlflow.active_run()
-    run_id = active.info.run_id if active else os.environ.get("MLFLOW_RUN_ID")
+    run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
+    if not run_id and mlflow.active_run() is not None:
+        run_id, uri = mlflow.active_run().info.run_id, None
     if not run_id:
         logger.debug("step %s mechanism metrics (no MLflow run): %s", step, metrics)
         return
     timestamp = int(time.time() * 1000)
     entries = [Metric(key, float(value), timestamp, int(step or 0)) for key, value in metrics.items()]
-    mlflow.MlflowClient().log_batch(run_id, metrics=entries)
+    try:
+        mlflow.MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=entries)
+    except mlflow.exceptions.MlflowException as exc:  # a lost metric must not stop a training run
+        logger.warning("step %s: mechanism metrics not logged to MLflow run %s: %s", step, run_id, exc)
 
 
 def check_search_health(health: dict[str, float], max_error_rate: float) -> None:
