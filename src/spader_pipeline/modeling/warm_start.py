@@ -72,6 +72,9 @@ class WarmStartConfig:
     """AdamW weight decay"""
     warmup_steps: int = 20
     """linear warm-up steps, then cosine decay to 10% of the peak"""
+    schedule_steps: int | None = None
+    """horizon of the cosine decay (``None``: ``max_steps``); a run that stops at ``max_steps <
+    schedule_steps`` reproduces the first steps of a longer run exactly (a measured stopping step)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     bf16: bool | str = "auto"
@@ -163,7 +166,7 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
     torch.manual_seed(config.seed)
     trainable = train_top_layers(model, config.trainable_layers)
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.max_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.schedule_steps or config.max_steps))
     device = next(model.parameters()).device
     bf16 = resolve_bf16(config.bf16, device, model)
     model.train()

@@ -118,7 +118,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _markdown_table(frame: pd.DataFrame) -> str:
+def markdown_table(frame: pd.DataFrame) -> str:
     if frame.empty:
         return "_(no rows)_\n"
     header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
@@ -167,13 +167,13 @@ def build_report(
         "(docs/metrics.md, *Comparable metrics*).\n",
         "Held-out evaluation (evaluate pipeline; `seen_recall` = gold entities present in retrieved text, "
         "`long_tail_recall/<bucket>` = recall of gold entities by corpus frequency):\n",
-        _markdown_table(table),
+        markdown_table(table),
         f"\nTraining on the training questions: means over the first and last `window` RL steps ({window}, or "
         "half the steps of a shorter run):\n",
-        _markdown_table(summary),
+        markdown_table(summary),
     ]
     if warm_start_metrics:
-        lines += ["\nWarm start:\n", _markdown_table(pd.DataFrame([dict(warm_start_metrics)]))]
+        lines += ["\nWarm start:\n", markdown_table(pd.DataFrame([dict(warm_start_metrics)]))]
     markdown = "\n".join(lines)
 
     metrics: dict[str, float] = {}

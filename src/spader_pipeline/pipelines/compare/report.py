@@ -1,0 +1,219 @@
+"""The report of ``make compare``: per-method scores with confidence intervals, the paired difference
+candidate − baseline, the mechanism metrics over steps, and the curves (docs/results.md shows one).
+
+Scores are per held-out question and seed (failed samples score 0): recall and F1 are means over
+questions; long-tail recall is hits over the gold entities that occur in fewer than
+``compare.long_tail_below`` corpus passages (a micro-average, like ``long_tail_recall/*`` of
+docs/metrics.md). Intervals: :mod:`spader_pipeline.evaluation.bootstrap` (seeds × questions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from spader_pipeline.evaluation.bootstrap import (
+    Interval,
+    PairedDifference,
+    bootstrap_interval,
+    paired_difference,
+)
+from spader_pipeline.pipelines.report.nodes import markdown_table
+
+#: Held-out scores compared: name → (numerator, denominator) columns of :func:`question_scores`.
+SCORES = {"recall": ("recall", None), "f1": ("f1", None), "long_tail_recall": ("tail_hits", "tail_total")}
+#: Per-step training metrics summarised per method (means over steps and seeds).
+MECHANISM_KEYS = ("answer/recall", "method_reward/mean", "group/diverse_frac", "group/distinct_query_seqs",
+                  "group/distinct_docs", "group/entity_recall_union", "group/entity_recall_mean",
+                  "adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "rollout/tool_calls")
+#: Curves drawn per method and seed over training steps.
+CURVES = (("answer/recall", "training answer recall"), ("group/diverse_frac", "groups with ≥ 2 query sequences"),
+          ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"), ("rollout/tool_calls", "searches per trajectory"))
+
+
+def question_scores(samples: pd.DataFrame, long_tail_below: int) -> pd.DataFrame:
+    """One row per model × question: ``recall``, ``f1``, ``tail_hits``/``tail_total`` (failed = 0)."""
+    def tail(row: Mapping[str, Any]) -> tuple[float, float]:
+        freqs, matched = row.get("corpus_frequency"), row.get("matched_entities")
+        if not isinstance(freqs, (list, np.ndarray)) or not isinstance(matched, (list, np.ndarray)):
+            return 0.0, 0.0
+        rare = np.asarray(freqs) < long_tail_below
+        return float(np.asarray(matched, dtype=bool)[rare].sum()), float(rare.sum())
+
+    out = samples[["model", "method", "seed", "id"]].copy()
+    ok = samples.get("status", pd.Series("ok", index=samples.index)).fillna("ok").eq("ok")
+    for key in ("recall", "f1"):
+        out[key] = pd.to_numeric(samples[key], errors="coerce").where(ok, 0.0).fillna(0.0)
+    tails = [tail(r) for r in samples.to_dict(orient="records")]
+    out["tail_hits"] = [h if good else 0.0 for (h, _), good in zip(tails, ok, strict=True)]
+    out["tail_total"] = [t for _, t in tails]
+    out["id"] = out["id"].astype(str)
+    return out
+
+
+def score_grid(scores: pd.DataFrame, method: str, seeds: Sequence[int], ids: Sequence[str], column: str) -> np.ndarray:
+    """``[S, Q]`` grid of one method's ``column`` (seeds × questions, in the given orders)."""
+    sub = scores[scores["method"] == method].pivot_table(index="seed", columns="id", values=column, aggfunc="first")
+    missing = [s for s in seeds if s not in sub.index] or [q for q in ids if q not in sub.columns]
+    if missing:
+        raise ValueError(f"{method}: no held-out scores for {missing[:5]}")
+    return sub.loc[list(seeds), list(ids)].to_numpy(dtype=float)
+
+
+def compare_statistics(design: Mapping[str, Any], scores: pd.DataFrame, stats: Mapping[str, Any]
+                       ) -> tuple[dict[str, dict[str, Interval]], dict[str, PairedDifference], dict[str, dict[str, list[float]]]]:
+    """Per method and score its interval, per score the paired difference candidate − baseline, and
+    per method and score the per-seed values."""
+    seeds, ids = design["seeds"], design["question_ids"]
+    opts = {"resamples": int(stats.get("resamples", 2000)), "confidence": float(stats.get("confidence", 0.95)),
+            "seed": int(stats.get("seed", 0))}
+    intervals: dict[str, dict[str, Interval]] = {}
+    per_seed: dict[str, dict[str, list[float]]] = {}
+    grids: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]] = {}
+    for method in design["methods"]:
+        intervals[method], per_seed[method] = {}, {}
+        for name, (num, den) in SCORES.items():
+            grid_num = score_grid(scores, method, seeds, ids, num)
+            grid_den = score_grid(scores, method, seeds, ids, den) if den else None
+            grids[(method, name)] = (grid_num, grid_den)
+            intervals[method][name] = bootstrap_interval(grid_num, grid_den, **opts)
+            totals = grid_den.sum(axis=1) if grid_den is not None else np.full(len(seeds), len(ids))
+            per_seed[method][name] = [float(v) for v in grid_num.sum(axis=1) / np.maximum(totals, 1e-12)]
+    baseline, candidate = design["methods"]
+    differences = {
+        name: paired_difference(grids[(baseline, name)][0], grids[(candidate, name)][0],
+                                grids[(baseline, name)][1], grids[(candidate, name)][1], **opts)
+        for name in SCORES
+    }
+    return intervals, differences, per_seed
+
+
+def mechanism_table(runs: Mapping[str, Any], methods: Sequence[str]) -> pd.DataFrame:
+    """Per method: each :data:`MECHANISM_KEYS` metric averaged over all steps of all seeds."""
+    rows = []
+    for method in methods:
+        history = [h for run in runs.values() if run["method"] == method for h in run["history"]]
+        row = {"method": method, "steps": len(history)}
+        for key in MECHANISM_KEYS:
+            values = [float(h[key]) for h in history if key in h and not math.isnan(float(h[key]))]
+            row[key] = float(np.mean(values)) if values else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _fmt(interval: Interval) -> str:
+    return f"{interval.mean:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+
+def report_markdown(design: Mapping[str, Any], intervals, differences, per_seed, mechanisms: pd.DataFrame,
+                    warm_start: Mapping[str, float], settings: Mapping[str, Any]) -> str:
+    """The report: design, scores with intervals, the paired difference in numbers and words, mechanisms."""
+    baseline, candidate = design["methods"]
+    confidence = next(iter(differences.values())).confidence
+    level = f"{confidence:.0%}"
+    lines = [
+        f"# {candidate.upper()} vs {baseline.upper()}: seeded comparison on `{design['dataset']}`",
+        "",
+        f"{len(design['question_ids'])} held-out questions × seeds {design['seeds']}, greedy; "
+        f"{settings.get('steps', '?')} RL steps of {settings.get('prompts_per_step', '?')} questions × "
+        f"{settings.get('group_size', '?')} trajectories per run, one shared warm start. Intervals: {level} "
+        "percentile bootstrap over seeds and questions (paired for the difference).",
+        "",
+        f"| model | {' | '.join(SCORES)} | per seed (recall) |",
+        "|---|" + "---|" * (len(SCORES) + 1),
+        f"| warm start | {' | '.join(f'{warm_start.get(k, math.nan):.3f}' for k in SCORES)} | |",
+    ]
+    for method in design["methods"]:
+        cells = " | ".join(_fmt(intervals[method][k]) for k in SCORES)
+        seeds = ", ".join(f"{v:.3f}" for v in per_seed[method]["recall"])
+        lines.append(f"| {method} | {cells} | {seeds} |")
+    lines += ["", f"## {candidate} − {baseline} (paired)", "",
+              "| score | difference | CI | p(≤ 0) | detectable |", "|---|---|---|---|---|"]
+    for name, diff in differences.items():
+        lines.append(f"| {name} | {diff.mean:+.3f} | [{diff.low:+.3f}, {diff.high:+.3f}] | {diff.p_not_better:.2f} | "
+                     f"{diff.detectable:.3f} |")
+    lines += ["", *[_in_words(name, diff, candidate, baseline) for name, diff in differences.items()], "",
+              "*detectable*: the smallest true difference this design finds with power 0.8 at the two-sided "
+              f"{1 - confidence:.0%} level ((z₁₋α/₂ + z₀.₈) × bootstrap standard error).", "",
+              "## Mechanism (means over all training steps and seeds)", "",
+              markdown_table(mechanisms), "",
+              _mechanism_in_words(mechanisms, candidate)]
+    return "\n".join(lines) + "\n"
+
+
+def _in_words(name: str, diff: PairedDifference, candidate: str, baseline: str) -> str:
+    span = f"{diff.confidence:.0%} CI [{diff.low:+.3f}, {diff.high:+.3f}]"
+    if math.isnan(diff.low):
+        return f"- **{name}**: no interval (no scored questions)."
+    if diff.contains_zero:
+        return (f"- **{name}**: no detectable difference — the {span} contains 0; differences smaller than "
+                f"{diff.detectable:.3f} are below what this design can detect.")
+    better = candidate if diff.mean > 0 else baseline
+    return f"- **{name}**: {better} is better by {abs(diff.mean):.3f} ({span} excludes 0)."
+
+
+def _mechanism_in_words(mechanisms: pd.DataFrame, candidate: str) -> str:
+    row = mechanisms.set_index("method").loc[candidate]
+    corr = row.get("adv/corr_vs_grpo", math.nan)
+    if math.isnan(corr):
+        return f"{candidate}'s advantages could not be compared with GRPO's (all groups tied: no update)."
+    verdict = "differ from" if corr < 0.9 else "nearly equal"
+    return (f"{candidate}'s token advantages {verdict} GRPO's on the same batches (mean correlation {corr:.2f}, "
+            f"relative L2 distance {row.get('adv/rel_l2_vs_grpo', math.nan):.2f}); groups with ≥ 2 distinct "
+            f"query sequences: {row.get('group/diverse_frac', math.nan):.2f} of groups.")
+
+
+def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals, per_seed) -> plt.Figure:
+    """Per-seed training curves per method (one colour per method, one line per seed) and the
+    held-out recall per method with its interval and per-seed points."""
+    fig, axes = plt.subplots(1, len(CURVES) + 1, figsize=(4.2 * (len(CURVES) + 1), 3.6), constrained_layout=True)
+    colours = dict(zip(design["methods"], ("tab:blue", "tab:orange"), strict=True))
+    for ax, (key, title) in zip(axes, CURVES, strict=False):
+        for run in runs.values():
+            points = [(h["step"], h[key]) for h in run["history"] if key in h and not math.isnan(float(h[key]))]
+            if points:
+                x, y = zip(*points, strict=True)
+                ax.plot(x, y, marker="o", ms=3, color=colours[run["method"]], alpha=0.8,
+                        label=f"{run['method']} seed{run['seed']}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    for i, method in enumerate(design["methods"]):
+        interval = intervals[method]["recall"]
+        ax.errorbar([i], [interval.mean], yerr=[[interval.mean - interval.low], [interval.high - interval.mean]],
+                    fmt="s", color=colours[method], capsize=6, ms=8)
+        ax.scatter([i + 0.15] * len(per_seed[method]["recall"]), per_seed[method]["recall"], color=colours[method],
+                   s=14, alpha=0.7)
+    ax.set_xticks(range(len(design["methods"])), design["methods"])
+    ax.set_xlim(-0.5, len(design["methods"]) - 0.5)
+    ax.set_title(f"held-out recall ({len(design['question_ids'])} q., CI; dots: seeds)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def build_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd.DataFrame, compare: Mapping[str, Any],
+                 training: Mapping[str, Any]) -> tuple[str, plt.Figure, dict[str, float]]:
+    """Markdown, figure and flat metrics (``<method>/<score>/mean``, ``diff/<score>/low``, ...)."""
+    scores = question_scores(samples, int(compare.get("long_tail_below", 5)))
+    intervals, differences, per_seed = compare_statistics(design, scores, compare.get("bootstrap", {}))
+    warm = scores[scores["method"] == "warm_start"]
+    warm_start = {"recall": warm["recall"].mean(), "f1": warm["f1"].mean(),
+                  "long_tail_recall": warm["tail_hits"].sum() / max(warm["tail_total"].sum(), 1)}
+    mechanisms = mechanism_table(runs, design["methods"])
+    native = training.get("native") or {}
+    settings = {"steps": native.get("total_steps"), "prompts_per_step": native.get("prompts_per_step"),
+                "group_size": native.get("group_size")}
+    text = report_markdown(design, intervals, differences, per_seed, mechanisms, warm_start, settings)
+    metrics = {f"{m}/{k}/{part}": float(getattr(iv, part)) for m, d in intervals.items() for k, iv in d.items()
+               for part in ("mean", "low", "high")}
+    metrics.update({f"diff/{k}/{part}": float(getattr(d, part)) for k, d in differences.items()
+                    for part in ("mean", "low", "high", "detectable", "p_not_better")})
+    metrics.update({f"warm_start/{k}": float(v) for k, v in warm_start.items()})
+    return text, curves_figure(runs, design, intervals, per_seed), metrics
