@@ -20,11 +20,12 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long test test-fast bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long compare test test-fast bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
+	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make bench      - run the benchmarks under benchmarks/"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
@@ -51,6 +52,12 @@ run: $(STAMP)
 run-long: $(STAMP)
 	mkdir -p mlruns
 	$(BIN)/kedro run --env long
+
+# GRPO vs SPADER, seeded, with bootstrap confidence intervals (conf/compare; docs/results.md).
+# Interrupted, it resumes: run it again.
+compare: $(STAMP)
+	mkdir -p mlruns
+	$(BIN)/kedro run --env compare --pipeline compare
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
