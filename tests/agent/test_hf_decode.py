@@ -1,5 +1,6 @@
 """decode_batch (finished rows leave the batch) against ``model.generate``: the same greedy turns,
-cache continuation over several turns, the same sampling distribution, and the fallback."""
+cache continuation over several turns (the cache's masked gaps closed), the same sampling
+distribution, and the fallback."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_p
             if round_ == 0 and rows > 3:  # trajectories finish: the batch shrinks to a subset
                 states[name] = [s for i, s in enumerate(states[name]) if i != 1]
     assert gens["new"].kv_reuses == gens["old"].kv_reuses == 2
+    assert gens["new"].gap_compactions == 2 and gens["old"].gap_compactions == 0  # gaps closed each turn
     assert gens["new"].generated_tokens == gens["old"].generated_tokens
     # the new loop samples exactly the generated tokens; generate samples padding too when rows differ
     assert gens["new"].sampled_rows == gens["new"].generated_tokens <= gens["old"].sampled_rows

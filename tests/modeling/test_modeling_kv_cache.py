@@ -74,3 +74,14 @@ def test_active_rows_and_swaps_leave_the_other_rows_alone():
     assert torch.equal(layer.keys[:, :, :3], first[[0, 3, 2, 1]])
     assert torch.equal(layer.keys[2:, :, 3:], torch.zeros(2, 2, 70, 4))
     assert torch.count_nonzero(layer._key_buffer[:, :, 73:]) == 0
+
+
+def test_gather_positions_keeps_each_rows_positions():
+    cache, keys = GrowingKVCache(), torch.randn(2, 2, 6, 4)
+    cache.update(keys, -keys, 0)
+    index = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    cache.gather_positions(index)
+    layer = cache.layers[0]
+    expected = torch.stack([keys[0][:, [0, 2, 5]], keys[1][:, [1, 3, 4]]])
+    assert cache.get_seq_length() == 3 and torch.equal(layer.keys, expected) and torch.equal(layer.values, -expected)
+    assert torch.count_nonzero(layer._key_buffer[:, :, 3:]) == 0

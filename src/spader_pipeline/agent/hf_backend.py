@@ -91,6 +91,8 @@ class HFGenerator(Generator):
         )
         self.generated_tokens = 0  # running count, for throughput reporting
         self.sampled_rows = 0  # rows sampled over all decoding steps (padding included), for reporting
+        self.gap_share = 0.1  # close the cache's gaps when at least this share of it is masked
+        self.gap_compactions = 0  # turns whose cache gaps were closed (for tests and reporting)
         self._processors: Any = None
         self._generator = None
         if self.sampling.seed is not None:
@@ -103,7 +105,7 @@ class HFGenerator(Generator):
         elif not supports_decode_batch(self.model):
             reason = f"{type(self.model).__name__} does not take a cache, mask and position ids"
         if reason:
-            logger.info("decoding with model.generate: %s", reason)
+            (logger.info if not self.growing_kv_cache else logger.warning)("decoding with model.generate: %s", reason)
         return reason is None
 
     # ---- token bookkeeping (VERL layout) ------------------------------------------------------
@@ -173,6 +175,8 @@ class HFGenerator(Generator):
                         except (AttributeError, NotImplementedError, RuntimeError):
                             self._kv = None
                             return self._inputs(states)
+                    if self.drop_finished_rows:
+                        physical, mask = self._close_gaps(kv["cache"], physical, mask)
                     width = max(len(n) for n in new)
                     ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
                     att = torch.zeros((len(states), width), dtype=torch.long)
@@ -193,6 +197,26 @@ class HFGenerator(Generator):
             ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
             att[row, width - len(rest) :] = 1
         return ids, att, self._shared_prefill(states, ids, att, prefix)
+
+    def _close_gaps(self, cache: Any, physical: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move every row's cached real tokens to the right end (left padding only) when masked positions
+        (left padding, the tails of turns that ended before the longest, the padding of shorter
+        observations) are at least ``gap_share`` of the cache: each later step attends over fewer
+        positions, for one copy of the cache. Exact: keys keep their (logical) positions."""
+        lengths = mask.sum(1)
+        longest = int(lengths.max())
+        if mask.numel() == 0 or 1 - float(lengths.sum()) / mask.numel() < self.gap_share:
+            return physical, mask
+        slots = torch.arange(longest)
+        new_mask = (slots >= longest - lengths[:, None]).long()  # [B, longest]
+        index = torch.zeros((len(mask), longest), dtype=torch.long)  # padding slots read position 0 (masked)
+        index[new_mask == 1] = mask.nonzero()[:, 1]  # row-major: each row's real positions, in order
+        try:
+            cache.gather_positions(index.to(self._device()))
+        except AttributeError:  # a cache without it: keep the gaps
+            return physical, mask
+        self.gap_compactions += 1
+        return torch.where(new_mask == 1, physical.gather(1, index), self.pad_id), new_mask
 
     def _common_prefix_length(self, states: list[RolloutState]) -> int:
         """Tokens every context of a fresh batch starts with (the prompt template's instruction),
@@ -266,9 +290,9 @@ class HFGenerator(Generator):
         kwargs = self._sampling_kwargs(max(budgets))
         continues_cache = cache is not None  # a continued or shared-prefill cache, not a fresh one
         if self.drop_finished_rows and self._processors is None:
-            self._processors = generation_processors(self.model, kwargs, input_ids) or False
+            self._processors = generation_processors(self.model, kwargs, input_ids.to(device)) or False
             if not self._processors:
-                logger.info("decoding with model.generate: generation settings beyond row-wise sampling")
+                logger.warning("decoding with model.generate: generation settings beyond row-wise sampling")
         if self.drop_finished_rows and self._processors:
             return self._decode_batch(states, budgets, input_ids, attention, cache)
         if cache is None and self.reuse_kv_cache:

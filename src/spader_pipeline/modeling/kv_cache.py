@@ -66,6 +66,17 @@ class GrowingLayer(DynamicLayer):
         if self._key_buffer is not None:
             self._expose()
 
+    def gather_positions(self, index: torch.Tensor) -> None:
+        """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, each ``< length``): the cache
+        becomes ``L'`` long (one copy, with spare room)."""
+        if self._key_buffer is None:
+            return
+        batch, heads, _, dim = self._key_buffer.shape
+        where = index.to(self._key_buffer.device)[:, None, :, None]
+        keys = self._key_buffer.gather(2, where.expand(batch, heads, -1, dim))
+        values = self._value_buffer.gather(2, where.expand(batch, heads, -1, self._value_buffer.shape[-1]))
+        self._adopt(keys, values, headroom=max(self.min_headroom, index.shape[1] // 2))
+
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows ``i`` and ``j`` of the filled positions (two rows copied)."""
         if self._key_buffer is not None and i != j:
@@ -154,6 +165,11 @@ class GrowingKVCache(DynamicCache):
         """Let the model see and extend only the first ``rows`` rows of every layer (``None``: all)."""
         for layer in self.layers:
             layer.set_active_rows(rows)
+
+    def gather_positions(self, index: torch.Tensor) -> None:
+        """Keep positions ``index[b]`` of every row ``b`` in every layer (``index``: ``[B, L']``)."""
+        for layer in self.layers:
+            layer.gather_positions(index)
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows ``i`` and ``j`` in every layer."""
