@@ -7,7 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spader_pipeline.modeling.attention import use_gqa_attention
-from spader_pipeline.modeling.decode import decode_batch, generation_processors, supports_decode_batch
+from spader_pipeline.modeling.decode import (
+    decode_batch,
+    generation_processors,
+    left_aligned_positions,
+    supports_decode_batch,
+)
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
 
@@ -64,3 +69,10 @@ def test_decode_batch_equals_generate_and_continues(gqa_model_dir):
     again = decode_batch(model, fresh_ids, fresh_mask, GrowingKVCache(), [6] * 4, eos_ids={2}, pad_id=0,
                          processors=processors, do_sample=False)
     assert continued.tokens == again.tokens
+
+
+def test_left_aligned_positions():
+    mask = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 0, 1], [0, 0, 1, 1, 1]])
+    index, new_mask = left_aligned_positions(mask)
+    assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1]]
+    assert index.tolist() == [[1, 3, 4], [0, 0, 4], [2, 3, 4]]

@@ -15,7 +15,12 @@ import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
-from spader_pipeline.modeling.decode import decode_batch, generation_processors, supports_decode_batch
+from spader_pipeline.modeling.decode import (
+    decode_batch,
+    generation_processors,
+    left_aligned_positions,
+    supports_decode_batch,
+)
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
@@ -49,7 +54,8 @@ class HFGenerator(Generator):
             computing a row when its turn ends, instead of ``model.generate``, which decodes padding for
             it until the longest row ends. Same sampling distribution, same greedy tokens. Models,
             caches (``growing_kv_cache=False``) or generation settings it cannot handle use
-            ``generate`` (logged once); ``False``: always ``generate``.
+            ``generate`` (logged once); ``False``: always ``generate``. With it, a continued turn
+            first closes the cache's masked gaps when they are at least ``gap_share`` (0.1) of it.
     """
 
     token_level = True
@@ -203,14 +209,9 @@ class HFGenerator(Generator):
         (left padding, the tails of turns that ended before the longest, the padding of shorter
         observations) are at least ``gap_share`` of the cache: each later step attends over fewer
         positions, for one copy of the cache. Exact: keys keep their (logical) positions."""
-        lengths = mask.sum(1)
-        longest = int(lengths.max())
-        if mask.numel() == 0 or 1 - float(lengths.sum()) / mask.numel() < self.gap_share:
+        if mask.numel() == 0 or 1 - float(mask.sum()) / mask.numel() < self.gap_share:
             return physical, mask
-        slots = torch.arange(longest)
-        new_mask = (slots >= longest - lengths[:, None]).long()  # [B, longest]
-        index = torch.zeros((len(mask), longest), dtype=torch.long)  # padding slots read position 0 (masked)
-        index[new_mask == 1] = mask.nonzero()[:, 1]  # row-major: each row's real positions, in order
+        index, new_mask = left_aligned_positions(mask)
         try:
             cache.gather_positions(index.to(self._device()))
         except AttributeError:  # a cache without it: keep the gaps

@@ -23,7 +23,7 @@ import torch
 
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
-__all__ = ["DecodeResult", "decode_batch", "generation_processors", "supports_decode_batch"]
+__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "supports_decode_batch"]
 
 #: logits processors whose result does not depend on the row's place in the batch (``generate`` builds
 #: them from the sampling settings); any other processor: decode with ``generate``
@@ -79,6 +79,22 @@ def generation_processors(model: Any, generate_kwargs: dict[str, Any], input_ids
     if any(type(p).__name__ not in ROW_WISE_PROCESSORS for p in processors):
         return None
     return processors, bool(config.do_sample)
+
+
+def left_aligned_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's real positions go when the masked ones between them are removed.
+
+    ``mask`` ``[B, L]`` (1: real). Returns ``index`` ``[B, L']`` (``L'`` = most real positions of a
+    row): the source position of every slot, each row's real positions in order at the right end
+    (slots on the left read position 0, masked), and the new mask ``[B, L']``. Gathering a cache and
+    its ids with ``index`` keeps every key's logical position (position ids follow the mask).
+    """
+    lengths = mask.sum(1)
+    longest = int(lengths.max())
+    new_mask = (torch.arange(longest, device=mask.device) >= longest - lengths[:, None]).long()
+    index = torch.zeros(new_mask.shape, dtype=torch.long, device=mask.device)
+    index[new_mask == 1] = mask.nonzero()[:, 1]  # both row-major: each row's real positions, in order
+    return index, new_mask
 
 
 def _swap(i: int, j: int, tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...], cache: GrowingKVCache) -> None:
