@@ -146,8 +146,7 @@ def decode_batch(
     mask[:, :width] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     next_position = positions[:, -1] + 1
-    budget = torch.tensor(budgets, device=device)
-    eos = torch.tensor(sorted(eos_ids), device=device)
+    budget = list(budgets)  # per cache row
     order = list(range(batch))  # input row held by each cache row
     tokens: list[list[int]] = [[] for _ in range(batch)]
     extra: dict[str, Any] = {"use_cache": True}
@@ -168,18 +167,21 @@ def decode_batch(
         seq[:active, width + step] = new
         row_steps += active
         step += 1
-        for row, token in zip(order[:active], new.tolist(), strict=True):
-            tokens[row].append(token)
-        finished = (torch.isin(new, eos) | (budget[:active] <= step)).nonzero().flatten().tolist()
+        finished = []
+        for row, token in enumerate(new.tolist()):
+            tokens[order[row]].append(token)
+            if token in eos_ids or budget[row] <= step:
+                finished.append(row)
         for row in reversed(finished):  # behind the active rows; its last token is never fed
             active -= 1
             seq[row, width + step - 1] = pad_id
             if row != active:
-                _swap(row, active, (seq, mask, next_position, budget), (order,), cache)
+                _swap(row, active, (seq, mask, next_position), (order, budget), cache)
         if active == 0:
             break
         mask[:active, width + step - 1] = 1
-        cache.set_active_rows(active)
+        if finished:
+            cache.set_active_rows(active)
         logits = model(
             input_ids=seq[:active, width + step - 1 : width + step].contiguous(),
             attention_mask=mask[:active, : width + step], position_ids=next_position[:active, None].clone(),
