@@ -4,14 +4,20 @@
         [--model-dir data/06_models/warm_start]
 
 * **HF rollout**: ``HFGenerator`` rolls out N trajectories in lock-step rounds with one batched
-  ``generate`` per round, keeping the KV cache between turns in a ``GrowingKVCache`` (decoding
-  writes in place), vs the same with transformers' ``DynamicCache`` (a copy of the cache per
-  token), vs re-encoding the context every turn, vs the straightforward loop that rolls out one
-  trajectory at a time re-encoding its context. Greedy decoding, BM25 search in process.
+  decoding call per round, keeping the KV cache between turns in a ``GrowingKVCache`` (decoding
+  writes in place) and decoding with ``modeling.decode.decode_batch`` (a row leaves the batch when
+  its turn ends), vs the same with ``model.generate`` (finished rows decode padding until the
+  longest row ends), vs transformers' ``DynamicCache`` (a copy of the cache per token, decoded by
+  ``generate``), vs re-encoding the context every turn, vs the straightforward loop that rolls out
+  one trajectory at a time re-encoding its context. Greedy decoding, BM25 search in process.
   Default model: a tiny Qwen3 (tokenizer trained on the embedded corpus). ``--model-dir``: a real
   HF folder (e.g. the SmolLM2 warm start) on the embedded_test questions with the project's prompt
   template and rollout limits, as evaluation runs it (the one-at-a-time loop is skipped there: it
-  takes minutes). Reported: model tokens per second.
+  takes minutes). Reported: model tokens per second, the share of sampled row-steps that were
+  padding (rows whose turn had ended), and the share of the machine's fp32 matmul peak the rollout
+  reaches (peak: ``torch.mm`` of 2048x2048 fp32 matrices on the same threads; rollout FLOPs: 2 x the
+  parameters of the model's linear layers per generated token — prefill and attention not counted,
+  so a lower bound).
 * **Entity corpus frequency** (long-tail buckets): one Aho-Corasick pass over the corpus for all
   gold entities (``evaluation.metrics.entity_corpus_frequency``) vs a compiled whole-word regex per
   entity alias over every normalised passage. Results must agree.
@@ -74,7 +80,28 @@ def _project_setup(model_dir: str, n: int):
     return model, tokenizer, rows, template, RolloutConfig.from_mapping(training["rollout"])
 
 
-VARIANTS = ("growing", "dynamic", "no_cache", "single")
+VARIANTS = ("growing", "generate", "dynamic", "no_cache", "single")
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
+    """fp32 FLOP/s of ``torch.mm`` on ``size x size`` matrices, best of ``repeats`` (current threads)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def linear_params(model) -> int:
+    """Weights of the model's linear layers (output layer included): the multiply-adds of one token."""
+    import torch
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | None = None,
@@ -104,44 +131,59 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         build_index(iter_records(passages), Path(tmp) / "bm25", "bm25")
         search = LocalSearch(load_retriever(Path(tmp) / "bm25"))
 
-        def run(batched: bool, reuse_kv_cache: bool = True, growing: bool = True) -> float:
+        def run(batched: bool, reuse_kv_cache: bool = True, growing: bool = True,
+                drop: bool = True) -> tuple[float, float]:
+            """(model tokens/s, share of sampled row-steps that were padding)."""
             sampling = SamplingParams(temperature=0.0, max_new_tokens=48)
             gen = HFGenerator(model, tokenizer, sampling, reuse_kv_cache=reuse_kv_cache, growing_kv_cache=growing,
-                              micro_batch_size=max(32, len(samples)))
+                              micro_batch_size=max(32, len(samples)), drop_finished_rows=drop)
             start = time.perf_counter()
             if batched:
                 asyncio.run(run_rollouts(samples, gen, search, config, template))
             else:
                 for sample in samples:
                     asyncio.run(run_rollouts([sample], gen, search, config, template))
-            return gen.generated_tokens / (time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            return gen.generated_tokens / seconds, 1 - gen.generated_tokens / max(1, gen.sampled_rows)
 
         run(True)  # warm-up
         # Alternate the variants within each repeat so a change in machine load hits all alike.
         runs = {
             "growing": lambda: run(True),
+            "generate": lambda: run(True, drop=False),
             "dynamic": lambda: run(True, growing=False),
             "no_cache": lambda: run(True, reuse_kv_cache=False),
             "single": lambda: run(False, reuse_kv_cache=False),
         }
         times: dict[str, list[float]] = {k: [] for k in variants if k != "single" or model_dir is None}
+        padded: dict[str, float] = {}
         for _ in range(repeats):
             for name in times:
-                times[name].append(runs[name]())
+                rate, padded[name] = runs[name]()
+                times[name].append(rate)
         med = {k: statistics.median(v) for k, v in times.items()}
+    peak = matmul_peak_flops()
+    flops_per_token = 2 * linear_params(model)
     print(f"HF rollout, {len(samples)} trajectories, greedy, {config.max_turns} turns x 48 tokens max, "
           f"{model_dir or 'tiny Qwen3'}, {args_threads} thread(s), median of {repeats}")
     labels = {
-        "growing": "batched, GrowingKVCache kept across turns",
-        "dynamic": "batched, DynamicCache kept across turns  ",
+        "growing": "batched, GrowingKVCache, drop finished",
+        "generate": "batched, GrowingKVCache, generate       ",
+        "dynamic": "batched, DynamicCache, generate         ",
         "no_cache": "batched, context re-encoded per turn     ",
         "single": "one at a time, re-encoded (naive)        ",
     }
+    print(f"  matmul peak (torch.mm 2048^2 fp32): {peak / 1e9:.1f} GFLOP/s; "
+          f"{flops_per_token / 1e6:.1f} MFLOP per generated token (2 x linear weights)")
     for name, value in med.items():
-        print(f"  {labels[name]}: {value:8.1f} model tokens/s  (runs: {', '.join(f'{t:.1f}' for t in times[name])})")
+        print(f"  {labels[name]}: {value:8.1f} model tokens/s, {100 * padded[name]:4.1f}% padded row-steps, "
+              f"{100 * value * flops_per_token / peak:5.1f}% of matmul peak  "
+              f"(runs: {', '.join(f'{t:.1f}' for t in times[name])})")
+    if "growing" in med and "generate" in med:
+        print(f"  drop finished rows vs generate: {med['growing'] / med['generate']:.2f}x")
     for name in ("dynamic", "no_cache", "single"):
         if "growing" in med and name in med:
-            print(f"  GrowingKVCache vs {name}: {med['growing'] / med[name]:.2f}x")
+            print(f"  GrowingKVCache (drop finished) vs {name}: {med['growing'] / med[name]:.2f}x")
 
 
 def bench_frequency(repeats: int) -> None:

@@ -56,3 +56,32 @@ def test_generation_and_continuation_equal_dynamic_cache(gqa_model_dir):
     dynamic, growing = runs["dynamic"], runs["growing"]
     assert torch.equal(dynamic[0], growing[0]) and torch.equal(dynamic[2], growing[2])
     assert torch.allclose(dynamic[1], growing[1], atol=1e-5) and torch.allclose(dynamic[3], growing[3], atol=1e-5)
+
+
+def test_active_rows_and_swaps_leave_the_other_rows_alone():
+    """Only the first ``rows`` rows are exposed and written; swapped rows carry their whole cache;
+    positions a row never wrote are zeros, through a reallocation too."""
+    cache, first = GrowingKVCache(), torch.randn(4, 2, 3, 4)
+    cache.update(first, -first, 0)
+    layer = cache.layers[0]
+    cache.swap_rows(1, 3)
+    cache.set_active_rows(2)
+    step = torch.randn(2, 2, 70, 4)  # past the spare room: a reallocation
+    keys, values = cache.update(step, -step, 0)
+    assert keys.shape == (2, 2, 73, 4) and torch.equal(keys[:, :, 3:], step) and torch.equal(values, -keys)
+    cache.set_active_rows(None)
+    assert layer.keys.shape == (4, 2, 73, 4)
+    assert torch.equal(layer.keys[:, :, :3], first[[0, 3, 2, 1]])
+    assert torch.equal(layer.keys[2:, :, 3:], torch.zeros(2, 2, 70, 4))
+    assert torch.count_nonzero(layer._key_buffer[:, :, 73:]) == 0
+
+
+def test_gather_positions_keeps_each_rows_positions():
+    cache, keys = GrowingKVCache(), torch.randn(2, 2, 6, 4)
+    cache.update(keys, -keys, 0)
+    index = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    cache.gather_positions(index)
+    layer = cache.layers[0]
+    expected = torch.stack([keys[0][:, [0, 2, 5]], keys[1][:, [1, 3, 4]]])
+    assert cache.get_seq_length() == 3 and torch.equal(layer.keys, expected) and torch.equal(layer.values, -expected)
+    assert torch.count_nonzero(layer._key_buffer[:, :, 3:]) == 0

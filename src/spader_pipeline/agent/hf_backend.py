@@ -15,6 +15,12 @@ import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+from spader_pipeline.modeling.decode import (
+    decode_batch,
+    generation_processors,
+    left_aligned_positions,
+    supports_decode_batch,
+)
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
@@ -44,6 +50,12 @@ class HFGenerator(Generator):
         growing_kv_cache: keep keys/values in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
             (decoding writes in place instead of copying the cache every token); ``False``: transformers'
             ``DynamicCache``. Same outputs.
+        drop_finished_rows: decode with :func:`spader_pipeline.modeling.decode.decode_batch`, which stops
+            computing a row when its turn ends, instead of ``model.generate``, which decodes padding for
+            it until the longest row ends. Same sampling distribution, same greedy tokens. Models,
+            caches (``growing_kv_cache=False``) or generation settings it cannot handle use
+            ``generate`` (logged once); ``False``: always ``generate``. With it, a continued turn
+            first closes the cache's masked gaps when they are at least ``gap_share`` (0.1) of it.
     """
 
     token_level = True
@@ -60,9 +72,11 @@ class HFGenerator(Generator):
         reuse_kv_cache: bool = True,
         bf16: bool = False,
         growing_kv_cache: bool = True,
+        drop_finished_rows: bool = True,
     ) -> None:
         self.model = model.eval()
         self.growing_kv_cache = growing_kv_cache
+        self.drop_finished_rows = drop_finished_rows and self._can_drop_finished_rows()
         self.bf16 = bf16
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
@@ -82,9 +96,23 @@ class HFGenerator(Generator):
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
         )
         self.generated_tokens = 0  # running count, for throughput reporting
+        self.sampled_rows = 0  # rows sampled over all decoding steps (padding included), for reporting
+        self.gap_share = 0.1  # close the cache's gaps when at least this share of it is masked
+        self.gap_compactions = 0  # turns whose cache gaps were closed (for tests and reporting)
+        self._processors: Any = None
         self._generator = None
         if self.sampling.seed is not None:
             self._generator = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
+
+    def _can_drop_finished_rows(self) -> bool:
+        reason = None
+        if not self.growing_kv_cache:
+            reason = "it needs a GrowingKVCache (growing_kv_cache=False)"
+        elif not supports_decode_batch(self.model):
+            reason = f"{type(self.model).__name__} does not take a cache, mask and position ids"
+        if reason:
+            (logger.info if not self.growing_kv_cache else logger.warning)("decoding with model.generate: %s", reason)
+        return reason is None
 
     # ---- token bookkeeping (VERL layout) ------------------------------------------------------
 
@@ -145,12 +173,16 @@ class HFGenerator(Generator):
                         break
                     new.append(state.token_ids[len(logical) :])
                 if new:
-                    if rows != list(range(len(kv["uids"]))):
+                    where = {row: k for k, row in enumerate(kv.get("cache_rows") or range(len(kv["uids"])))}
+                    cache_rows = [where[row] for row in rows]  # decode_batch leaves the cache rows permuted
+                    if cache_rows != list(range(len(kv["uids"]))):
                         try:
-                            kv["cache"].batch_select_indices(torch.tensor(rows, device=self._device()))
+                            kv["cache"].batch_select_indices(torch.tensor(cache_rows, device=self._device()))
                         except (AttributeError, NotImplementedError, RuntimeError):
                             self._kv = None
                             return self._inputs(states)
+                    if self.drop_finished_rows:
+                        physical, mask = self._close_gaps(kv["cache"], physical, mask)
                     width = max(len(n) for n in new)
                     ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
                     att = torch.zeros((len(states), width), dtype=torch.long)
@@ -171,6 +203,21 @@ class HFGenerator(Generator):
             ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
             att[row, width - len(rest) :] = 1
         return ids, att, self._shared_prefill(states, ids, att, prefix)
+
+    def _close_gaps(self, cache: Any, physical: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move every row's cached real tokens to the right end (left padding only) when masked positions
+        (left padding, the tails of turns that ended before the longest, the padding of shorter
+        observations) are at least ``gap_share`` of the cache: each later step attends over fewer
+        positions, for one copy of the cache. Exact: keys keep their (logical) positions."""
+        if mask.numel() == 0 or 1 - float(mask.sum()) / mask.numel() < self.gap_share:
+            return physical, mask
+        index, new_mask = left_aligned_positions(mask)
+        try:
+            cache.gather_positions(index.to(self._device()))
+        except AttributeError:  # a cache without it: keep the gaps
+            return physical, mask
+        self.gap_compactions += 1
+        return torch.where(new_mask == 1, physical.gather(1, index), self.pad_id), new_mask
 
     def _common_prefix_length(self, states: list[RolloutState]) -> int:
         """Tokens every context of a fresh batch starts with (the prompt template's instruction),
@@ -243,6 +290,12 @@ class HFGenerator(Generator):
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator)))
         kwargs = self._sampling_kwargs(max(budgets))
         continues_cache = cache is not None  # a continued or shared-prefill cache, not a fresh one
+        if self.drop_finished_rows and self._processors is None:
+            self._processors = generation_processors(self.model, kwargs, input_ids.to(device)) or False
+            if not self._processors:
+                logger.warning("decoding with model.generate: generation settings beyond row-wise sampling")
+        if self.drop_finished_rows and self._processors:
+            return self._decode_batch(states, budgets, input_ids, attention, cache)
         if cache is None and self.reuse_kv_cache:
             cache = self._new_cache()
         if cache is not None:
@@ -260,6 +313,7 @@ class HFGenerator(Generator):
             self.reuse_kv_cache, self._kv = False, None
             return self._generate_batch(states)
         sequences = out.sequences.cpu()
+        self.sampled_rows += len(states) * (sequences.shape[1] - width)
         generated_mask = torch.zeros((len(states), sequences.shape[1] - width), dtype=torch.long)
         turns = []
         for row, budget in enumerate(budgets):
@@ -278,6 +332,33 @@ class HFGenerator(Generator):
                 "ids": sequences,
                 "mask": torch.cat([attention, generated_mask], 1),
                 "cache": out.past_key_values,
+            }
+        return turns
+
+    def _decode_batch(self, states: list[RolloutState], budgets: list[int], input_ids: torch.Tensor,
+                      attention: torch.Tensor, cache: Any) -> list[GeneratedTurn]:
+        """``_generate_batch`` with :func:`decode_batch`: the same turns, finished rows not decoded."""
+        device = self._device()
+        processors, do_sample = self._processors
+        cache = cache if cache is not None else GrowingKVCache()
+        with self._autocast(device):
+            result = decode_batch(
+                self.model, input_ids.to(device), attention.to(device), cache, budgets,
+                eos_ids=self.eos_ids, pad_id=self.pad_id, processors=processors, do_sample=do_sample,
+            )
+        self.sampled_rows += result.row_steps
+        turns = []
+        for ids in result.tokens:
+            self.generated_tokens += len(ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            turns.append(GeneratedTurn(text=text, token_ids=tuple(ids)))
+        if self.reuse_kv_cache and len(states) <= self.micro_batch_size:
+            self._kv = {
+                "uids": [s.uid for s in states],
+                "ids": result.ids.cpu(),
+                "mask": result.mask.cpu(),
+                "cache": cache,
+                "cache_rows": result.cache_rows,
             }
         return turns
 

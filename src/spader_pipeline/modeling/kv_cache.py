@@ -13,6 +13,13 @@ It is a :class:`transformers.DynamicCache` for every caller (``generate``, a mod
 of transformers avoids the copies too but attends over its whole fixed length and cannot continue
 a cache across calls of different widths, which our KV reuse between turns needs
 (:class:`spader_pipeline.agent.hf_backend.HFGenerator`).
+
+For decoding that drops finished rows (:func:`spader_pipeline.modeling.decode.decode_batch`) the
+cache can expose only its first ``rows`` rows to the model (:meth:`GrowingKVCache.set_active_rows`)
+and exchange two rows in place (:meth:`GrowingKVCache.swap_rows`): finished rows are swapped behind
+the active ones and stop being computed, without copying the cache of the rows that go on. Positions
+past a row's last write hold zeros (never uninitialised memory), so a masked position can never
+turn attention into NaN.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
+        self._rows: int | None = None  # rows exposed to the model: the first ``_rows`` (None: all)
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, headroom: int = 0) -> None:
         """Make ``keys``/``values`` (``[B, H_kv, S, D]``) the contents, with ``headroom`` spare positions."""
@@ -43,12 +51,39 @@ class GrowingLayer(DynamicLayer):
         self._value_buffer = values.new_empty((batch, heads, length + headroom, values.shape[-1]))
         self._key_buffer[:, :, :length] = keys
         self._value_buffer[:, :, :length] = values
+        self._key_buffer[:, :, length:] = 0  # spare room is zeros: rows left out of a step stay finite
+        self._value_buffer[:, :, length:] = 0
         self._length = length
         self._expose()
 
     def _expose(self) -> None:
-        self.keys = self._key_buffer[:, :, : self._length]
-        self.values = self._value_buffer[:, :, : self._length]
+        self.keys = self._key_buffer[: self._rows, :, : self._length]
+        self.values = self._value_buffer[: self._rows, :, : self._length]
+
+    def set_active_rows(self, rows: int | None) -> None:
+        """Expose (and let ``update`` write) only the first ``rows`` rows; ``None``: all rows."""
+        self._rows = rows
+        if self._key_buffer is not None:
+            self._expose()
+
+    def gather_positions(self, index: torch.Tensor) -> None:
+        """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, each ``< length``): the cache
+        becomes ``L'`` long (one copy, with spare room)."""
+        if self._key_buffer is None:
+            return
+        batch, heads, _, dim = self._key_buffer.shape
+        where = index.to(self._key_buffer.device)[:, None, :, None]
+        keys = self._key_buffer.gather(2, where.expand(batch, heads, -1, dim))
+        values = self._value_buffer.gather(2, where.expand(batch, heads, -1, self._value_buffer.shape[-1]))
+        self._adopt(keys, values, headroom=max(self.min_headroom, index.shape[1] // 2))
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange rows ``i`` and ``j`` of the filled positions (two rows copied)."""
+        if self._key_buffer is not None and i != j:
+            rows = torch.tensor([i, j], device=self._key_buffer.device)
+            swapped = torch.tensor([j, i], device=self._key_buffer.device)
+            for buffer in (self._key_buffer, self._value_buffer):
+                buffer[rows, :, : self._length] = buffer[swapped, :, : self._length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[B, H_kv, T, D]``; return the whole cache (views)."""
@@ -59,10 +94,12 @@ class GrowingLayer(DynamicLayer):
             self._adopt(key_states, value_states, headroom=max(self.min_headroom, new // 2))
             return self.keys, self.values
         end = self._length + new
-        if end > self._key_buffer.shape[-2]:  # full: reallocate with room to grow (one copy)
-            self._adopt(self.keys, self.values, headroom=new + max(self.min_headroom, end // 2))
-        self._key_buffer[:, :, self._length : end] = key_states
-        self._value_buffer[:, :, self._length : end] = value_states
+        if end > self._key_buffer.shape[-2]:  # full: reallocate with room to grow (one copy, every row)
+            length = self._length
+            self._adopt(self._key_buffer[:, :, :length], self._value_buffer[:, :, :length],
+                        headroom=new + max(self.min_headroom, end // 2))
+        self._key_buffer[: self._rows, :, self._length : end] = key_states
+        self._value_buffer[: self._rows, :, self._length : end] = value_states
         self._length = end
         self._expose()
         return self.keys, self.values
@@ -75,6 +112,8 @@ class GrowingLayer(DynamicLayer):
             max_length = self._length - abs(max_length)
         if self._key_buffer is not None and max_length < self._length:
             self._length = max(0, max_length)
+            self._key_buffer[:, :, self._length :] = 0  # keep the spare room zeros
+            self._value_buffer[:, :, self._length :] = 0
             self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -110,6 +149,8 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         self._length = 0
         if self._key_buffer is not None:
+            self._key_buffer.zero_()
+            self._value_buffer.zero_()
             self._expose()
 
 
@@ -119,3 +160,18 @@ class GrowingKVCache(DynamicCache):
     def __init__(self) -> None:
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+
+    def set_active_rows(self, rows: int | None) -> None:
+        """Let the model see and extend only the first ``rows`` rows of every layer (``None``: all)."""
+        for layer in self.layers:
+            layer.set_active_rows(rows)
+
+    def gather_positions(self, index: torch.Tensor) -> None:
+        """Keep positions ``index[b]`` of every row ``b`` in every layer (``index``: ``[B, L']``)."""
+        for layer in self.layers:
+            layer.gather_positions(index)
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange rows ``i`` and ``j`` in every layer."""
+        for layer in self.layers:
+            layer.swap_rows(i, j)

@@ -1,0 +1,198 @@
+"""Batched token-by-token decoding that stops computing a row as soon as its turn ends.
+
+``model.generate`` decodes every row of a batch until the longest one ends: a row that sampled an
+end-of-sequence token or used its token budget keeps decoding padding (about a quarter of the row
+steps of an evaluation rollout). :func:`decode_batch` prefills the batch as
+``generate`` does, then samples one token per step for the rows still going only. Finished rows are
+swapped behind the active ones in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
+(two rows copied, :meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.swap_rows`) and the model
+sees the active prefix of the cache, so the cache of every row stays in one piece for the next turn.
+
+Sampling uses ``generate``'s own logits processors (:func:`generation_processors`), the same
+softmax + multinomial draw, or the argmax when greedy: the same distribution, and greedy decoding
+gives the same tokens (up to floating-point reassociation in a smaller batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+
+__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "supports_decode_batch"]
+
+#: logits processors whose result does not depend on the row's place in the batch (``generate`` builds
+#: them from the sampling settings); any other processor: decode with ``generate``
+ROW_WISE_PROCESSORS = frozenset({
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "RepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor", "SuppressTokensLogitsProcessor",
+})
+
+
+@dataclass
+class DecodeResult:
+    """What :func:`decode_batch` returns, rows in the input order unless said otherwise.
+
+    ``tokens``: per row, the sampled tokens (the last one an end-of-sequence token when one was
+    sampled). ``ids``/``mask`` ``[B, L]`` (``L`` = the cache length): the physical token ids of the
+    cached positions and 1 where a position holds a real token whose keys are in the cache (a row's
+    last sampled token is never fed, so it is not cached). ``cache_rows``: the input row held by each
+    cache row (the cache rows are permuted). ``row_steps``: rows sampled over all steps.
+    """
+
+    tokens: list[list[int]]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    cache_rows: list[int]
+    row_steps: int
+
+
+def supports_decode_batch(model: Any) -> bool:
+    """Whether ``model`` is a decoder-only LM whose forward takes a cache, a mask and position ids."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    params = inspect.signature(model.forward).parameters
+    return {"past_key_values", "attention_mask", "position_ids"} <= set(params)
+
+
+def generation_processors(model: Any, generate_kwargs: dict[str, Any], input_ids: torch.Tensor):
+    """The logits processors ``model.generate(input_ids, **generate_kwargs)`` would apply
+    (the model's ``generation_config`` merged with the keyword arguments, as ``generate`` merges
+    them), or ``None`` when that decoding is not plain sampling/greedy with row-wise processors."""
+    try:
+        config, _ = model._prepare_generation_config(None, **generate_kwargs)
+        if (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1 or config.stop_strings:
+            return None
+        if any(getattr(config, name, None) is not None for name in ("assistant_model", "prompt_lookup_num_tokens")):
+            return None
+        processors = model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+            prefix_allowed_tokens_fn=None, logits_processor=None, device=input_ids.device, model_kwargs={},
+        )
+    except (AttributeError, TypeError, ValueError):  # another transformers: decode with generate
+        return None
+    if any(type(p).__name__ not in ROW_WISE_PROCESSORS for p in processors):
+        return None
+    return processors, bool(config.do_sample)
+
+
+def left_aligned_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's real positions go when the masked ones between them are removed.
+
+    ``mask`` ``[B, L]`` (1: real). Returns ``index`` ``[B, L']`` (``L'`` = most real positions of a
+    row): the source position of every slot, each row's real positions in order at the right end
+    (slots on the left read position 0, masked), and the new mask ``[B, L']``. Gathering a cache and
+    its ids with ``index`` keeps every key's logical position (position ids follow the mask).
+    """
+    lengths = mask.sum(1)
+    longest = int(lengths.max())
+    new_mask = (torch.arange(longest, device=mask.device) >= longest - lengths[:, None]).long()
+    index = torch.zeros(new_mask.shape, dtype=torch.long, device=mask.device)
+    index[new_mask == 1] = mask.nonzero()[:, 1]  # both row-major: each row's real positions, in order
+    return index, new_mask
+
+
+def _swap(i: int, j: int, tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...], cache: GrowingKVCache) -> None:
+    """Exchange rows ``i`` and ``j`` of ``tensors`` (dim 0), ``lists`` and ``cache``."""
+    for tensor in tensors:
+        tensor[[i, j]] = tensor[[j, i]]
+    for items in lists:
+        items[i], items[j] = items[j], items[i]
+    cache.swap_rows(i, j)
+
+
+@torch.no_grad()
+def decode_batch(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: GrowingKVCache,
+    budgets: list[int],
+    *,
+    eos_ids: set[int],
+    pad_id: int,
+    processors: Any,
+    do_sample: bool,
+) -> DecodeResult:
+    """Sample up to ``budgets[b]`` tokens for each row ``b``, a row leaving the batch when it ends.
+
+    Args:
+        model: a causal LM (``model(input_ids, attention_mask, position_ids, past_key_values, ...)``).
+        input_ids: ``[B, W]`` left-padded contexts on the model's device; the cache already holds the
+            first ``C = cache.get_seq_length() < W`` positions of every row (0: a fresh cache).
+        attention_mask: ``[B, W]``, 1 on real tokens (padding inside a row allowed: masked out).
+        cache: a :class:`GrowingKVCache` (written in place; it holds every row afterwards, rows
+            permuted as ``DecodeResult.cache_rows`` says, ``L = W + longest turn - 1`` positions).
+        budgets: most tokens per row (≥ 1).
+        eos_ids: tokens that end a row's turn (kept as its last token).
+        pad_id: the id written at positions that are not real tokens.
+        processors: logits processors, called as ``processors(ids [n, W + t], scores [n, V])``
+            (:func:`generation_processors`); ``do_sample``: draw from the softmax, else the argmax.
+
+    Position ids follow the mask (``cumsum - 1``, as ``generate``), so the cached rows continue
+    correctly in the next call with more tokens appended.
+    """
+    device = input_ids.device
+    batch, width = input_ids.shape
+    longest = max(budgets)
+    seq = input_ids.new_full((batch, width + longest), pad_id)  # physical ids, cache-row order
+    seq[:, :width] = input_ids
+    mask = attention_mask.new_zeros((batch, width + longest))
+    mask[:, :width] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    next_position = positions[:, -1] + 1
+    budget = list(budgets)  # per cache row
+    order = list(range(batch))  # input row held by each cache row
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    extra: dict[str, Any] = {"use_cache": True}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        extra["logits_to_keep"] = 1
+    past = cache.get_seq_length()
+    logits = model(
+        input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
+        past_key_values=cache, **extra,
+    ).logits[:, -1, :]
+    active, step, row_steps = batch, 0, 0
+    while True:
+        scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))
+        if do_sample:
+            new = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            new = torch.argmax(scores, dim=-1)
+        seq[:active, width + step] = new
+        row_steps += active
+        step += 1
+        finished = []
+        for row, token in enumerate(new.tolist()):
+            tokens[order[row]].append(token)
+            if token in eos_ids or budget[row] <= step:
+                finished.append(row)
+        for row in reversed(finished):  # behind the active rows; its last token is never fed
+            active -= 1
+            seq[row, width + step - 1] = pad_id
+            if row != active:
+                _swap(row, active, (seq, mask, next_position), (order, budget), cache)
+        if active == 0:
+            break
+        mask[:active, width + step - 1] = 1
+        if finished:
+            cache.set_active_rows(active)
+        logits = model(
+            input_ids=seq[:active, width + step - 1 : width + step].contiguous(),
+            attention_mask=mask[:active, : width + step], position_ids=next_position[:active, None].clone(),
+            past_key_values=cache, **extra,
+        ).logits[:, -1, :]
+        next_position[:active] += 1
+    cache.set_active_rows(None)
+    length = cache.get_seq_length()
+    where = torch.empty(batch, dtype=torch.long)
+    where[torch.tensor(order)] = torch.arange(batch)  # cache row of each input row
+    where = where.to(device)
+    return DecodeResult(
+        tokens=tokens, ids=seq[where, :length], mask=mask[where, :length], cache_rows=order, row_steps=row_steps,
+    )

@@ -1,0 +1,100 @@
+"""decode_batch (finished rows leave the batch) against ``model.generate``: the same greedy turns,
+cache continuation over several turns (the cache's masked gaps closed), the same sampling
+distribution, and the fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from agent_toy_data import QUESTIONS
+
+from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.rollout import RolloutState, SamplingParams
+
+
+def _states(prompts, limits):
+    """One state per prompt; ``limits``: each row's whole-response token budget."""
+    return [
+        RolloutState(sample={}, messages=[], token_ids=list(p), prompt_length=len(p), max_response_tokens=m,
+                     uid=f"t{i}")
+        for i, (p, m) in enumerate(zip(prompts, limits, strict=True))
+    ]
+
+
+def _frequent_tokens(model, tokenizer, prompts, count):
+    """Tokens a greedy turn of the tiny model often emits: made end-of-turn tokens, rows end at
+    different steps (a random model rarely samples its real end-of-sequence token)."""
+    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=12), drop_finished_rows=False)
+    turns = asyncio.run(gen.generate(_states(prompts, [100] * len(prompts))))
+    seen: dict[int, int] = {}
+    for turn in turns:
+        for token in turn.token_ids[1:]:
+            seen[token] = seen.get(token, 0) + 1
+    return {t for t, _ in sorted(seen.items(), key=lambda kv: -kv[1])[:count]}
+
+
+@pytest.mark.parametrize(("rows", "stops", "shared_prefix"), [(5, 1, False), (6, 2, True), (3, 0, False)])
+def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_prefix):
+    """Rows of different lengths, ending at different steps (stop tokens, per-row budgets), three
+    turns with cache continuation and a batch that shrinks: token ids equal ``generate``'s, and
+    no finished row is decoded."""
+    model, tokenizer = tiny_lm
+    head = "Find every answer. Question: " if shared_prefix else ""
+    texts = [head + q["question"] for q in QUESTIONS] + [head + t for t in ("Ghana", "Which river?", "Accra", "Lakes")]
+    prompts = [tokenizer.encode(t) for t in texts[:rows]]
+    limits = [40, 13, 9, 40, 22, 30][:rows]
+    stop = _frequent_tokens(model, tokenizer, prompts, stops)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
+    gens = {"new": HFGenerator(model, tokenizer, sampling), "old": HFGenerator(model, tokenizer, sampling,
+                                                                              drop_finished_rows=False)}
+    assert gens["new"].drop_finished_rows
+    observation = tokenizer.encode(" Doc 1 (Title: Ghana) Country in West Africa. Accra is the capital.")
+    states = {name: _states(prompts, limits) for name in gens}
+    for gen in gens.values():
+        gen.eos_ids |= stop
+    for round_ in range(3):
+        turns = {name: asyncio.run(gen.generate(states[name])) for name, gen in gens.items()}
+        assert [t.token_ids for t in turns["new"]] == [t.token_ids for t in turns["old"]]
+        assert [t.text for t in turns["new"]] == [t.text for t in turns["old"]]
+        lengths = {len(t.token_ids) for t in turns["new"]}
+        for name in gens:
+            for i, (state, turn) in enumerate(zip(states[name], turns[name], strict=True)):
+                state.token_ids += list(turn.token_ids) + observation[: 2 + 3 * i + round_]
+            if round_ == 0 and rows > 3:  # trajectories finish: the batch shrinks to a subset
+                states[name] = [s for i, s in enumerate(states[name]) if i != 1]
+    assert gens["new"].kv_reuses == gens["old"].kv_reuses == 2
+    assert gens["new"].gap_compactions == 2 and gens["old"].gap_compactions == 0  # gaps closed each turn
+    assert gens["new"].generated_tokens == gens["old"].generated_tokens
+    # the new loop samples exactly the generated tokens; generate samples padding too when rows differ
+    assert gens["new"].sampled_rows == gens["new"].generated_tokens <= gens["old"].sampled_rows
+    assert len(lengths) > 1  # rows did end at different steps
+
+
+def test_sampling_draws_from_the_same_distribution(tiny_lm):
+    """temperature/top-p/top-k sampling: the first token's empirical distribution over many rows
+    of one prompt matches ``generate``'s (same processors), and per-row budgets are kept."""
+    model, tokenizer = tiny_lm
+    prompt = tokenizer.encode(QUESTIONS[0]["question"])
+    sampling = SamplingParams(temperature=1.3, top_p=0.9, top_k=20, max_new_tokens=3, seed=0)
+    counts = {}
+    for name, flag in (("new", True), ("old", False)):
+        gen = HFGenerator(model, tokenizer, sampling, drop_finished_rows=flag, micro_batch_size=1600)
+        turns = asyncio.run(gen.generate(_states([prompt] * 1600, [2 + i % 2 for i in range(1600)])))
+        assert all(len(t.token_ids) <= 2 + i % 2 for i, t in enumerate(turns))
+        counts[name] = torch.bincount(torch.tensor([t.token_ids[0] for t in turns]), minlength=len(tokenizer))
+    new, old = counts["new"].float() / 1600, counts["old"].float() / 1600
+    assert (new > 0).sum() > 5  # a spread distribution, not a point mass
+    assert (new - old).abs().sum() / 2 < 0.12  # total variation of two 1600-draw samples (~0.06 expected)
+
+
+def test_unsupported_cache_falls_back_to_generate(tiny_lm, caplog):
+    model, tokenizer = tiny_lm
+    with caplog.at_level(logging.INFO, logger="spader_pipeline.agent.hf_backend"):
+        gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=5), growing_kv_cache=False)
+    assert not gen.drop_finished_rows
+    assert "decoding with model.generate" in caplog.text
+    prompts = [tokenizer.encode(q["question"]) for q in QUESTIONS[:2]]
+    assert len(asyncio.run(gen.generate(_states(prompts, [50, 50])))) == 2

@@ -1,0 +1,78 @@
+"""decode_batch on a grouped-query model with the ``sdpa_gqa`` attention: the tokens ``generate``
+samples greedily (each row cut at its stop token or budget), and the same continuation next turn."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode import (
+    decode_batch,
+    generation_processors,
+    left_aligned_positions,
+    supports_decode_batch,
+)
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+
+
+def _cut(row: list[int], budget: int, stops: set[int]) -> list[int]:
+    row = row[:budget]
+    return next((row[: i + 1] for i, t in enumerate(row) if t in stops), row)
+
+
+def test_decode_batch_equals_generate_and_continues(gqa_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    assert supports_decode_batch(model)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 64, (4, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = mask[3, :6] = 0
+    budgets = [12, 5, 12, 8]
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=[2],
+                  return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        reference = model.generate(input_ids=ids, attention_mask=mask, past_key_values=GrowingKVCache(), **kwargs)
+    generated = reference.sequences[:, ids.shape[1]:].tolist()
+    stops = {2, generated[0][3], generated[2][6]}  # rows end at different steps
+    expected = [_cut(row, b, stops) for row, b in zip(generated, budgets, strict=True)]
+    assert len({len(t) for t in expected}) > 2
+    processors, do_sample = generation_processors(model, kwargs, ids)
+    cache = GrowingKVCache()
+    result = decode_batch(model, ids, mask, cache, budgets, eos_ids=stops, pad_id=0, processors=processors,
+                          do_sample=do_sample)
+    assert result.tokens == expected
+    assert result.row_steps == sum(len(t) for t in expected)
+    assert cache.get_seq_length() == ids.shape[1] + max(len(t) for t in expected) - 1 == result.ids.shape[1]
+    assert sorted(result.cache_rows) == [0, 1, 2, 3]
+
+    # next turn: every row's cached tokens + its last token + new tokens, against generate from scratch
+    cache.batch_select_indices(torch.tensor([result.cache_rows.index(r) for r in range(4)]))
+    extra = torch.randint(3, 64, (4, 3))
+    rows = [list(r[m == 1].tolist()) + [t[-1]] + e.tolist()
+            for r, m, t, e in zip(result.ids, result.mask, result.tokens, extra, strict=True)]
+    for row, prompt, prompt_mask, turn in zip(rows, ids, mask, result.tokens, strict=True):
+        assert row[:-3] == prompt[prompt_mask == 1].tolist() + turn  # the cache holds all but the last token
+    width = max(len(r) for r in rows)
+    fresh_ids = torch.zeros((4, width), dtype=torch.long)
+    fresh_mask = torch.zeros((4, width), dtype=torch.long)
+    new_ids = torch.zeros((4, 4), dtype=torch.long)
+    for i, row in enumerate(rows):
+        fresh_ids[i, width - len(row):] = torch.tensor(row)
+        fresh_mask[i, width - len(row):] = 1
+        new_ids[i] = torch.tensor(row[-4:])
+    continued = decode_batch(
+        model, torch.cat([result.ids, new_ids], 1), torch.cat([result.mask, torch.ones_like(new_ids)], 1), cache,
+        [6] * 4, eos_ids={2}, pad_id=0, processors=processors, do_sample=False,
+    )
+    again = decode_batch(model, fresh_ids, fresh_mask, GrowingKVCache(), [6] * 4, eos_ids={2}, pad_id=0,
+                         processors=processors, do_sample=False)
+    assert continued.tokens == again.tokens
+
+
+def test_left_aligned_positions():
+    mask = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 0, 1], [0, 0, 1, 1, 1]])
+    index, new_mask = left_aligned_positions(mask)
+    assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1]]
+    assert index.tolist() == [[1, 3, 4], [0, 0, 4], [2, 3, 4]]
