@@ -161,7 +161,8 @@ def _segments(mask):
 
 
 def test_hf_rollout_token_layout_matches_verl(tiny_lm, retrieval_url):
-    from spader_pipeline.agent.hf_backend import HFGenerator, pad_batch
+    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.tokens import pad_batch
 
     model, tokenizer = tiny_lm
     config = RolloutConfig(max_turns=3, max_response_tokens=1500, topk=2)

@@ -24,7 +24,7 @@ from spader_pipeline.modeling.decode import (
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
-__all__ = ["HFGenerator", "encode_dialogue", "make_token_builder", "pad_batch"]
+__all__ = ["HFGenerator", "encode_dialogue", "make_token_builder"]
 
 logger = logging.getLogger(__name__)
 
@@ -364,48 +364,3 @@ class HFGenerator(Generator):
 
     async def aclose(self) -> None:
         self._kv = None  # free the KV cache
-
-
-# --------------------------------------------------------------------------------------------------
-# Token layout helpers for training
-# --------------------------------------------------------------------------------------------------
-
-
-def pad_batch(
-    trajectories: Sequence[Any],
-    pad_token_id: int,
-    *,
-    max_prompt_tokens: int | None = None,
-    max_response_tokens: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """VERL's batch layout from token-level trajectories.
-
-    Prompts are left-padded, responses right-padded. Returns ``prompts`` [B, P], ``responses``
-    [B, R], ``response_mask`` [B, R] (1 model tokens, 0 observation tokens and padding),
-    ``attention_mask`` [B, P + R] (1 on every real token, observations included) and
-    ``input_ids`` [B, P + R].
-    """
-    prompt_len = max_prompt_tokens or max(len(t.prompt_ids) for t in trajectories)
-    resp_len = max_response_tokens or max(1, max(len(t.response_ids) for t in trajectories))
-    batch = len(trajectories)
-    prompts = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
-    responses = torch.full((batch, resp_len), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((batch, resp_len), dtype=torch.long)
-    attention = torch.zeros((batch, prompt_len + resp_len), dtype=torch.long)
-    for row, t in enumerate(trajectories):
-        p = list(t.prompt_ids)[-prompt_len:]
-        r = list(t.response_ids)[:resp_len]
-        m = list(t.response_mask)[:resp_len]
-        prompts[row, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention[row, prompt_len - len(p) : prompt_len] = 1
-        if r:
-            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
-            response_mask[row, : len(m)] = torch.tensor(m, dtype=torch.long)
-            attention[row, prompt_len : prompt_len + len(r)] = 1
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "attention_mask": attention,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-    }

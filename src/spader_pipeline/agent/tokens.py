@@ -21,12 +21,14 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from spader_pipeline.agent.rollout import GeneratedTurn, RolloutState
 from spader_pipeline.modeling.warm_start import SFTExample, example_from_tokens
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TokenLayout", "encode_dialogue", "examples_from_dialogues", "make_token_builder"]
+__all__ = ["TokenLayout", "encode_dialogue", "examples_from_dialogues", "make_token_builder", "pad_batch"]
 
 
 def make_token_builder(
@@ -135,3 +137,43 @@ def examples_from_dialogues(
             example = SFTExample(example.input_ids[:max_length], example.loss_mask[:max_length])
         out.append(example)
     return out
+
+
+def pad_batch(
+    trajectories: Sequence[Any],
+    pad_token_id: int,
+    *,
+    max_prompt_tokens: int | None = None,
+    max_response_tokens: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """VERL's batch layout from token-level trajectories.
+
+    Prompts are left-padded, responses right-padded. Returns ``prompts`` [B, P], ``responses``
+    [B, R], ``response_mask`` [B, R] (1 model tokens, 0 observation tokens and padding),
+    ``attention_mask`` [B, P + R] (1 on every real token, observations included) and
+    ``input_ids`` [B, P + R].
+    """
+    prompt_len = max_prompt_tokens or max(len(t.prompt_ids) for t in trajectories)
+    resp_len = max_response_tokens or max(1, max(len(t.response_ids) for t in trajectories))
+    batch = len(trajectories)
+    prompts = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
+    responses = torch.full((batch, resp_len), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((batch, resp_len), dtype=torch.long)
+    attention = torch.zeros((batch, prompt_len + resp_len), dtype=torch.long)
+    for row, t in enumerate(trajectories):
+        p = list(t.prompt_ids)[-prompt_len:]
+        r = list(t.response_ids)[:resp_len]
+        m = list(t.response_mask)[:resp_len]
+        prompts[row, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention[row, prompt_len - len(p) : prompt_len] = 1
+        if r:
+            responses[row, : len(r)] = torch.tensor(r, dtype=torch.long)
+            response_mask[row, : len(m)] = torch.tensor(m, dtype=torch.long)
+            attention[row, prompt_len : prompt_len + len(r)] = 1
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "attention_mask": attention,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+    }
