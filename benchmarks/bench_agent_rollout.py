@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "data/03_primary/corpus.jsonl"
-EVAL = ROOT / "data/05_model_input/eval/embedded_validation.jsonl"
+DATA = ROOT / "data"  # --data-root: e.g. data/compare for the multi-search task of `make compare`
 
 
 def _passages(limit: int | None = None) -> list[dict]:
-    if CORPUS.exists():
-        rows = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    corpus = DATA / "03_primary/corpus.jsonl"
+    if corpus.exists():
+        rows = [json.loads(line) for line in corpus.read_text(encoding="utf-8").splitlines()]
     else:  # no data_prep output: build the embedded passages directly
         from spader_pipeline.data.wiki import iter_passages, load_wiki_articles
 
@@ -52,8 +52,9 @@ def _passages(limit: int | None = None) -> list[dict]:
 
 
 def _questions(n: int) -> list[dict]:
-    if EVAL.exists():
-        rows = [json.loads(line) for line in EVAL.read_text(encoding="utf-8").splitlines()]
+    validation = DATA / "05_model_input/eval/embedded_validation.jsonl"
+    if validation.exists():
+        rows = [json.loads(line) for line in validation.read_text(encoding="utf-8").splitlines()]
         return rows[:n]
     return [
         {"id": str(i), "question": f"Which countries are in region {i}?", "ground_truth": [["x"]]}
@@ -61,7 +62,7 @@ def _questions(n: int) -> list[dict]:
     ]
 
 
-def _project_setup(model_dir: str, n: int):
+def _project_setup(model_dir: str, n: int, max_turns: int | None = None):
     """(model, tokenizer, questions, template, rollout config) as evaluation uses them."""
     import yaml
 
@@ -70,14 +71,15 @@ def _project_setup(model_dir: str, n: int):
     from spader_pipeline.modeling import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    test = ROOT / "data/05_model_input/eval/embedded_test.jsonl"
+    test = DATA / "05_model_input/eval/embedded_test.jsonl"
     if not test.is_file():
         raise SystemExit(f"{test} not found: run `make run` (or `kedro run --pipeline data_prep`) first")
     rows = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines()][:n]
     prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
     training = yaml.safe_load((ROOT / "conf/base/parameters_training.yml").read_text())["training"]
     template = resolve_template(prompt)
-    return model, tokenizer, rows, template, RolloutConfig.from_mapping(training["rollout"])
+    rollout = {**training["rollout"], **({"max_turns": max_turns} if max_turns else {})}
+    return model, tokenizer, rows, template, RolloutConfig.from_mapping(rollout)
 
 
 VARIANTS = ("growing", "generate", "dynamic", "no_cache", "single")
@@ -105,7 +107,7 @@ def linear_params(model) -> int:
 
 
 def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | None = None,
-                  variants: tuple[str, ...] = VARIANTS) -> None:
+                  variants: tuple[str, ...] = VARIANTS, max_turns: int | None = None, max_new_tokens: int = 48) -> None:
     import torch
 
     from spader_pipeline.agent.hf_backend import HFGenerator
@@ -126,7 +128,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         template = "Answer with <tool_call>[...]</tool_call> or <answer>[...]</answer>.\nQuestion: {question}"
         samples = _questions(n)
     else:
-        model, tokenizer, samples, template, config = _project_setup(model_dir, n)
+        model, tokenizer, samples, template, config = _project_setup(model_dir, n, max_turns)
     with tempfile.TemporaryDirectory() as tmp:
         build_index(iter_records(passages), Path(tmp) / "bm25", "bm25")
         search = LocalSearch(load_retriever(Path(tmp) / "bm25"))
@@ -134,7 +136,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         def run(batched: bool, reuse_kv_cache: bool = True, growing: bool = True,
                 drop: bool = True) -> tuple[float, float]:
             """(model tokens/s, share of sampled row-steps that were padding)."""
-            sampling = SamplingParams(temperature=0.0, max_new_tokens=48)
+            sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
             gen = HFGenerator(model, tokenizer, sampling, reuse_kv_cache=reuse_kv_cache, growing_kv_cache=growing,
                               micro_batch_size=max(32, len(samples)), drop_finished_rows=drop)
             start = time.perf_counter()
@@ -164,7 +166,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         med = {k: statistics.median(v) for k, v in times.items()}
     peak = matmul_peak_flops()
     flops_per_token = 2 * linear_params(model)
-    print(f"HF rollout, {len(samples)} trajectories, greedy, {config.max_turns} turns x 48 tokens max, "
+    print(f"HF rollout, {len(samples)} trajectories, greedy, {config.max_turns} turns x {max_new_tokens} tokens max, "
           f"{model_dir or 'tiny Qwen3'}, {args_threads} thread(s), median of {repeats}")
     labels = {
         "growing": "batched, GrowingKVCache, drop finished",
@@ -229,12 +231,17 @@ def main() -> None:
     parser.add_argument("--only", choices=["rollout", "frequency"], default=None)
     parser.add_argument("--model-dir", default=None, help="a real HF model folder (default: tiny Qwen3)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    parser.add_argument("--data-root", default="data", help="the Kedro env's data root (data/compare: make compare's task)")
+    parser.add_argument("--max-turns", type=int, default=None, help="rollout turns (default: training.rollout)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per turn")
     args = parser.parse_args()
+    global DATA
+    DATA = ROOT / args.data_root
     if args.only != "rollout":
         bench_frequency(args.repeats)
     if args.only != "frequency":
         bench_rollout(args.repeats, args.trajectories, args.threads, args.model_dir,
-                      tuple(v for v in args.variants.split(",") if v))
+                      tuple(v for v in args.variants.split(",") if v), args.max_turns, args.max_new_tokens)
 
 
 if __name__ == "__main__":
