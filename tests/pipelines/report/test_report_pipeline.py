@@ -24,7 +24,8 @@ def _eval_table():
 
 def _history(slope):
     return [{"step": s, "method_reward/mean": slope * s, "answer/f1": 0.01 * s, "answer/recall": 0.02, "retrieval/recall": 0.2,
-             "perf/step_seconds": 3.0, "adv/zero_groups": 0.5} for s in range(1, 31)]
+             "perf/step_seconds": 3.0, "adv/zero_groups": 0.5, "adv/corr_vs_grpo": 1.0 - slope * 10,
+             "group/distinct_query_seqs": 3.0} for s in range(1, 31)]
 
 
 def test_smooth_is_a_trailing_mean():
@@ -36,15 +37,19 @@ def test_build_report_compares_models_and_methods():
         _eval_table(), {"demonstrations": 100.0}, {"smoothing_window": 5, "models": ["warm_start", "grpo", "spader"]},
         history_grpo=_history(0.01), history_spader=_history(0.02),
     )
-    assert len(curves.axes) == 4 and final.axes
+    assert len(curves.axes) == 6 and final.axes
     assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
     assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
     assert metrics["spader/method_reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
     assert metrics["grpo/steps"] == 30
-    # comparable metrics lead; the method's own return comes last and is labelled as such
+    # comparable metrics lead; the method's own return follows, labelled as such; then the mechanism
     titles = [ax.get_title() for ax in curves.axes]
-    assert titles[0] == "answer recall" and "not comparable" in titles[-1]
+    assert titles[0] == "answer recall" and "not comparable" in titles[3]
+    assert "correlation with GRPO" in titles[4] and "search sequences" in titles[5]
+    # whether the updates differ: the mean agreement with GRPO per method
+    assert metrics["spader/adv/corr_vs_grpo_mean"] == pytest.approx(0.8)
+    assert metrics["grpo/adv/corr_vs_grpo_mean"] == pytest.approx(0.9)
     lead = markdown.split("| model |")[0]
     assert "`answer/*`" in lead and "`method_reward/*`" in lead and "docs/metrics.md" in lead
     summary_header = markdown.split("| method |")[1].split("\n")[0]

@@ -31,7 +31,12 @@ CURVES = (
     ("answer/f1", "answer F1"),
     ("retrieval/recall", "retrieval recall (gold in retrieved text)"),
     ("method_reward/mean", "method's own return (not comparable across methods)"),
+    ("adv/corr_vs_grpo", "advantages' correlation with GRPO's on the same batch (GRPO: 1)"),
+    ("group/distinct_query_seqs", "distinct search sequences per group of trajectories"),
 )
+#: Mechanism metrics summarised as means over all steps (whether and why the methods' updates differ).
+MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "group/diverse_frac",
+             "group/entity_recall_union", "group/entity_recall_mean")
 FINAL_COLUMNS = ("recall", "precision", "f1", "seen_recall")
 
 
@@ -50,7 +55,7 @@ _LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def _curves_figure(histories: Mapping[str, list[dict]], window: int):
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
         for i, (method, rows) in enumerate(histories.items()):
             rows = [r for r in rows if key in r]
@@ -64,7 +69,7 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
                         linewidth=2.2 - 0.4 * (i % 3), label=f"{method} ({len(rows)} steps)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
@@ -140,7 +145,9 @@ def _training_summary(histories: Mapping[str, list[dict]], window: int) -> pd.Da
         for key, _ in CURVES:
             row[f"{key} first"] = float(np.mean([h[key] for h in head if key in h]))
             row[f"{key} last"] = float(np.mean([h[key] for h in tail if key in h]))
-        row["adv/zero_groups"] = float(np.mean([h.get("adv/zero_groups", math.nan) for h in history]))
+        for key in MECHANISM:
+            values = [h[key] for h in history if isinstance(h.get(key), int | float) and math.isfinite(h[key])]
+            row[f"{key} mean"] = float(np.mean(values)) if values else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 
