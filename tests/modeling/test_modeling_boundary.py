@@ -38,6 +38,20 @@ def deep_model():
     return model
 
 
+@pytest.fixture(scope="module")
+def deep_llama():
+    """A 4-block Llama with grouped-query attention: SmolLM2's architecture, scaled down."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config)
+    use_gqa_attention(model)
+    return model
+
+
 class _Reference:
     """The states buffer's expected contents, kept with plain tensor operations: ``rows[b]`` is row
     ``b``'s list of per-position states ``[H]``; ``active`` rows are the ones a write reaches."""
@@ -139,9 +153,11 @@ def _rows(prefix_len: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, att
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("min_shared_prefix", [8, 10_000])  # the prefix encoded once, or one pass
-def test_top_blocks_from_boundary_equal_the_full_forward_states_and_gradients(deep_model, min_shared_prefix):
-    model = copy.deepcopy(deep_model).train()
+def test_top_blocks_from_boundary_equal_the_full_forward_states_and_gradients(deep_model, deep_llama, family,
+                                                                              min_shared_prefix):
+    model = copy.deepcopy(deep_model if family == "qwen3" else deep_llama).train()
     train_top_layers(model, 2)
     first = 2
     ids, att = _rows(12)

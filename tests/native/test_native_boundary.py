@@ -45,7 +45,9 @@ def rolled_out(native_deep_model_dir, toy_index_dir):
 def test_captured_states_equal_a_plain_forward_at_the_boundary(rolled_out):
     model, _, gen, _, trajectories = rolled_out
     assert gen.kv_reuses >= 1 and gen.shared_prefills >= 1 and gen.gap_compactions >= 1
-    assert len({len(t.response_ids) for t in trajectories}) > 1 and max(t.num_turns for t in trajectories) >= 2
+    assert max(t.num_turns for t in trajectories) >= 2
+    turn_lengths = {step.token_span[1] - step.token_span[0] for t in trajectories for step in t.steps}
+    assert len(turn_lengths) > 1  # rows ended their turns at different steps
     captured = gen.captured_states()
     assert len(captured) == len(trajectories)
     for trajectory, capture in zip(trajectories, captured, strict=True):

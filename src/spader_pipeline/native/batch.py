@@ -160,8 +160,12 @@ def boundary_states(trajectories: Sequence[Any], captured: Sequence[Any], width:
     padding positions zero), or ``None`` (logged) unless every trajectory's capture is usable
     (:func:`usable_capture`): the update then runs the frozen blocks itself."""
     captured = list(captured)
-    usable = len(captured) == len(trajectories) and len(trajectories) > 0
-    bad = len(trajectories) if not usable else sum(not usable_capture(t, c) for t, c in zip(trajectories, captured, strict=True))
+    if not trajectories:
+        return None
+    if len(captured) != len(trajectories):
+        bad = len(trajectories)
+    else:
+        bad = sum(not usable_capture(t, c) for t, c in zip(trajectories, captured, strict=True))
     if bad:
         logger.info("frozen blocks recomputed in the update: %d of %d trajectories have no usable rollout states",
                     bad, len(trajectories))
