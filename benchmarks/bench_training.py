@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_training.py [--repeats 5] [--examples 64] [--threads 1]
     .venv/bin/python benchmarks/bench_training.py --rl-step [--rl-steps 3] [--models smollm2,tiny]
+    .venv/bin/python benchmarks/bench_training.py --update-breakdown [--repeats 3] [--models smollm2]
 
 Both on the tiny Qwen3 (hidden 256, 4 layers, 8k vocabulary) or, with ``--model-dir``, a Hugging
 Face folder such as the warm-started SmolLM2 (top ``--trainable-layers`` blocks trained), on
@@ -20,12 +21,24 @@ project's path with the instruction encoded for every row (before :mod:`spader_p
 
 * **RL step** (``--rl-step``; needs the default run's data, index and models under ``--data``):
   seconds per GRPO step of 4 prompts × 8 trajectories with the native trainer, for SmolLM2 (the
-  warm start if present, else the base model) and the tiny model, in two configurations of the
-  same trainer: *straightforward* — the trainer as it was before issue 10 (every parameter
-  trained, a reference-model pass for the KL term, whole passages in observations) — and *project*
-  (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml at 4 prompts × 8: top 8 blocks
-  trained, no reference pass at ``kl_coef: 0``, passages cut to 120 characters, bf16 by probe).
-  Median over the steps; rollout and update seconds are reported separately.
+  warm start if present, else the base model) and the tiny model, in configurations of the same
+  trainer (``--configs``): *straightforward* — the trainer as it was before issue 10 (every
+  parameter trained, a reference-model pass for the KL term, whole passages in observations) —,
+  *project* (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml at 4
+  prompts × 8: top 8 blocks trained from the rollout's boundary states, no reference pass at
+  ``kl_coef: 0``, passages cut to 120 characters, bf16 by probe) and *recompute* (*project* with
+  ``reuse_rollout_states: false``: the update runs the frozen blocks again). Per step: rollout
+  (of which copying the boundary states out of the cache) and update seconds, and whether the
+  update started from the rollout's states; then the medians over the steps.
+* **Update breakdown** (``--update-breakdown``; same data): one rollout batch of the *project*
+  settings (SmolLM2 from the warm start; the tiny model trains its top 2 of 4 blocks), rolled out
+  with and without state capture (same seeds: the same tokens, printed), then on that batch
+  today's update (the frozen blocks run again) and the new one (from the rollout's boundary
+  states, :mod:`spader_pipeline.modeling.boundary`), each split into frozen forward (forward hooks
+  from the embeddings to the last frozen block), trained forward/backward (the rest) and
+  optimiser step; medians of ``--repeats``, every repeat from the same weights and optimiser
+  state. Printed: the parts, both policy losses, the update ratio and the step ratio (rollout +
+  update, today's without capture).
 
 bf16 autocast is not timed here: on CPUs without native bf16 (AVX2-only, like the 2-core CI
 machine) it is many times slower than fp32; ``bf16: auto`` probes it
@@ -152,7 +165,8 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
     rows = len(batch_examples)
     real = {"input_ids": ids, "attention_mask": attn, "prompt_lengths": torch.full((rows,), prompt),
             "response_ids": ids[:, prompt:], "response_mask": mask}  # what response_logprobs reads
-    batch = RolloutBatch(**{f.name: real.get(f.name, torch.zeros(1)) for f in dataclasses.fields(RolloutBatch)})
+    batch = RolloutBatch(**{f.name: real.get(f.name, torch.zeros(1)) for f in dataclasses.fields(RolloutBatch)
+                            if f.default is dataclasses.MISSING})  # no boundary states: the whole decoder runs
 
     def naive():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, prompt - 1 : -1].float()
@@ -188,11 +202,10 @@ def _project_settings(conf_dir: Path) -> dict:
     """The GRPO run's native settings from conf/base (as the train_grpo node merges them)."""
     import yaml
 
-    from spader_pipeline.pipelines.training.nodes import _merge
+    from spader_pipeline.typed_config import method_settings
 
     params = yaml.safe_load((conf_dir / "parameters_training.yml").read_text())
-    training = params["training"]
-    settings = _merge({**training["native"], "reward": training.get("reward") or {}}, params["train_grpo"]["method"])
+    settings = method_settings(params["training"], params["train_grpo"]["method"], "native")
     return {**settings, "prompts_per_step": 4, "group_size": 8}  # the step shape issue 10 benchmarks
 
 
@@ -212,46 +225,64 @@ def _tiny_model_dir(data: Path, out: Path) -> Path:
     return build_base_model((f"{r['title']}\n{r['contents']}" for r in rows), out, spec=TinyQwen3Spec())
 
 
-def bench_rl_step(args) -> None:
+def _rl_inputs(args) -> dict | None:
+    """What an RL step needs from the default run under ``--data``: the project's settings, training
+    questions, index, prompt template and model folders (``None``, with a message, when missing)."""
     import pandas as pd
 
     from spader_pipeline.agent.prompts import resolve_template
-    from spader_pipeline.native import NativeTrainerConfig, train_native
     from spader_pipeline.pipelines.training.nodes import samples_from_verl
-    from spader_pipeline.retrieval import load_retriever
-    from spader_pipeline.retrieval.service import LocalSearch
 
     data = Path(args.data)
     if not (data / "05_model_input/verl/train.parquet").is_file():
-        print(f"--rl-step needs the default run's data under {data}: run `kedro run --pipeline "
+        print(f"--rl-step/--update-breakdown need the default run's data under {data}: run `kedro run --pipeline "
               "data_prep` and `--pipeline index_build` (and base_model, warm_start) first")
-        return
-    project = _project_settings(Path(args.conf))
-    samples = samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0)
+        return None
     manifest = data / "06_models/retrieval/index_manifest.json"
     if manifest.is_dir():  # a versioned dataset: the newest version
         manifest = sorted(manifest.glob("*/index_manifest.json"))[-1]
     index = json.loads(manifest.read_text())["index_dir"]
     if not Path(index).is_absolute():
         index = str(data.parent / index)
-    prompt = yaml_prompt(Path(args.conf))
-    template = resolve_template(prompt)
-    smollm2 = data / "06_models/warm_start" if (data / "06_models/warm_start/config.json").is_file() else data / "06_models/base_model"
-    models = {"smollm2": smollm2, "tiny": None}
+    warm = data / "06_models/warm_start"
+    smollm2 = warm if (warm / "config.json").is_file() else data / "06_models/base_model"
+    return {
+        "project": _project_settings(Path(args.conf)),
+        "samples": samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0),
+        "index": index,
+        "template": resolve_template(yaml_prompt(Path(args.conf))),
+        "models": {"smollm2": lambda: smollm2,
+                   "tiny": lambda: _tiny_model_dir(data, Path(tempfile.gettempdir()) / "bench_tiny_model")},
+    }
+
+
+def bench_rl_step(args) -> None:
+    from spader_pipeline.native import NativeTrainerConfig, train_native
+    from spader_pipeline.retrieval import load_retriever
+    from spader_pipeline.retrieval.service import LocalSearch
+
+    inputs = _rl_inputs(args)
+    if inputs is None:
+        return
+    project = inputs["project"]
+    configs = {"straightforward": _straightforward_settings(project), "project": project,
+               "recompute": {**project, "reuse_rollout_states": False}}
     for name in args.models.split(","):
-        path = models[name] or _tiny_model_dir(data, Path(tempfile.gettempdir()) / "bench_tiny_model")
-        configs = {"straightforward": _straightforward_settings(project), "project": project}
+        path = inputs["models"][name]()
         for label in args.configs.split(","):
-            settings = configs[label]
             config = NativeTrainerConfig.from_mapping({
-                **settings, "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None, "resume": False,
-                "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
+                **configs[label], "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None,
+                "resume": False, "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
             load = os.getloadavg()[0]
             with tempfile.TemporaryDirectory() as run_dir:
-                result = train_native(config, model_path=path, samples=samples,
-                                      search=LocalSearch(load_retriever(index)), run_dir=run_dir,
-                                      prompt_template=template)
+                result = train_native(config, model_path=path, samples=inputs["samples"],
+                                      search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
+                                      prompt_template=inputs["template"])
             hist = result.history
+            for h in hist:
+                print(f"  step {h['step']}: rollout {h['perf/rollout_seconds']:.1f} s (state capture "
+                      f"{h['perf/capture_seconds']:.2f} s), update {h['perf/update_seconds']:.1f} s, update from "
+                      f"rollout states: {'yes' if h['perf/reused_rollout_states'] else 'no'}", flush=True)
             med = {k: statistics.median(h[k] for h in hist)
                    for k in ("perf/step_seconds", "perf/rollout_seconds", "perf/update_seconds")}
             tokens = statistics.median(h["rollout/response_tokens"] for h in hist)
@@ -259,6 +290,124 @@ def bench_rl_step(args) -> None:
                   f"{med['perf/rollout_seconds']:.1f} s, update {med['perf/update_seconds']:.1f} s; "
                   f"{tokens:.0f} response tokens/trajectory; median of {len(hist)} steps; load {load:.1f} "
                   f"→ {os.getloadavg()[0]:.1f})", flush=True)
+
+
+class _PhaseTimer:
+    """Seconds spent in the frozen blocks (embeddings up to the last frozen block's output, measured
+    with forward hooks) and in the optimiser step, while installed."""
+
+    def __init__(self, model, optimizer, first_block: int) -> None:
+        self.frozen = self.optimiser = 0.0
+        self._started: dict[str, float] = {}
+        blocks = model.model.layers
+        cuda = next(model.parameters()).is_cuda
+
+        def now() -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def begin(name):
+            return lambda *_: self._started.__setitem__(name, now())
+
+        def end(name):
+            def done(*_):
+                spent = now() - self._started.pop(name)
+                setattr(self, name, getattr(self, name) + spent)
+            return done
+
+        self._handles = [
+            model.get_input_embeddings().register_forward_pre_hook(begin("frozen")),
+            blocks[first_block - 1].register_forward_hook(end("frozen")),
+            optimizer.register_step_pre_hook(begin("optimiser")),
+            optimizer.register_step_post_hook(end("optimiser")),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def bench_update_breakdown(args) -> None:
+    """One rollout batch of the project's settings, then today's update (the frozen blocks run
+    again) and the new one (from the rollout's boundary states) on that same batch."""
+    import copy
+    import dataclasses
+
+    from spader_pipeline.native import NativeTrainerConfig
+    from spader_pipeline.native.trainer import collect_rollouts, score, start_run
+    from spader_pipeline.native.update import update_policy
+    from spader_pipeline.retrieval import load_retriever
+    from spader_pipeline.retrieval.service import LocalSearch
+
+    inputs = _rl_inputs(args)
+    if inputs is None:
+        return
+    for name in args.models.split(","):
+        path = inputs["models"][name]()
+        settings = dict(inputs["project"])
+        if name == "tiny":  # 4 blocks: train the top 2 (SmolLM2: the project's 8 of 30)
+            settings["trainable_layers"] = 2
+        config = NativeTrainerConfig.from_mapping({
+            **settings, "method": "grpo", "total_steps": 1, "max_seconds": None, "resume": False,
+            "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
+        search = LocalSearch(load_retriever(inputs["index"]))
+        load = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as run_dir:
+            run = start_run(config, path, Path(run_dir))
+            first = run.boundary_block
+            if first is None:
+                print(f"update breakdown {name}: no boundary states for this model/config")
+                continue
+            rollouts = collect_rollouts(run, inputs["samples"], search, inputs["template"], 1)
+            block, run.boundary_block = run.boundary_block, None  # today's rollout: nothing captured
+            plain = collect_rollouts(run, inputs["samples"], search, inputs["template"], 1)
+            run.boundary_block = block
+        batch = rollouts.batch
+        if batch.boundary is None:
+            print(f"update breakdown {name}: the rollout's states were not usable (see the log)")
+            continue
+        same = torch.equal(plain.batch.input_ids, batch.input_ids)
+        adv, _ = score(config, batch, 1)
+        batches = {"today": dataclasses.replace(batch, boundary=None, boundary_block=None), "new": batch}
+        run.model.train()
+        update_policy(run.model, run.reference, run.optimizer, run.trainable, batch, adv, config, run.actor_cfg,
+                      bf16=run.bf16, step=1)  # warm-up: optimiser state allocated, then restored each repeat
+        params = [p.detach().clone() for p in run.trainable]
+        state = copy.deepcopy(run.optimizer.state_dict())
+        times: dict[str, dict[str, list[float]]] = {k: {"update": [], "frozen": [], "optimiser": []} for k in batches}
+        losses = {}
+        for _ in range(args.repeats):
+            for label, b in batches.items():
+                with torch.no_grad():
+                    for p, saved in zip(run.trainable, params, strict=True):
+                        p.copy_(saved)
+                run.optimizer.load_state_dict(state)
+                timer = _PhaseTimer(run.model, run.optimizer, first)
+                started = time.perf_counter()
+                stats = update_policy(run.model, run.reference, run.optimizer, run.trainable, b, adv, config,
+                                      run.actor_cfg, bf16=run.bf16, step=1,
+                                      reference_shares_boundary=run.reference_shares_boundary)
+                times[label]["update"].append(time.perf_counter() - started)
+                timer.remove()
+                times[label]["frozen"].append(timer.frozen)
+                times[label]["optimiser"].append(timer.optimiser)
+                losses[label] = stats.sums["policy"]
+        med = {k: {part: statistics.median(v) for part, v in parts.items()} for k, parts in times.items()}
+        tokens = int(batch.attention_mask.sum())
+        print(f"update breakdown {name}: GRPO {config.prompts_per_step} × {config.group_size}, {tokens} tokens, "
+              f"blocks {first}+ trained, median of {args.repeats}; load {load:.1f} → {os.getloadavg()[0]:.1f}")
+        print(f"  rollout            {rollouts.seconds:7.2f} s with state capture (copies {rollouts.capture_seconds:.2f} s), "
+              f"{plain.seconds:7.2f} s without; same tokens: {same}")
+        for label in batches:
+            m = med[label]
+            trained = m["update"] - m["frozen"] - m["optimiser"]
+            print(f"  update {label:5s}       {m['update']:7.2f} s = frozen forward {m['frozen']:.2f} + trained "
+                  f"forward/backward {trained:.2f} + optimiser {m['optimiser']:.2f}   (policy loss {losses[label]:.6f})")
+        today_step = plain.seconds + med["today"]["update"]
+        new_step = rollouts.seconds + med["new"]["update"]
+        print(f"  update ratio new/today {med['new']['update'] / med['today']['update']:.2f}; step (rollout + update) "
+              f"today {today_step:.1f} s → new {new_step:.1f} s, ratio {new_step / today_step:.2f}", flush=True)
 
 
 def yaml_prompt(conf_dir: Path) -> dict:
@@ -275,16 +424,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rl-step", action="store_true", help="time whole GRPO steps (needs --data)")
     parser.add_argument("--rl-steps", type=int, default=3)
+    parser.add_argument("--update-breakdown", action="store_true",
+                        help="one rollout batch, then today's update vs the one from rollout states (needs --data)")
     parser.add_argument("--models", default="smollm2,tiny")
-    parser.add_argument("--configs", default="straightforward,project")
+    parser.add_argument("--configs", default="straightforward,project", help="--rl-step: straightforward, "
+                        "project, recompute (the project's settings, the update running the frozen blocks again)")
     parser.add_argument("--data", default="data")
     parser.add_argument("--conf", default="conf/base")
     parser.add_argument("--model-dir", default=None, help="a HF model folder instead of the tiny model (SFT/log-prob)")
     parser.add_argument("--trainable-layers", type=int, default=8, help="with --model-dir: top blocks trained")
     args = parser.parse_args()
-    if args.rl_step:  # --threads 1 on an oversubscribed machine (2-thread barriers stall under load)
+    if args.rl_step or args.update_breakdown:  # --threads 1 on an oversubscribed machine (2-thread barriers stall)
         torch.set_num_threads(args.threads)
-        bench_rl_step(args)
+        (bench_update_breakdown if args.update_breakdown else bench_rl_step)(args)
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -29,6 +29,16 @@ def native_model_dir(tmp_path_factory):
     return build_base_model(texts, tmp_path_factory.mktemp("native-model"), spec=spec, vocab_size=400, min_frequency=1)
 
 
+@pytest.fixture(scope="session")
+def native_deep_model_dir(tmp_path_factory):
+    """A 3-block model with grouped-query attention, for the boundary states (frozen blocks below)."""
+    texts = [f"{r['title']}\n{r['contents']}" for r in corpus_records()] * 3 + [TEMPLATE] * 5
+    spec = TinyQwen3Spec(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=2048)
+    return build_base_model(texts, tmp_path_factory.mktemp("native-deep-model"), spec=spec, vocab_size=400,
+                            min_frequency=1)
+
+
 @pytest.fixture
 def tiny_config():
     from spader_pipeline.native import NativeTrainerConfig

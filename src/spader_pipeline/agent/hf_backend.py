@@ -7,6 +7,7 @@ The token bookkeeping (prompt, model turns with mask 1, observations with mask 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 
 from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
+from spader_pipeline.agent.state_capture import CapturedStates, StateCapture
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+from spader_pipeline.modeling.boundary import decoder_blocks
 from spader_pipeline.modeling.decode import (
     decode_batch,
     generation_processors,
@@ -56,6 +59,9 @@ class HFGenerator(Generator):
             caches (``growing_kv_cache=False``) or generation settings it cannot handle use
             ``generate`` (logged once); ``False``: always ``generate``. With it, a continued turn
             first closes the cache's masked gaps when they are at least ``gap_share`` (0.1) of it.
+        capture_states_from_layer: keep, per trajectory, decoder block ``k``'s output at its tokens
+            (:meth:`captured_states`; the native trainer's boundary states, docs/training.md). Needs
+            ``drop_finished_rows``; stops, dropping what it kept, when a turn is decoded with ``generate``.
     """
 
     token_level = True
@@ -73,6 +79,7 @@ class HFGenerator(Generator):
         bf16: bool = False,
         growing_kv_cache: bool = True,
         drop_finished_rows: bool = True,
+        capture_states_from_layer: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.growing_kv_cache = growing_kv_cache
@@ -103,6 +110,12 @@ class HFGenerator(Generator):
         self._generator = None
         if self.sampling.seed is not None:
             self._generator = torch.Generator(device="cpu").manual_seed(self.sampling.seed)
+        self.capture: StateCapture | None = None
+        if capture_states_from_layer is not None:
+            if self.drop_finished_rows and 0 <= capture_states_from_layer < len(decoder_blocks(model) or ()):
+                self.capture = StateCapture(model, capture_states_from_layer)
+            else:
+                logger.warning("no state capture: needs decode_batch and a decoder block %s", capture_states_from_layer)
 
     def _can_drop_finished_rows(self) -> bool:
         reason = None
@@ -118,6 +131,13 @@ class HFGenerator(Generator):
 
     def start(self, state: RolloutState) -> None:
         self.layout.start(state)
+        if self.capture is not None:
+            self.capture.started.append(state.uid)
+
+    def captured_states(self) -> list[CapturedStates | None]:
+        """Per trajectory, in the order they were started (``run_rollouts``' order), the states captured
+        at its leading tokens (``capture_states_from_layer``; ``None``: nothing usable was captured)."""
+        return self.capture.in_start_order() if self.capture is not None else []
 
     def append_turn(self, state: RolloutState, turn: GeneratedTurn) -> None:
         self.layout.append_turn(state, turn)
@@ -132,8 +152,9 @@ class HFGenerator(Generator):
 
     def _generate_all(self, states: list[RolloutState]) -> list[GeneratedTurn]:
         out: list[GeneratedTurn] = []
-        for i in range(0, len(states), self.micro_batch_size):
-            out.extend(self._generate_batch(states[i : i + self.micro_batch_size]))
+        with self.capture.hooked() if self.capture is not None else contextlib.nullcontext():
+            for i in range(0, len(states), self.micro_batch_size):
+                out.extend(self._generate_batch(states[i : i + self.micro_batch_size]))
         return out
 
     def _sampling_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
@@ -268,7 +289,7 @@ class HFGenerator(Generator):
 
     def _new_cache(self) -> Any:
         """An empty KV cache of the configured kind (``None``: let the model create a ``DynamicCache``)."""
-        return GrowingKVCache() if self.growing_kv_cache else None
+        return GrowingKVCache(capture_states=self.capture is not None) if self.growing_kv_cache else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -296,6 +317,9 @@ class HFGenerator(Generator):
                 logger.warning("decoding with model.generate: generation settings beyond row-wise sampling")
         if self.drop_finished_rows and self._processors:
             return self._decode_batch(states, budgets, input_ids, attention, cache)
+        if self.capture is not None:
+            logger.warning("no state capture: turns decoded with model.generate")
+            self.capture = None
         if cache is None and self.reuse_kv_cache:
             cache = self._new_cache()
         if cache is not None:
@@ -340,13 +364,15 @@ class HFGenerator(Generator):
         """``_generate_batch`` with :func:`decode_batch`: the same turns, finished rows not decoded."""
         device = self._device()
         processors, do_sample = self._processors
-        cache = cache if cache is not None else GrowingKVCache()
+        cache = cache if cache is not None else self._new_cache()
         with self._autocast(device):
             result = decode_batch(
                 self.model, input_ids.to(device), attention.to(device), cache, budgets,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, processors=processors, do_sample=do_sample,
             )
         self.sampled_rows += result.row_steps
+        if self.capture is not None:
+            self.capture.record([s.uid for s in states], cache, result.ids, result.mask, result.cache_rows)
         turns = []
         for ids in result.tokens:
             self.generated_tokens += len(ids)

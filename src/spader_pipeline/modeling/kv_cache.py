@@ -20,6 +20,11 @@ and exchange two rows in place (:meth:`GrowingKVCache.swap_rows`): finished rows
 the active ones and stop being computed, without copying the cache of the rows that go on. Positions
 past a row's last write hold zeros (never uninitialised memory), so a masked position can never
 turn attention into NaN.
+
+For the native trainer the cache can also keep, per position, the hidden states one decoder block
+wrote there (``GrowingKVCache(capture_states=True)``, :class:`GrowingStates`): the states follow
+every cache operation exactly as the keys and values do, so after a rollout they line up with the
+cached positions (:mod:`spader_pipeline.modeling.boundary` fills them from a forward hook).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["GrowingKVCache", "GrowingLayer"]
+__all__ = ["GrowingKVCache", "GrowingLayer", "GrowingStates"]
 
 
 class GrowingLayer(DynamicLayer):
@@ -154,24 +159,76 @@ class GrowingLayer(DynamicLayer):
             self._expose()
 
 
-class GrowingKVCache(DynamicCache):
-    """A ``DynamicCache`` whose layers are :class:`GrowingLayer` (created lazily, one per decoder layer)."""
+class GrowingStates(GrowingLayer):
+    """Per-position hidden states ``[B, 1, capacity, H]`` that move with a :class:`GrowingKVCache`.
 
-    def __init__(self) -> None:
+    A :class:`GrowingLayer` whose keys are the states and whose values are empty (``[B, 1, capacity,
+    0]``): every operation (append, active rows, row swaps, position gathering, row selection with
+    repeats, repetition, cropping, reset) runs the key/value layers' own code, so position ``p`` of
+    row ``b`` always holds the state of the token whose keys are at ``[b, :, p]`` in the cache.
+    """
+
+    def append(self, states: torch.Tensor) -> None:
+        """Append ``states`` ``[b, T, H]`` (``b``: the active rows) at the next ``T`` positions."""
+        self.update(states[:, None], states.new_empty((states.shape[0], 1, states.shape[1], 0)))
+
+    @property
+    def states(self) -> torch.Tensor:
+        """The filled positions ``[b, length, H]`` of the exposed rows (a view)."""
+        return self.keys[:, 0]
+
+
+class GrowingKVCache(DynamicCache):
+    """A ``DynamicCache`` whose layers are :class:`GrowingLayer` (created lazily, one per decoder layer).
+
+    ``capture_states=True`` adds :attr:`states`, a :class:`GrowingStates` buffer that every cache
+    operation below applies to as well (``None`` otherwise).
+    """
+
+    def __init__(self, *, capture_states: bool = False) -> None:
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+        self.states: GrowingStates | None = GrowingStates() if capture_states else None
+
+    def _extra(self) -> list[GrowingLayer]:
+        return [self.states] if self.states is not None else []
 
     def set_active_rows(self, rows: int | None) -> None:
         """Let the model see and extend only the first ``rows`` rows of every layer (``None``: all)."""
-        for layer in self.layers:
+        for layer in [*self.layers, *self._extra()]:
             layer.set_active_rows(rows)
 
     def gather_positions(self, index: torch.Tensor) -> None:
         """Keep positions ``index[b]`` of every row ``b`` in every layer (``index``: ``[B, L']``)."""
-        for layer in self.layers:
+        for layer in [*self.layers, *self._extra()]:
             layer.gather_positions(index)
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows ``i`` and ``j`` in every layer."""
-        for layer in self.layers:
+        for layer in [*self.layers, *self._extra()]:
             layer.swap_rows(i, j)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        for layer in self._extra():
+            layer.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        for layer in self._extra():
+            layer.batch_repeat_interleave(repeats)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        for layer in self._extra():
+            layer.reorder_cache(beam_idx)
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        for layer in self._extra():
+            layer.crop(max_length)
+
+    def reset(self) -> None:
+        super().reset()
+        for layer in self._extra():
+            layer.reset()

@@ -9,6 +9,7 @@ its ``response_mask``; the documents that turn's tool call retrieved are that st
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from spader_pipeline.algorithms import SpaderRewardConfig, discover_entities, sc
 from spader_pipeline.algorithms.methods import RewardInputs, method_advantages, method_rewards
 from spader_pipeline.algorithms.steps import segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,12 +67,22 @@ class RolloutBatch:
     """per trajectory, per step, the turn's ``<think>`` text (CalibAdv's near-duplicate check)"""
     num_turns: torch.Tensor
     num_searches: torch.Tensor
+    boundary: torch.Tensor | None = None
+    """float ``[B, L, H]`` aligned with ``input_ids``: the rollout's output of the last frozen block
+    (the input of block ``boundary_block``) at every position a loss term reads from, zeros
+    elsewhere; ``None``: the update runs the frozen blocks itself (docs/training.md)"""
+    boundary_block: int | None = None
+    """the first decoder block the update runs from ``boundary``"""
 
 
-def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]], pad_id: int) -> RolloutBatch:
+def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]], pad_id: int, *,
+                captured: Sequence[Any] | None = None, boundary_block: int | None = None) -> RolloutBatch:
     """Lay out token-level trajectories (``agent.rollout.Trajectory``) and score their answers.
 
     ``samples[i]`` is the sample trajectory ``i`` was rolled out for (``uid``, ``ground_truth``).
+    ``captured[i]``: the states its rollout computed at the input of block ``boundary_block``
+    (:class:`~spader_pipeline.agent.state_capture.CapturedStates` or ``None``); they become
+    ``boundary`` when every trajectory has a usable capture (:func:`boundary_states`).
     """
     bsz = len(trajectories)
     prompt_len = [len(t.prompt_ids) for t in trajectories]
@@ -101,7 +114,12 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         for s, step in enumerate(t.steps):
             if step.kind == "search" and step.doc_ids:
                 query_counts[i, s] = len(step.queries)
+    boundary = None
+    if captured is not None and boundary_block is not None:
+        boundary = boundary_states(trajectories, captured, width)
     return RolloutBatch(
+        boundary=boundary,
+        boundary_block=boundary_block if boundary is not None else None,
         input_ids=input_ids,
         attention_mask=attention,
         prompt_lengths=torch.tensor(prompt_len, dtype=torch.long),
@@ -122,6 +140,40 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.float32),
         num_searches=torch.tensor([t.num_searches for t in trajectories], dtype=torch.float32),
     )
+
+
+def usable_capture(trajectory: Any, capture: Any) -> bool:
+    """Whether ``capture`` (``CapturedStates``) holds ``trajectory``'s states wherever its loss reads:
+    its ids are the trajectory's first tokens and it covers every position before the last model
+    token (the hidden state at ``p - 1`` predicts token ``p``; a position only affects later ones)."""
+    if capture is None:
+        return False
+    tokens = list(trajectory.prompt_ids) + list(trajectory.response_ids)
+    n = int(capture.token_ids.shape[0])
+    model_positions = [len(trajectory.prompt_ids) + i for i, m in enumerate(trajectory.response_mask) if m]
+    needed = model_positions[-1] if model_positions else 0
+    return needed <= n <= len(tokens) and capture.token_ids.tolist() == tokens[:n] and capture.states.shape[0] == n
+
+
+def boundary_states(trajectories: Sequence[Any], captured: Sequence[Any], width: int) -> torch.Tensor | None:
+    """The captured states as float ``[B, width, H]``, right-padded as ``input_ids`` (uncovered and
+    padding positions zero), or ``None`` (logged) unless every trajectory's capture is usable
+    (:func:`usable_capture`): the update then runs the frozen blocks itself."""
+    captured = list(captured)
+    if not trajectories:
+        return None
+    if len(captured) != len(trajectories):
+        bad = len(trajectories)
+    else:
+        bad = sum(not usable_capture(t, c) for t, c in zip(trajectories, captured, strict=True))
+    if bad:
+        logger.info("frozen blocks recomputed in the update: %d of %d trajectories have no usable rollout states",
+                    bad, len(trajectories))
+        return None
+    out = torch.zeros((len(trajectories), width, captured[0].states.shape[1]), dtype=torch.float32)
+    for row, capture in enumerate(captured):
+        out[row, : capture.states.shape[0]] = capture.states
+    return out
 
 
 @dataclass

@@ -84,6 +84,11 @@ class NativeTrainerConfig:
     trainable_layers: int | None = None
     """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model.
     Lower blocks and embeddings stay frozen, so the backward pass stops early (CPU speed)"""
+    reuse_rollout_states: bool = True
+    """with ``trainable_layers`` below the model's depth: the rollout keeps the last frozen block's
+    output at every token and the update runs only the trained blocks from it, instead of running
+    the frozen blocks again (same loss and gradients up to float reassociation; docs/training.md).
+    ``false``: the update runs the whole model"""
 
     # ---- rollout -----------------------------------------------------------------------------
     rollout: RolloutConfig | Mapping[str, Any] = field(

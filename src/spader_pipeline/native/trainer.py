@@ -34,6 +34,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
+from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.native.batch import (
@@ -88,6 +89,10 @@ class RunState:
     history: list[dict[str, float]]
     start_step: int
     resumed_from: int | None
+    boundary_block: int | None = None
+    """first trained block when the update starts from the rollout's states (``reuse_rollout_states``)"""
+    reference_shares_boundary: bool = False
+    """the reference's frozen blocks equal the policy's: its pass starts from the same states"""
 
 
 @dataclass
@@ -98,6 +103,8 @@ class Rollouts:
     batch: RolloutBatch
     seconds: float
     generated_tokens: int
+    capture_seconds: float = 0.0
+    """of ``seconds``, copying the boundary states out of the decoding caches"""
 
 
 def train_native(
@@ -134,7 +141,8 @@ def train_native(
         update_started = time.perf_counter()
         run.model.train()
         update = update_policy(run.model, run.reference, run.optimizer, run.trainable, rollouts.batch, adv, config,
-                               run.actor_cfg, bf16=run.bf16, step=step)
+                               run.actor_cfg, bf16=run.bf16, step=step,
+                               reference_shares_boundary=run.reference_shares_boundary)
         run.scheduler.step()
         run.model.eval()
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
@@ -179,10 +187,26 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     run = RunState(config, run_dir, fingerprint, model, tokenizer, reference, trainable, optimizer, scheduler,
                    actor_config(config), bf16, history=[], start_step=0, resumed_from=resume[0] if resume else None)
+    run.boundary_block = _boundary_block(config, model)
+    run.reference_shares_boundary = bool(
+        reference is not None and run.boundary_block and shares_frozen_blocks(model, reference, run.boundary_block))
     if resume:
         _restore(run, resume[1])
     write_history(run_dir, run.history)
     return run
+
+
+def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
+    """The first trained block when the update can start from the rollout's states, else ``None``."""
+    depth = len(decoder_blocks(model) or ())
+    if not config.reuse_rollout_states or config.trainable_layers is None or config.trainable_layers >= depth:
+        return None
+    first = depth - config.trainable_layers
+    if not supports_boundary(model, first):
+        logger.info("%s: the update runs the frozen blocks (no boundary states for this model)",
+                    type(model).__name__)
+        return None
+    return first
 
 
 def _restore(run: RunState, checkpoint_dir: Path) -> None:
@@ -205,13 +229,17 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     sampling = SamplingParams(
         temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
     )
+    block = run.boundary_block
     generator = HFGenerator(run.model, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
-                            micro_batch_size=config.batch_size, bf16=run.bf16)
+                            micro_batch_size=config.batch_size, bf16=run.bf16,
+                            capture_states_from_layer=block - 1 if block else None)
     started = time.perf_counter()
     trajectories = run_rollouts_sync(group, generator, search, config.rollout, prompt_template)
     seconds = time.perf_counter() - started
-    batch = build_batch(trajectories, group, run.tokenizer.pad_token_id)
-    return Rollouts(trajectories, batch, seconds, generator.generated_tokens)
+    captured = generator.captured_states() if block else None
+    batch = build_batch(trajectories, group, run.tokenizer.pad_token_id, captured=captured, boundary_block=block)
+    capture_seconds = generator.capture.seconds if generator.capture is not None else 0.0
+    return Rollouts(trajectories, batch, seconds, generator.generated_tokens, capture_seconds)
 
 
 def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, torch.Tensor]:
@@ -234,6 +262,8 @@ def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.
         "optim/lr": run.scheduler.get_last_lr()[0],
         "loss/total": (update.sums["policy"] + config.kl_coef * update.sums["kl"]) / config.ppo_epochs,
         "perf/rollout_seconds": rollouts.seconds,
+        "perf/capture_seconds": rollouts.capture_seconds,
+        "perf/reused_rollout_states": float(batch.boundary is not None),
         "perf/update_seconds": timing["update"],
         "perf/step_seconds": time.perf_counter() - timing["step_started"],
         "perf/generate_tokens_per_second": rollouts.generated_tokens / max(rollouts.seconds, 1e-9),
@@ -290,7 +320,7 @@ def _fingerprint(config: NativeTrainerConfig, model_path: str | Path) -> str:
     """Identity of a run for resume: the settings that shape its trajectory and the start weights."""
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
-                             "log_samples_every", "num_samples_logged", "device")}
+                             "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
     weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
     stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
     blob = json.dumps([settings, str(Path(model_path).resolve()), stamp], sort_keys=True, default=str)

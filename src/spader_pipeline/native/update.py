@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spader_pipeline.modeling.boundary import top_block_states
 from spader_pipeline.modeling.shared_prefix import decoder_states
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import Advantages, RolloutBatch
@@ -23,13 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 def response_logprobs(
-    model, batch: RolloutBatch, rows: slice | torch.Tensor, *, temperature: float, bf16: bool | str, with_entropy: bool
+    model, batch: RolloutBatch, rows: slice | torch.Tensor, *, temperature: float, bf16: bool | str, with_entropy: bool,
+    use_boundary: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, R]`` of the sampled response tokens (0 off model tokens), optionally entropy.
 
     The decoder runs on the micro-batch's sequences (trimmed to their longest; the leading tokens
     all rows share, the prompt template's instruction, encoded once); the output layer runs only at
-    positions that predict a model token (``response_mask == 1``).
+    positions that predict a model token (``response_mask == 1``). With ``batch.boundary`` (and
+    ``use_boundary``: ``model``'s frozen blocks are the ones that computed it) only the blocks from
+    ``batch.boundary_block`` up run, from the rollout's states (:func:`top_block_states`).
     """
     mask = batch.response_mask[rows]
     device = next(model.parameters()).device
@@ -41,7 +45,11 @@ def response_logprobs(
     positions = batch.prompt_lengths[rows][r_idx] + c_idx - 1  # logits at p-1 predict token p
     targets = batch.response_ids[rows][r_idx, c_idx].to(device)
     with autocast(input_ids.device, bf16):
-        hidden = decoder_states(model, input_ids, attention)  # the shared instruction encoded once
+        if use_boundary and batch.boundary is not None:
+            boundary = batch.boundary[rows, :width].to(device)
+            hidden = top_block_states(model, boundary, input_ids, attention, first_block=batch.boundary_block)
+        else:
+            hidden = decoder_states(model, input_ids, attention)  # the shared instruction encoded once
         logits = model.lm_head(hidden[r_idx.to(device), positions.to(device)])
     logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -108,10 +116,15 @@ class UpdateStats:
 
 def update_policy(
     model, reference, optimizer, trainable, batch: RolloutBatch, adv: Advantages, config: NativeTrainerConfig,
-    actor_cfg: Any, *, bf16: bool | str, step: int,
+    actor_cfg: Any, *, bf16: bool | str, step: int, reference_shares_boundary: bool = False,
 ) -> UpdateStats:
     """``config.ppo_epochs`` passes of the clipped PPO loss (token-mean over the whole batch) plus
-    ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step."""
+    ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step.
+
+    With ``batch.boundary`` every pass of the policy (old log-probs, each epoch) starts from the
+    rollout's boundary states; the reference's too when ``reference_shares_boundary`` (its frozen
+    blocks equal the policy's, :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
+    """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     device = next(model.parameters()).device
@@ -136,7 +149,8 @@ def update_policy(
                 old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
                 loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
             )
-            loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats)
+            loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats,
+                                      use_boundary=reference_shares_boundary)
             loss.backward()
             _accumulate(stats, pg_loss, pg_metrics, entropy, mask, weight=float(mask.sum()) / total_tokens)
         stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
@@ -147,7 +161,8 @@ def update_policy(
     return stats
 
 
-def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats: UpdateStats) -> torch.Tensor | float:
+def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats: UpdateStats, *,
+             use_boundary: bool) -> torch.Tensor | float:
     """``kl_coef`` × KL(policy ‖ reference) of the micro-batch (0 without a reference model)."""
     if reference is None:
         return 0.0
@@ -155,7 +170,7 @@ def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats:
 
     with torch.no_grad():
         ref_logp, _ = response_logprobs(reference, batch, rows, temperature=config.temperature,
-                                        bf16=bf16, with_entropy=False)
+                                        bf16=bf16, with_entropy=False, use_boundary=use_boundary)
     kl = kl_penalty(logp, ref_logp, config.kl_type)
     kl_loss = agg_loss(kl, mask, config.loss_agg_mode, **actor_cfg.global_batch_info)
     stats.sums["kl"] += float(kl_loss.detach())

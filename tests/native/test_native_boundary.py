@@ -1,0 +1,176 @@
+"""Boundary states: captured in a real rollout, carried into the batch, and the update started from
+them gives today's loss and gradients (issue 25's acceptance test)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+from native_toy import QUESTIONS, TEMPLATE
+
+from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
+from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
+from spader_pipeline.native.update import actor_config, all_logprobs, update_policy
+from spader_pipeline.retrieval.service import LocalSearch
+
+FIRST = 2  # the 3-block model trains its top block; block 1's output is the boundary
+
+
+def _rollout(model_dir, index_dir, **generator_kwargs):
+    """Two questions × four sampled trajectories, three turns: rows end their turns at different steps
+    (many end tokens), the cache is continued, its gaps closed, the shared prefix encoded once."""
+    from spader_pipeline.retrieval import load_retriever
+
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3),
+                      max_prompt_tokens=1024, **generator_kwargs)
+    gen.eos_ids |= set(range(20, 60))  # ~10% of the vocabulary ends a turn: rows finish at different steps
+    gen.gap_share = 0.01
+    group = [{**q, "uid": f"g{k}"} for k, q in enumerate(QUESTIONS[:2]) for _ in range(4)]
+    config = RolloutConfig(max_turns=3, max_response_tokens=400, topk=2, max_document_chars=60)
+    trajectories = run_rollouts_sync(group, gen, LocalSearch(load_retriever(index_dir)), config, TEMPLATE)
+    return model, tokenizer, gen, group, trajectories
+
+
+@pytest.fixture(scope="module")
+def rolled_out(native_deep_model_dir, toy_index_dir):
+    return _rollout(native_deep_model_dir, toy_index_dir, capture_states_from_layer=FIRST - 1)
+
+
+def test_captured_states_equal_a_plain_forward_at_the_boundary(rolled_out):
+    model, _, gen, _, trajectories = rolled_out
+    assert gen.kv_reuses >= 1 and gen.shared_prefills >= 1 and gen.gap_compactions >= 1
+    assert max(t.num_turns for t in trajectories) >= 2
+    turn_lengths = {step.token_span[1] - step.token_span[0] for t in trajectories for step in t.steps}
+    assert len(turn_lengths) > 1  # rows ended their turns at different steps
+    captured = gen.captured_states()
+    assert len(captured) == len(trajectories)
+    for trajectory, capture in zip(trajectories, captured, strict=True):
+        tokens = list(trajectory.prompt_ids) + list(trajectory.response_ids)
+        n = capture.token_ids.shape[0]
+        assert usable_capture(trajectory, capture) and n == len(tokens) - 1  # all but the last sampled token
+        with torch.no_grad():
+            plain = model(input_ids=torch.tensor([tokens[:n]]), output_hidden_states=True).hidden_states[FIRST][0]
+        assert torch.allclose(capture.states, plain, atol=1e-6), float((capture.states - plain).abs().max())
+
+
+def _advantages(batch) -> Advantages:
+    """Non-zero advantages on model tokens (a random model earns no reward to learn from)."""
+    adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.response_mask
+    zeros = torch.zeros(len(batch.uids))
+    return Advantages(token_rewards=torch.zeros_like(adv), returns=zeros, advantages=adv, discovery=zeros,
+                      cost_coefficient=0.0)
+
+
+def _update(model, batch, config, reference, shares):
+    """One update with a zero learning rate: the loss terms and every trainable gradient."""
+    model = copy.deepcopy(model).train()
+    trainable = train_top_layers(model, 1)
+    optimizer = torch.optim.SGD(trainable, lr=0.0)
+    stats = update_policy(model, reference, optimizer, trainable, batch, _advantages(batch), config,
+                          actor_config(config), bf16=False, step=1, reference_shares_boundary=shares)
+    return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("kl_coef", "ppo_epochs"), [(0.0, 1), (0.5, 2)])
+def test_update_from_boundary_states_equals_the_full_recompute(rolled_out, tiny_config, kl_coef, ppo_epochs):
+    """Same math: on one rolled-out batch, the loss terms and every trainable parameter's gradient
+    with the rollout's boundary states equal the update that recomputes the frozen blocks (with a
+    reference model and several epochs, the reference and old-log-prob passes too)."""
+    model, tokenizer, gen, group, trajectories = rolled_out
+    batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
+                        boundary_block=FIRST)
+    assert batch.boundary is not None and batch.boundary.shape[:2] == batch.input_ids.shape
+    today = dataclasses.replace(batch, boundary=None, boundary_block=None)
+    config = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=4, kl_coef=kl_coef,
+                         ppo_epochs=ppo_epochs, max_grad_norm=1e6, trainable_layers=1)
+    reference = None
+    if kl_coef:  # a reference whose trained block differs (a KL term), frozen blocks shared
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        with torch.no_grad():
+            reference.model.layers[2].mlp.up_proj.weight.mul_(1.5)
+    new_stats, new_grads = _update(model, batch, config, reference, shares=True)
+    old_stats, old_grads = _update(model, today, config, reference, shares=False)
+    assert new_grads.keys() == old_grads.keys() and all(k.startswith(("model.layers.2.", "model.norm.")) for k in new_grads)
+    for name, grad in old_grads.items():
+        error = float((new_grads[name] - grad).abs().max())
+        assert error <= 1e-4 * float(grad.abs().max()) + 1e-7, (name, error)
+    for key, value in old_stats.sums.items():
+        assert new_stats.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert new_stats.grad_norm == pytest.approx(old_stats.grad_norm, rel=1e-4)
+    if kl_coef:
+        assert old_stats.sums["kl"] != 0
+    with torch.no_grad():
+        assert torch.allclose(all_logprobs(model, batch, config, False), all_logprobs(model, today, config, False),
+                              atol=1e-4)
+
+
+def test_unusable_captures_fall_back_to_the_full_recompute(rolled_out, caplog):
+    _, tokenizer, gen, group, trajectories = rolled_out
+    captured = gen.captured_states()
+    bad_ids = dataclasses.replace(captured[0], token_ids=captured[0].token_ids.flip(0))
+    short = dataclasses.replace(captured[1], token_ids=captured[1].token_ids[:5], states=captured[1].states[:5])
+    cases = {
+        "another trajectory's states": captured[::-1],
+        "other token ids": [bad_ids, *captured[1:]],
+        "too short to cover the model tokens": [captured[0], short, *captured[2:]],
+        "one missing": [None, *captured[1:]],
+        "none at all (generate path)": [],
+    }
+    for name, captures in cases.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="spader_pipeline.native.batch"):
+            batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=captures, boundary_block=FIRST)
+        assert batch.boundary is None and batch.boundary_block is None, name
+        assert "frozen blocks recomputed" in caplog.text, name
+    assert usable_capture(trajectories[0], captured[0])
+
+
+def test_capture_is_opt_in_and_off_with_generate(native_deep_model_dir, toy_index_dir, caplog):
+    _, _, plain, _, _ = _rollout(native_deep_model_dir, toy_index_dir)
+    assert plain.capture is None and plain.captured_states() == []
+    with caplog.at_level(logging.WARNING, logger="spader_pipeline.agent.hf_backend"):
+        _, _, generate, _, _ = _rollout(native_deep_model_dir, toy_index_dir, drop_finished_rows=False,
+                                        capture_states_from_layer=FIRST - 1)
+    assert generate.capture is None and generate.captured_states() == [] and "no state capture" in caplog.text
+
+
+def test_seeded_runs_with_and_without_reuse_give_the_same_history(tmp_path, native_deep_model_dir, toy_index_dir,
+                                                                  tiny_config, monkeypatch):
+    from spader_pipeline.native import train_native, trainer
+    from spader_pipeline.retrieval import load_retriever
+
+    compute_advantages = trainer.compute_advantages
+
+    def with_signal(batch, method, **kwargs):  # a random model earns no reward: add a seeded signal
+        adv = compute_advantages(batch, method, **kwargs)
+        signal = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(kwargs["global_step"]))
+        return dataclasses.replace(adv, advantages=adv.advantages + signal * batch.response_mask)
+
+    monkeypatch.setattr(trainer, "compute_advantages", with_signal)
+
+    histories = {}
+    for reuse in (True, False):
+        config = tiny_config(method="grpo", options={}, total_steps=2, trainable_layers=1, kl_coef=0.1,
+                             learning_rate=1e-3, reuse_rollout_states=reuse, log_samples_every=0)
+        result = train_native(config, model_path=native_deep_model_dir, samples=QUESTIONS,
+                              search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path / str(reuse),
+                              prompt_template=TEMPLATE)
+        histories[reuse] = result.history
+    reused, recomputed = histories[True], histories[False]
+    assert [h["perf/reused_rollout_states"] for h in reused] == [1.0, 1.0]
+    assert [h["perf/reused_rollout_states"] for h in recomputed] == [0.0, 0.0]
+    # Step 1: the same model on the same batch (float reassociation only). Step 2 starts from AdamW's
+    # first update, ~lr × sign(gradient), which turns float noise in near-zero gradient entries into
+    # a few opposite steps of size lr: close, not equal.
+    for new, old, rel in zip(reused, recomputed, (1e-4, 2e-2), strict=True):
+        for key in ("method_reward/mean", "answer/f1", "rollout/response_tokens", "retrieval/recall"):
+            assert new[key] == old[key], key
+        assert new["optim/grad_norm"] > 1e-3
+        for key in ("loss/policy", "loss/kl", "loss/total", "optim/grad_norm", "policy/entropy"):
+            assert new[key] == pytest.approx(old[key], rel=rel, abs=1e-7), key
