@@ -11,6 +11,7 @@ from spader_pipeline.modeling.decode import (
     decode_batch,
     generation_processors,
     left_aligned_positions,
+    sample_categorical,
     supports_decode_batch,
 )
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
@@ -76,3 +77,22 @@ def test_left_aligned_positions():
     index, new_mask = left_aligned_positions(mask)
     assert new_mask.tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1]]
     assert index.tolist() == [[1, 3, 4], [0, 0, 4], [2, 3, 4]]
+
+
+def test_sample_categorical_draws_each_row_from_its_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    torch.manual_seed(0)
+    draws = torch.stack([sample_categorical(probs) for _ in range(20_000)])  # [N, 3]
+    assert draws.shape == (20_000, 3) and draws.dtype == torch.long
+    for row in range(3):
+        freq = torch.bincount(draws[:, row], minlength=5).float() / draws.shape[0]
+        assert torch.allclose(freq, probs[row], atol=0.015)  # ~4 standard errors
+        assert (freq[probs[row] == 0] == 0).all()  # tokens cut by top-p/top-k are never drawn
+    torch.manual_seed(0)
+    assert torch.equal(sample_categorical(probs), draws[0])  # seeded: the same draws again
+
+
+def test_sample_categorical_never_picks_a_zero_token_at_the_top_edge(monkeypatch):
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))  # u == total
+    assert sample_categorical(probs).tolist() == [1]

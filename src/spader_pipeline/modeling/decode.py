@@ -8,9 +8,10 @@ swapped behind the active ones in a :class:`~spader_pipeline.modeling.kv_cache.G
 (two rows copied, :meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.swap_rows`) and the model
 sees the active prefix of the cache, so the cache of every row stays in one piece for the next turn.
 
-Sampling uses ``generate``'s own logits processors (:func:`generation_processors`), the same
-softmax + multinomial draw, or the argmax when greedy: the same distribution, and greedy decoding
-gives the same tokens (up to floating-point reassociation in a smaller batch).
+Sampling uses ``generate``'s own logits processors (:func:`generation_processors`) and the same
+softmax, then draws by inverse CDF (:func:`sample_categorical`) instead of ``torch.multinomial``,
+or takes the argmax when greedy: the same distribution, and greedy decoding gives the same tokens
+(up to floating-point reassociation in a smaller batch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
-__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "supports_decode_batch"]
+__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
+           "supports_decode_batch"]
 
 #: logits processors whose result does not depend on the row's place in the batch (``generate`` builds
 #: them from the sampling settings); any other processor: decode with ``generate``
@@ -97,6 +99,26 @@ def left_aligned_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return index, new_mask
 
 
+def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row from the categorical distributions ``probs`` ``[n, V]`` (rows sum to ~1).
+
+    Inverse-CDF sampling: one uniform number per row against the row's cumulative sum. The same
+    distribution as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential variate for
+    every vocabulary entry (49k per row for SmolLM2, ~9% of a rollout's time). A token of
+    probability 0 (cut by top-p/top-k) is never drawn: the first index whose cumulative sum exceeds
+    the draw is always one where the sum grew. Uses the global torch RNG (seeded runs repeat).
+    Returns long ``[n]``.
+    """
+    cdf = probs.cumsum(dim=-1)  # [n, V]
+    draws = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, draws, right=True).squeeze(1)  # first position with cdf > draw
+    overflow = index >= probs.shape[1]  # the draw rounded up to the row's total: its last possible token
+    if bool(overflow.any()):
+        last = probs.shape[1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+        index = torch.where(overflow, last, index)
+    return index
+
+
 def _swap(i: int, j: int, tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...], cache: GrowingKVCache) -> None:
     """Exchange rows ``i`` and ``j`` of ``tensors`` (dim 0), ``lists`` and ``cache``."""
     for tensor in tensors:
@@ -161,7 +183,7 @@ def decode_batch(
     while True:
         scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))
         if do_sample:
-            new = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            new = sample_categorical(torch.softmax(scores, dim=-1))
         else:
             new = torch.argmax(scores, dim=-1)
         seq[:active, width + step] = new
