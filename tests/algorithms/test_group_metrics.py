@@ -70,6 +70,7 @@ def test_advantage_agreement_identity_scale_and_masking():
     mask[:, 4:] = 0
     same = advantage_agreement(grpo, grpo, mask)
     assert same["adv/corr_vs_grpo"] == pytest.approx(1.0) and same["adv/rel_l2_vs_grpo"] == pytest.approx(0.0)
+    assert same["adv/zero_frac"] == same["adv/grpo_zero_frac"] == 0.0
     scaled = advantage_agreement(2 * grpo, grpo, mask)
     assert scaled["adv/corr_vs_grpo"] == pytest.approx(1.0) and scaled["adv/rel_l2_vs_grpo"] == pytest.approx(1.0)
     garbage_off_mask = grpo.clone()
@@ -83,6 +84,8 @@ def test_advantage_agreement_undefined_cases_are_nan():
     zeros = torch.zeros(2, 3)
     out = advantage_agreement(torch.ones(2, 3), zeros, torch.ones(2, 3))
     assert math.isnan(out["adv/corr_vs_grpo"]) and math.isnan(out["adv/rel_l2_vs_grpo"])
+    # ... but the share of tokens without gradient says how far apart the two updates are
+    assert out["adv/grpo_zero_frac"] == 1.0 and out["adv/zero_frac"] == 0.0
     with pytest.raises(ValueError, match="shapes differ"):
         advantage_agreement(torch.ones(2, 3), torch.ones(2, 4), torch.ones(2, 3))
 

@@ -355,13 +355,15 @@ def test_each_training_step_logs_whether_the_update_differs_from_grpo(runs, meth
     """group/* and adv/*_vs_grpo (docs/metrics.md) reach the run's MLflow run for both training steps,
     under the native trainer's names; validation batches are not logged as steps."""
     logged = runs[method]["mlflow"]
-    for key in ("adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "group/distinct_query_seqs", "group/diverse_frac",
+    for key in ("adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
+                "group/distinct_query_seqs", "group/diverse_frac",
                 "group/distinct_docs", "group/entity_recall_union", "group/entity_recall_mean",
                 "group/first_divergence_turn", "group/identical_frac"):
         assert [step for step, _ in logged[key]] == [1, 2], (key, logged.get(key))
     assert all(n >= 1 for _, n in logged["group/distinct_query_seqs"])
     if method == "grpo":  # GRPO against itself: identical, or undefined when every group ties
         assert all(math.isnan(c) or c == pytest.approx(1.0) for _, c in logged["adv/corr_vs_grpo"])
+        assert logged["adv/zero_frac"] == logged["adv/grpo_zero_frac"]
 
 
 @pytest.mark.parametrize("method", METHODS)

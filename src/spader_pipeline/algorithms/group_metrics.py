@@ -133,6 +133,10 @@ def advantage_agreement(
         ``adv/corr_vs_grpo`` — Pearson correlation over model tokens (NaN when either side is
         constant, e.g. every group's outcome ties); ``adv/rel_l2_vs_grpo`` — ``‖A − A_grpo‖ / ‖A_grpo‖``
         over model tokens (NaN when the GRPO advantages are all 0). Identical advantages give 1 and 0.
+        ``adv/grpo_zero_frac`` and ``adv/zero_frac`` — the share of model tokens to which GRPO, and
+        the method, give advantage 0 (no gradient): defined where the two above are not, e.g. when
+        every group's outcome ties, GRPO's is 1 while a method with a per-trajectory exploration
+        reward can still be far from 1.
     """
     if advantages.shape != reference.shape or advantages.shape != response_mask.shape:
         raise ValueError(f"advantage_agreement: shapes differ {tuple(advantages.shape)}, "
@@ -141,13 +145,15 @@ def advantage_agreement(
     a = advantages[keep].double()
     b = reference[keep].double()
     if a.numel() == 0:
-        return {"adv/corr_vs_grpo": math.nan, "adv/rel_l2_vs_grpo": math.nan}
+        return {"adv/corr_vs_grpo": math.nan, "adv/rel_l2_vs_grpo": math.nan, "adv/zero_frac": math.nan,
+                "adv/grpo_zero_frac": math.nan}
     a_c, b_c = a - a.mean(), b - b.mean()
     denominator = float(a_c.norm() * b_c.norm())
     corr = float((a_c * b_c).sum()) / denominator if denominator > 1e-12 else math.nan
     ref_norm = float(b.norm())
     rel = float((a - b).norm()) / ref_norm if ref_norm > 1e-12 else math.nan
-    return {"adv/corr_vs_grpo": corr, "adv/rel_l2_vs_grpo": rel}
+    return {"adv/corr_vs_grpo": corr, "adv/rel_l2_vs_grpo": rel, "adv/zero_frac": float((a == 0).double().mean()),
+            "adv/grpo_zero_frac": float((b == 0).double().mean())}
 
 
 def comparison_advantages(

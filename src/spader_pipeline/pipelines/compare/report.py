@@ -30,7 +30,8 @@ SCORES = {"recall": ("recall", None), "f1": ("f1", None), "long_tail_recall": ("
 #: Per-step training metrics summarised per method (means over steps and seeds).
 MECHANISM_KEYS = ("answer/recall", "method_reward/mean", "group/diverse_frac", "group/distinct_query_seqs",
                   "group/distinct_docs", "group/entity_recall_union", "group/entity_recall_mean",
-                  "adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "rollout/tool_calls")
+                  "adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
+                  "rollout/tool_calls")
 #: Curves drawn per method and seed over training steps.
 CURVES = (("answer/recall", "training answer recall"), ("group/diverse_frac", "groups with ≥ 2 query sequences"),
           ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"), ("rollout/tool_calls", "searches per trajectory"))
@@ -161,11 +162,15 @@ def _mechanism_in_words(mechanisms: pd.DataFrame, candidate: str) -> str:
     row = mechanisms.set_index("method").loc[candidate]
     corr = row.get("adv/corr_vs_grpo", math.nan)
     if math.isnan(corr):
-        return f"{candidate}'s advantages could not be compared with GRPO's (all groups tied: no update)."
-    verdict = "differ from" if corr < 0.9 else "nearly equal"
-    return (f"{candidate}'s token advantages {verdict} GRPO's on the same batches (mean correlation {corr:.2f}, "
-            f"relative L2 distance {row.get('adv/rel_l2_vs_grpo', math.nan):.2f}); groups with ≥ 2 distinct "
-            f"query sequences: {row.get('group/diverse_frac', math.nan):.2f} of groups.")
+        agreement = f"{candidate}'s advantages could not be correlated with GRPO's (no step where both vary)"
+    else:
+        verdict = "differ from" if corr < 0.9 else "nearly equal"
+        agreement = (f"{candidate}'s token advantages {verdict} GRPO's on the same batches (mean correlation "
+                     f"{corr:.2f} over the steps where both vary, relative L2 distance "
+                     f"{row.get('adv/rel_l2_vs_grpo', math.nan):.2f})")
+    return (f"{agreement}; GRPO gives no gradient to {row.get('adv/grpo_zero_frac', math.nan):.0%} of the model "
+            f"tokens, {candidate} to {row.get('adv/zero_frac', math.nan):.0%}; groups with ≥ 2 distinct query "
+            f"sequences: {row.get('group/diverse_frac', math.nan):.2f} of groups.")
 
 
 def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals, per_seed) -> plt.Figure:

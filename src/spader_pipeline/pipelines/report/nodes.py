@@ -35,8 +35,8 @@ CURVES = (
     ("group/distinct_query_seqs", "distinct search sequences per group of trajectories"),
 )
 #: Mechanism metrics summarised as means over all steps (whether and why the methods' updates differ).
-MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "group/diverse_frac",
-             "group/entity_recall_union", "group/entity_recall_mean")
+MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
+             "group/diverse_frac", "group/entity_recall_union", "group/entity_recall_mean")
 FINAL_COLUMNS = ("recall", "precision", "f1", "seen_recall")
 
 
