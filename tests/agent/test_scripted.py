@@ -156,11 +156,11 @@ def test_questions_of_the_default_task_have_one_facet():
 
 
 @pytest.mark.slow
-def test_no_question_of_the_default_task_has_several_facets():
-    """The default task (``embedded_qa.mode: descriptions``) over the real corpus: every question
+def test_no_question_of_the_descriptions_task_has_several_facets():
+    """The one-search task (``embedded_qa.mode: descriptions``) over the real corpus: every question
     takes the single-facet path."""
     conf = yaml.safe_load((ROOT / "conf/base/parameters_data_prep.yml").read_text())["data_prep"]["embedded_qa"]
-    rows = embedded_qa.build_embedded_qa(wiki.load_wiki_articles(), conf)
+    rows = embedded_qa.build_embedded_qa(wiki.load_wiki_articles(), {**conf, "mode": "descriptions"})
     assert len(rows) > 200 and not [r["question"] for r in rows if parse_facets(r["question"]) is not None]
 
 

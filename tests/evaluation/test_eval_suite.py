@@ -32,6 +32,20 @@ def test_config_is_strict_and_typed():
         EvaluationConfig.from_mapping({"trained_models": {"path": "data/06_models/train_grpo/final"}})
 
 
+def test_catalog_overrides_merge_over_trained_models_per_model():
+    config = EvaluationConfig.from_mapping({
+        "trained_models": {"kind": "hf", "batch_size": 4, "sampling": {"temperature": 0.0, "max_new_tokens": 96},
+                           "rollout": {"max_turns": 6, "topk": 3}},
+        "catalog_overrides": {"base": {"sampling": {"max_new_tokens": 48}, "rollout": {"max_turns": 2}}},
+    })
+    assert config.catalog_settings("base") == {"kind": "hf", "batch_size": 4,
+                                               "sampling": {"temperature": 0.0, "max_new_tokens": 48},
+                                               "rollout": {"max_turns": 2, "topk": 3}}
+    assert config.catalog_settings("warm_start") == config.trained_models
+    with pytest.raises(ValueError, match="come from the catalog"):
+        EvaluationConfig.from_mapping({"catalog_overrides": {"base": {"path": "elsewhere"}}})
+
+
 def test_trained_models_come_from_their_manifests_with_the_training_link(tmp_path):
     """The merged VERL folder is wherever the manifest says (not under train_<m>/final)."""
     merged = _checkpoint(tmp_path / "06_models/merged/train_spader")
@@ -91,3 +105,11 @@ def test_suite_runs_every_model_on_every_dataset_against_a_real_service_and_resu
                                 prompt=prompt)
     assert caplog.text.count("resuming, 1 of 1 samples already done") == 4
     assert [r.records for r in again] == [r.records for r in results]
+
+
+def test_an_override_for_a_model_the_catalog_does_not_have_is_an_error(tmp_path):
+    from spader_pipeline.pipelines.evaluate.nodes import run_evaluations
+
+    params = {"trained_models": TRAINED, "catalog_overrides": {"bsae": {"rollout": {"max_turns": 2}}}}
+    with pytest.raises(ValueError, match=r"catalog_overrides names \['bsae'\], not models of the catalog"):
+        run_evaluations({}, {}, {}, params, {}, base={"path": str(_checkpoint(tmp_path / "base"))})

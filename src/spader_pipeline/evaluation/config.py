@@ -61,8 +61,18 @@ class EvaluationConfig:
     trained_models: Mapping[str, Any] = field(default_factory=lambda: {"kind": "hf"})
     """how the models from the catalog (base model, warm start, trained methods) are evaluated: a
     model entry without name and path (kind, batch_size, sampling, rollout, ...)"""
+    catalog_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """per catalog model (``base``, ``warm_start``, a method), settings merged over ``trained_models``
+    (mappings such as ``rollout`` and ``sampling`` key by key), e.g. shorter limits for the base model"""
     models: tuple[ModelSpec, ...] = ()
     """models configured by hand: the scripted baseline, endpoints, extra local folders"""
+
+    def catalog_settings(self, name: str) -> dict[str, Any]:
+        """``trained_models`` with ``catalog_overrides[name]`` merged in (one level into mappings)."""
+        out = dict(self.trained_models)
+        for key, value in (self.catalog_overrides.get(name) or {}).items():
+            out[key] = {**out[key], **value} if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        return out
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any] | None) -> EvaluationConfig:
@@ -80,5 +90,10 @@ class EvaluationConfig:
         if {"name", "path"} & set(trained):
             raise ValueError("evaluate.trained_models: name and path come from the catalog manifests; remove them")
         values["trained_models"] = trained
+        overrides = {str(k): dict(v or {}) for k, v in (values.get("catalog_overrides") or {}).items()}
+        for name, override in overrides.items():
+            if {"name", "path"} & set(override):
+                raise ValueError(f"evaluate.catalog_overrides.{name}: name and path come from the catalog manifest")
+        values["catalog_overrides"] = overrides
         values["models"] = tuple(ModelSpec.from_mapping(m) for m in values.get("models") or ())
         return from_mapping(cls, values, where="evaluate")

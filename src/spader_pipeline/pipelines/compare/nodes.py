@@ -113,7 +113,7 @@ def train_and_evaluate(
     """
     compare, training, prompt = parameters["compare"], parameters["training"], parameters["prompt"]
     evaluate = {**_merged(parameters["evaluate"], compare.get("evaluation") or {}), "datasets": [design["dataset"]],
-                "max_samples": None, "extra_files": {}}
+                "max_samples": None, "extra_files": {}, "catalog_overrides": {}}
     trained_only = {**evaluate, "models": []}  # the reference models are evaluated once, beside the warm start
     keep = set(design["question_ids"])
     selected = {design["dataset"]: [r for r in _records(eval_sets[design["dataset"]]()) if str(r["id"]) in keep]}

@@ -93,8 +93,12 @@ def run_evaluations(
     metrics dict the MLflow hook logs (``<model>/<dataset>/<metric>``).
     """
     config = EvaluationConfig.from_mapping(params)
+    unknown = sorted(set(config.catalog_overrides) - set(model_manifests))
+    if unknown:
+        raise ValueError(f"evaluate.catalog_overrides names {unknown}, not models of the catalog "
+                         f"({sorted(model_manifests)})")
     from_catalog = [
-        ModelSpec.from_manifest(name, manifest, config.trained_models, source=f"the catalog's {name} manifest",
+        ModelSpec.from_manifest(name, manifest, config.catalog_settings(name), source=f"the catalog's {name} manifest",
                                 training=tracking.training_link_tags(manifest))
         for name, manifest in model_manifests.items()
     ]
