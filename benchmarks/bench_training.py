@@ -256,7 +256,65 @@ def _rl_inputs(args) -> dict | None:
     }
 
 
+class _RolloutWork:
+    """The rollout's matrix-product work, counted while installed: a forward pre-hook on the decoder
+    body, active only while ``HFGenerator`` generates, counts the positions it runs (a call of one
+    position per row is a decoding step, anything longer a prefill). FLOPs = positions x 2 x the
+    body's linear weights + sampled tokens x 2 x the output layer's; attention scores are not
+    counted, so the share of peak it gives is a lower bound."""
+
+    def __enter__(self) -> _RolloutWork:
+        from spader_pipeline.agent.hf_backend import HFGenerator
+
+        self.prefill = self.decode = self.flops = 0
+        self._handles: list = []
+        self._bodies: set[int] = set()
+        self._active = False
+        self._original = original = HFGenerator._generate_all
+        work = self
+
+        def generate_all(generator, states):
+            body = generator.model.base_model
+            if id(body) not in work._bodies:
+                work._bodies.add(id(body))
+                work._handles.append(body.register_forward_pre_hook(work._counter(generator.model), with_kwargs=True))
+            work._active = True
+            try:
+                return original(generator, states)
+            finally:
+                work._active = False
+
+        HFGenerator._generate_all = generate_all
+        return self
+
+    def _counter(self, model):
+        head = model.get_output_embeddings().weight.numel()
+        body = sum(m.weight.numel() for m in model.base_model.modules() if isinstance(m, torch.nn.Linear))
+
+        def count(_module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not self._active or ids is None:
+                return
+            rows, width = ids.shape
+            if width == 1:
+                self.decode += rows
+                self.flops += rows * 2 * (body + head)
+            else:
+                self.prefill += rows * width
+                self.flops += rows * width * 2 * body
+        return count
+
+    def __exit__(self, *exc) -> None:
+        from spader_pipeline.agent.hf_backend import HFGenerator
+
+        HFGenerator._generate_all = self._original
+        for handle in self._handles:
+            handle.remove()
+
+
 def bench_rl_step(args) -> None:
+    from bench_agent_rollout import matmul_peak_flops
+
     from spader_pipeline.native import NativeTrainerConfig, train_native
     from spader_pipeline.retrieval import load_retriever
     from spader_pipeline.retrieval.service import LocalSearch
@@ -274,11 +332,17 @@ def bench_rl_step(args) -> None:
                 **configs[label], "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None,
                 "resume": False, "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
             load = os.getloadavg()[0]
-            with tempfile.TemporaryDirectory() as run_dir:
+            peak = matmul_peak_flops()
+            with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work:
                 result = train_native(config, model_path=path, samples=inputs["samples"],
                                       search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
                                       prompt_template=inputs["template"])
             hist = result.history
+            rollout_seconds = sum(h["perf/rollout_seconds"] for h in hist)
+            print(f"  rollout work: {work.prefill} prefill + {work.decode} decoding positions, "
+                  f"{work.flops / 1e12:.2f} TFLOP in {rollout_seconds:.1f} s = {work.flops / rollout_seconds / 1e9:.0f} "
+                  f"GFLOP/s, {100 * work.flops / rollout_seconds / peak:.0f}% of the measured matmul peak "
+                  f"({peak / 1e9:.0f} GFLOP/s, torch.mm 2048² fp32 on {torch.get_num_threads()} threads)", flush=True)
             for h in hist:
                 print(f"  step {h['step']}: rollout {h['perf/rollout_seconds']:.1f} s (state capture "
                       f"{h['perf/capture_seconds']:.2f} s), update {h['perf/update_seconds']:.1f} s, update from "
