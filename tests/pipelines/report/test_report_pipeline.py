@@ -37,7 +37,7 @@ def test_build_report_compares_models_and_methods():
         _eval_table(), {"demonstrations": 100.0}, {"smoothing_window": 5, "models": ["warm_start", "grpo", "spader"]},
         history_grpo=_history(0.01), history_spader=_history(0.02),
     )
-    assert len(curves.axes) == 6 and final.axes
+    assert len(curves.axes) == 8 and final.axes
     assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
     assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
@@ -46,7 +46,7 @@ def test_build_report_compares_models_and_methods():
     # comparable metrics lead; the method's own return follows, labelled as such; then the mechanism
     titles = [ax.get_title() for ax in curves.axes]
     assert titles[0] == "answer recall" and "not comparable" in titles[3]
-    assert "correlation with GRPO" in titles[4] and "search sequences" in titles[5]
+    assert "correlation with GRPO" in titles[4] and "advantage 0" in titles[5] and "search sequences" in titles[6]
     # whether the updates differ: the mean agreement with GRPO per method
     assert metrics["spader/adv/corr_vs_grpo_mean"] == pytest.approx(0.8)
     assert metrics["grpo/adv/corr_vs_grpo_mean"] == pytest.approx(0.9)

@@ -32,7 +32,9 @@ CURVES = (
     ("retrieval/recall", "retrieval recall (gold in retrieved text)"),
     ("method_reward/mean", "method's own return (not comparable across methods)"),
     ("adv/corr_vs_grpo", "advantages' correlation with GRPO's on the same batch (GRPO: 1)"),
-    ("group/distinct_query_seqs", "distinct search sequences per group of trajectories"),
+    ("adv/zero_frac", "share of model tokens with advantage 0 (no gradient)"),
+    ("group/distinct_query_seqs", "distinct search sequences per group of 8"),
+    ("group/entity_recall_union", "gold entities retrieved by a group (union)"),
 )
 #: Mechanism metrics summarised as means over all steps (whether and why the methods' updates differ).
 MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
@@ -55,10 +57,12 @@ _LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def _curves_figure(histories: Mapping[str, list[dict]], window: int):
-    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
+    # A short run is drawn as it is: a moving average wider than a third of the run hides its steps.
+    window = min(window, max(1, max((len(rows) for rows in histories.values()), default=0) // 3))
+    fig, axes = plt.subplots(4, 2, figsize=(11, 12.5), sharex=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
         for i, (method, rows) in enumerate(histories.items()):
-            rows = [r for r in rows if key in r]
+            rows = [r for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]  # NaN: undefined
             if rows:
                 steps, values = [r["step"] for r in rows], [r[key] for r in rows]
                 color = f"C{i}"
@@ -75,7 +79,9 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
     axes[0, 0].legend()
     fig.suptitle(f"Training curves on the training questions (points: steps; lines: moving average over "
                  f"{window} steps)\nrecall, F1 and retrieval recall compare the methods; the return includes each "
-                 "method's own terms.\nSame sampling seed: curves coincide until the policies differ", fontsize=10)
+                 "method's own terms.\nSame sampling seed: step 1 samples the same trajectories for every method and "
+                 "the advantage panels show how each scores them;\nlater steps sample from each method's own policy",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
