@@ -198,7 +198,7 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
     return out
 
 
-def _project_settings(conf_dir: Path) -> dict:
+def _project_settings(conf_dir: Path, prompts_per_step: int = 4) -> dict:
     """The GRPO run's native settings from conf/base (as the train_grpo node merges them)."""
     import yaml
 
@@ -206,7 +206,7 @@ def _project_settings(conf_dir: Path) -> dict:
 
     params = yaml.safe_load((conf_dir / "parameters_training.yml").read_text())
     settings = method_settings(params["training"], params["train_grpo"]["method"], "native")
-    return {**settings, "prompts_per_step": 4, "group_size": 8}  # the step shape issue 10 benchmarks
+    return {**settings, "prompts_per_step": prompts_per_step, "group_size": 8}  # 4 x 8: the benchmarked step shape
 
 
 def _straightforward_settings(project: dict) -> dict:
@@ -247,7 +247,7 @@ def _rl_inputs(args) -> dict | None:
     warm = data / "06_models/warm_start"
     smollm2 = warm if (warm / "config.json").is_file() else data / "06_models/base_model"
     return {
-        "project": _project_settings(Path(args.conf)),
+        "project": _project_settings(Path(args.conf), args.prompts_per_step),
         "samples": samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0),
         "index": index,
         "template": resolve_template(yaml_prompt(Path(args.conf))),
@@ -494,7 +494,9 @@ def main() -> None:
     parser.add_argument("--configs", default="straightforward,project", help="--rl-step: straightforward, "
                         "project, recompute (the project's settings, the update running the frozen blocks again)")
     parser.add_argument("--data", default="data")
-    parser.add_argument("--conf", default="conf/base")
+    parser.add_argument("--conf", default="conf/base",
+                        help="a folder with parameters.yml and parameters_training.yml (an environment merged over base)")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (x 8 trajectories)")
     parser.add_argument("--model-dir", default=None, help="a HF model folder instead of the tiny model (SFT/log-prob)")
     parser.add_argument("--trainable-layers", type=int, default=8, help="with --model-dir: top blocks trained")
     args = parser.parse_args()
