@@ -10,6 +10,12 @@ One command, from the repository root, after ``make run``::
 
     python scripts/mlflow_compare_screenshot.py
 
+After ``make compare``, ``--seeds`` shoots the seeded comparison instead: the runs table narrowed
+to the latest ``compare`` chain (``tags.chain_run_id = '…'`` in the search box), every method ×
+seed training run ticked and compared (held-out scores side by side), and the per-step curves of
+whether the methods' updates differ (``adv/corr_vs_grpo``, ``adv/zero_frac``) for all of them
+(docs/images/mlflow_seeds_*.png).
+
 It starts ``mlflow ui`` on the project's store (``--store``, default ``mlruns/mlflow.db``, with the
 project venv's ``mlflow``) on a free port and stops it at the end; ``--url`` uses a running UI
 instead. Needs Playwright (``pip install playwright``, in any Python: the script uses nothing else
@@ -92,6 +98,78 @@ def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[s
     if missing:
         raise SystemExit(f"no finished training run tagged method={missing} in experiment {experiment!r}")
     return experiment_id, found
+
+
+SEED_SHOTS = ("mlflow_seeds_table.png", "mlflow_seeds_metrics.png", "mlflow_seeds_curves.png")
+#: Per-step curves of the seeded comparison: do the updates differ, and what did training reach.
+SEED_CURVES = ["adv/corr_vs_grpo", "adv/zero_frac", "answer/recall"]
+
+
+def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]:
+    """The experiment id, the latest finished ``compare`` chain run's id and its training runs
+    (``<method> seed<k>``, sorted by name)."""
+    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
+    experiment_id = exp["experiment"]["experiment_id"]
+    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1000,
+                                                     "order_by": ["attributes.start_time DESC"]})["runs"]
+    tags = {r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs}
+    chain = next((r for r in runs if tags[r["info"]["run_id"]].get("kedro.pipeline") == "compare"
+                  and r["info"]["status"] == "FINISHED"), None)
+    if chain is None:
+        raise SystemExit(f"no finished `compare` chain run in experiment {experiment!r}: run `make compare` first")
+    chain_id = chain["info"]["run_id"]
+    training = [{"id": r["info"]["run_id"], "name": r["info"]["run_name"]} for r in runs
+                if tags[r["info"]["run_id"]].get("chain_run_id") == chain_id and "backend" in tags[r["info"]["run_id"]]]
+    return experiment_id, chain_id, sorted(training, key=lambda r: r["name"])
+
+
+def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    experiment_id, chain_id, runs = compare_chain_runs(url, experiment)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in SEED_SHOTS]
+    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        # 1. the runs table narrowed to the comparison's chain, as the README tells a user to type it
+        search = urllib.parse.quote(f"tags.chain_run_id = '{chain_id}'")
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&searchFilter={search}",
+                  timeout=180_000)
+        page.wait_for_selector("text=matching runs", timeout=180_000)
+        page.wait_for_timeout(3000)
+        _close_side_panel(page)
+        for run in runs:
+            row = page.locator('div[role="row"]', has_text=run["name"]).first
+            row.wait_for(timeout=60_000)
+            row.locator('input[type="checkbox"]').first.click()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(paths[0]))
+        # 2. Compare: the held-out scores of every method x seed side by side
+        page.get_by_role("button", name="Compare").first.click()
+        page.wait_for_selector("text=Show diff only", timeout=120_000)
+        page.wait_for_timeout(5000)
+        _close_side_panel(page)
+        page.get_by_text("Visualizations", exact=True).first.click()
+        page.get_by_text("Parameters", exact=True).first.click()
+        page.wait_for_timeout(1500)
+        _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(paths[1]))
+        # 3. the per-step mechanism curves of every run on one chart
+        ids = [run["id"] for run in runs]
+        page.goto(f"{url}/#/metric?runs={q(ids)}&metric={q(SEED_CURVES[0])}&experiments={q([experiment_id])}"
+                  f"&plot_metric_keys={q(SEED_CURVES[:1])}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
+                  f"&show_point=true&workflowType=machine_learning", timeout=180_000)
+        page.wait_for_selector("text=Completed Runs", timeout=120_000)
+        page.wait_for_timeout(8000)
+        _close_side_panel(page)
+        page.screenshot(path=str(paths[2]))
+        browser.close()
+    return paths
 
 
 def _close_side_panel(page) -> None:
@@ -186,10 +264,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs=2, default=["grpo", "spader"])
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--seeds", action="store_true", help="the latest `make compare` chain instead of `make run`")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(mlflow_ui(args.store, args.artifacts, args.mlflow))
-        paths = screenshots(url.rstrip("/"), args.experiment, args.methods, args.out, args.chromium)
+        if args.seeds:
+            paths = seed_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
+        else:
+            paths = screenshots(url.rstrip("/"), args.experiment, args.methods, args.out, args.chromium)
     print("wrote", *paths)  # noqa: T201
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 import numpy as np
 import pandas as pd
 
@@ -33,8 +34,9 @@ MECHANISM_KEYS = ("answer/recall", "method_reward/mean", "group/diverse_frac", "
                   "adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
                   "rollout/tool_calls")
 #: Curves drawn per method and seed over training steps.
-CURVES = (("answer/recall", "training answer recall"), ("group/diverse_frac", "groups with ≥ 2 query sequences"),
-          ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"), ("rollout/tool_calls", "searches per trajectory"))
+CURVES = (("answer/recall", "training answer recall"), ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"),
+          ("adv/zero_frac", "share of tokens with advantage 0"), ("rollout/tool_calls", "searches per trajectory"),
+          ("group/entity_recall_union", "gold entities retrieved by a group"))
 
 
 def question_scores(samples: pd.DataFrame, long_tail_below: int) -> pd.DataFrame:
@@ -176,20 +178,28 @@ def _mechanism_in_words(mechanisms: pd.DataFrame, candidate: str) -> str:
 def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals, per_seed) -> plt.Figure:
     """Per-seed training curves per method (one colour per method, one line per seed) and the
     held-out recall per method with its interval and per-seed points."""
-    fig, axes = plt.subplots(1, len(CURVES) + 1, figsize=(4.2 * (len(CURVES) + 1), 3.6), constrained_layout=True)
+    panels = len(CURVES) + 1
+    fig, grid = plt.subplots(2, (panels + 1) // 2, figsize=(4.4 * ((panels + 1) // 2), 7.2), constrained_layout=True)
+    axes = list(grid.flat)
     colours = dict(zip(design["methods"], ("tab:blue", "tab:orange"), strict=True))
+    styles = ("-", "--", ":", "-.")
     for ax, (key, title) in zip(axes, CURVES, strict=False):
         for run in runs.values():
             points = [(h["step"], h[key]) for h in run["history"] if key in h and not math.isnan(float(h[key]))]
             if points:
                 x, y = zip(*points, strict=True)
                 ax.plot(x, y, marker="o", ms=3, color=colours[run["method"]], alpha=0.8,
+                        linestyle=styles[design["seeds"].index(run["seed"]) % len(styles)]
+                        if run["seed"] in design["seeds"] else "-",
                         label=f"{run['method']} seed{run['seed']}")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    ax = axes[-1]
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    ax = axes[panels - 1]
     for i, method in enumerate(design["methods"]):
         interval = intervals[method]["recall"]
         ax.errorbar([i], [interval.mean], yerr=[[interval.mean - interval.low], [interval.high - interval.mean]],
