@@ -67,6 +67,16 @@ def test_short_runs_compare_first_and_last_halves_and_empty_buckets_get_no_bars(
     assert "tail 1" not in labels and "tail 2-4" in labels  # long_tail_recall/1 is NaN for every model
 
 
+def test_an_undefined_correlation_is_said_in_its_panel():
+    # GRPO's advantages all 0 on SPADER's batches (every group tied): the correlation is NaN there.
+    spader = [{**row, "adv/corr_vs_grpo": math.nan} for row in _history(0.02)[:2]]
+    curves, *_ = build_report(_eval_table(), {}, {}, history_grpo=_history(0.01)[:2], history_spader=spader)
+    panel = curves.axes[4]
+    notes = " ".join(t.get_text() for t in panel.texts)
+    assert "GRPO's advantages are all 0" in notes and "spader: steps 1, 2" in notes and "grpo" not in notes
+    assert "lines join the steps" in curves._suptitle.get_text()
+
+
 @pytest.mark.e2e
 def test_report_session_run_writes_reporting_files_and_mlflow_artifacts(kedro_project):
     with KedroSession.create(project_path=kedro_project, env="test") as session:

@@ -40,6 +40,8 @@ CURVES = (
 MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
              "group/diverse_frac", "group/entity_recall_union", "group/entity_recall_mean")
 FINAL_COLUMNS = ("recall", "precision", "f1", "seen_recall")
+#: Why a curve has no value at a step (the metric is logged as NaN there), written in its panel.
+UNDEFINED_WHY = {"adv/corr_vs_grpo": "GRPO's advantages are all 0 on that batch: nothing to correlate"}
 
 
 def smooth(values: Sequence[float], window: int) -> np.ndarray:
@@ -61,7 +63,11 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
     window = min(window, max(1, max((len(rows) for rows in histories.values()), default=0) // 3))
     fig, axes = plt.subplots(4, 2, figsize=(11, 12.5), sharex=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        undefined = []
         for i, (method, rows) in enumerate(histories.items()):
+            missing = [r["step"] for r in rows if isinstance(r.get(key), float) and math.isnan(r[key])]
+            if missing:
+                undefined.append(f"{method}: steps {_step_list(missing)}")
             rows = [r for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]  # NaN: undefined
             if rows:
                 steps, values = [r["step"] for r in rows], [r[key] for r in rows]
@@ -71,19 +77,29 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
                 ax.plot(steps, values, "o", color=color, alpha=0.3, markersize=4)
                 ax.plot(steps, smooth(values, window), color=color, linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
                         linewidth=2.2 - 0.4 * (i % 3), label=f"{method} ({len(rows)} steps)")
+        if undefined:  # say so in the panel instead of leaving it blank
+            why = UNDEFINED_WHY.get(key, "not defined")
+            ax.text(0.02, 0.04, f"undefined ({why}):\n" + "\n".join(undefined), transform=ax.transAxes,
+                    fontsize=8, color="0.35", va="bottom")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
-    fig.suptitle(f"Training curves on the training questions (points: steps; lines: moving average over "
-                 f"{window} steps)\nrecall, F1 and retrieval recall compare the methods; the return includes each "
+    lines = f"lines: moving average over {window} steps" if window > 1 else "lines join the steps"
+    fig.suptitle(f"Training curves on the training questions (points: steps; {lines})\nrecall, F1 and retrieval recall compare the methods; the return includes each "
                  "method's own terms.\nSame sampling seed: step 1 samples the same trajectories for every method and "
                  "the advantage panels show how each scores them;\nlater steps sample from each method's own policy",
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _step_list(steps: Sequence[int]) -> str:
+    """``1, 2, 5`` (at most 8 listed)."""
+    shown = ", ".join(str(s) for s in steps[:8])
+    return shown + (f" … ({len(steps)} in all)" if len(steps) > 8 else "")
 
 
 def _final_table(eval_table: pd.DataFrame, params: Mapping[str, Any]) -> pd.DataFrame:
