@@ -131,29 +131,13 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
     paths = [out / name for name in SEED_SHOTS]
     q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        browser, page = _browser_page(p, chromium)
         # 1. the runs table narrowed to the comparison's chain, as the README tells a user to type it
-        search = urllib.parse.quote(f"tags.chain_run_id = '{chain_id}'")
-        page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&searchFilter={search}",
-                  timeout=180_000)
-        page.wait_for_selector("text=matching runs", timeout=180_000)
-        page.wait_for_timeout(3000)
-        _close_side_panel(page)
-        for run in runs:
-            row = page.locator('div[role="row"]', has_text=run["name"]).first
-            row.wait_for(timeout=60_000)
-            row.locator('input[type="checkbox"]').first.click()
-        page.wait_for_timeout(1500)
+        _open_runs_table(page, url, experiment_id, f"tags.chain_run_id = '{chain_id}'")
+        _tick_runs(page, [run["name"] for run in runs])
         page.screenshot(path=str(paths[0]))
         # 2. Compare: the held-out scores of every method x seed side by side
-        page.get_by_role("button", name="Compare").first.click()
-        page.wait_for_selector("text=Show diff only", timeout=120_000)
-        page.wait_for_timeout(5000)
-        _close_side_panel(page)
-        page.get_by_text("Visualizations", exact=True).first.click()
+        _press_compare(page)
         page.get_by_text("Parameters", exact=True).first.click()
         page.wait_for_timeout(1500)
         _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
@@ -170,6 +154,38 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
         page.screenshot(path=str(paths[2]))
         browser.close()
     return paths
+
+
+def _browser_page(p, chromium: str):
+    browser = p.chromium.launch(executable_path=chromium, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"])
+    return browser, browser.new_page(viewport={"width": 1500, "height": 1000})
+
+
+def _open_runs_table(page, url: str, experiment_id: str, search: str = "") -> None:
+    """The experiment's runs table (model-training view), ``search`` typed into its search box."""
+    query = f"&searchFilter={urllib.parse.quote(search)}" if search else ""
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{query}", timeout=180_000)
+    page.wait_for_selector("text=matching runs", timeout=180_000)
+    page.wait_for_timeout(3000)
+    _close_side_panel(page)
+
+
+def _tick_runs(page, names: list[str]) -> None:
+    for name in names:
+        row = page.locator('div[role="row"]', has_text=name).first
+        row.wait_for(timeout=60_000)
+        row.locator('input[type="checkbox"]').first.click()
+    page.wait_for_timeout(1500)
+
+
+def _press_compare(page) -> None:
+    page.get_by_role("button", name="Compare").first.click()
+    page.wait_for_selector("text=Show diff only", timeout=120_000)
+    page.wait_for_timeout(5000)
+    _close_side_panel(page)
+    page.get_by_text("Visualizations", exact=True).first.click()  # collapsed: run names head the columns
 
 
 def _close_side_panel(page) -> None:
@@ -209,30 +225,15 @@ def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromi
     paths = [out / name for name in SHOTS]
     q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        browser, page = _browser_page(p, chromium)
         # 1. the runs table at the URL `make mlflow-ui` prints, untouched
-        page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning", timeout=180_000)
-        page.wait_for_selector("text=matching runs", timeout=180_000)
-        page.wait_for_timeout(3000)
-        _close_side_panel(page)
+        _open_runs_table(page, url, experiment_id)
         page.screenshot(path=str(paths[0]))
         # 2. tick the two training runs (top-level rows: nothing to expand)
-        for method in methods:
-            row = page.locator('div[role="row"]', has_text=runs[method]["name"]).first
-            row.wait_for(timeout=60_000)
-            row.locator('input[type="checkbox"]').first.click()
-        page.wait_for_timeout(1500)
+        _tick_runs(page, [runs[method]["name"] for method in methods])
         page.screenshot(path=str(paths[1]))
         # 3. Compare: the parameter differences (diff only), then the metrics with the held-out rows
-        page.get_by_role("button", name="Compare").first.click()
-        page.wait_for_selector("text=Show diff only", timeout=120_000)
-        page.wait_for_timeout(5000)
-        _close_side_panel(page)
-        # collapsed: the run names (Run details) head the parameter and metric columns
-        page.get_by_text("Visualizations", exact=True).first.click()
+        _press_compare(page)
         page.get_by_text("Show diff only").first.click()
         page.wait_for_timeout(1500)
         page.screenshot(path=str(paths[2]))
