@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 #: The comparable per-step curves (same meaning for every method, docs/metrics.md).
-CURVES = ["answer/recall", "retrieval/recall", "answer/f1"]
+CURVES = ["answer/recall", "retrieval/recall", "adv/zero_frac"]
 SHOTS = ("mlflow_runs_table.png", "mlflow_runs_selected.png", "mlflow_compare_params.png",
          "mlflow_compare_metrics.png", "mlflow_compare_curves.png")
 
