@@ -15,7 +15,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
-from spader_pipeline.native.update import actor_config, all_logprobs, update_policy
+from spader_pipeline.native.update import actor_config, all_logprobs, length_sorted_micro_batches, update_policy
 from spader_pipeline.retrieval.service import LocalSearch
 
 FIRST = 2  # the 3-block model trains its top block; block 1's output is the boundary
@@ -108,6 +108,22 @@ def test_update_from_boundary_states_equals_the_full_recompute(rolled_out, tiny_
     with torch.no_grad():
         assert torch.allclose(all_logprobs(model, batch, config, False), all_logprobs(model, today, config, False),
                               atol=1e-4)
+
+
+def test_a_token_budget_per_micro_batch_leaves_loss_and_gradients_unchanged(rolled_out, tiny_config):
+    """``micro_batch_max_tokens`` only regroups rows: same loss terms and gradients as one pass."""
+    model, tokenizer, gen, group, trajectories = rolled_out
+    batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
+                        boundary_block=FIRST)
+    whole = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=8, max_grad_norm=1e6, trainable_layers=1)
+    budget = dataclasses.replace(whole, micro_batch_max_tokens=int(batch.attention_mask.sum(dim=1).max()))
+    assert len(length_sorted_micro_batches(batch, 8, budget.micro_batch_max_tokens)) > 1
+    split_stats, split_grads = _update(model, batch, budget, None, shares=True)
+    whole_stats, whole_grads = _update(model, batch, whole, None, shares=True)
+    for name, grad in whole_grads.items():
+        assert float((split_grads[name] - grad).abs().max()) <= 1e-4 * float(grad.abs().max()) + 1e-7, name
+    for key, value in whole_stats.sums.items():
+        assert split_stats.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def test_unusable_captures_fall_back_to_the_full_recompute(rolled_out, caplog):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,19 @@ def test_length_sorted_micro_batches_cover_every_row_once_and_give_the_same_logp
     for rows in parts:
         part, _ = response_logprobs(model, batch, rows, temperature=1.0, bf16=False, with_entropy=False)
         assert torch.allclose(part, whole[rows], atol=1e-5)
+
+
+@pytest.mark.parametrize(("max_tokens", "sizes"), [(None, [2, 2, 2]), (1_000, [2, 2, 2]), (45, [2, 1, 1, 1, 1]),
+                                                 (1, [1] * 6)])
+def test_a_token_budget_keeps_long_rows_in_small_micro_batches(max_tokens, sizes):
+    lengths = torch.tensor([30, 10, 22, 25, 12, 40])
+    batch = SimpleNamespace(attention_mask=(torch.arange(40)[None] < lengths[:, None]).long())
+    parts = length_sorted_micro_batches(batch, 2, max_tokens)
+    assert [len(p) for p in parts] == sizes
+    order = torch.cat(parts)
+    assert sorted(order.tolist()) == list(range(6)) and (lengths[order].diff() >= 0).all()
+    # rows x longest row within the budget, but for a row alone
+    assert all(len(p) == 1 or max_tokens is None or len(p) * int(lengths[p].max()) <= max_tokens for p in parts)
 
 
 @pytest.mark.parametrize("method", ["grpo", "spader"])

@@ -49,7 +49,13 @@ class NativeTrainerConfig:
     group_size: int = 8
     """rollouts per question (``n``); group statistics need at least 2"""
     micro_batch_size: int = 8
-    """trajectories per forward/backward pass; gradients accumulate over the batch"""
+    """trajectories per forward/backward pass at most; gradients accumulate over the batch"""
+    micro_batch_max_tokens: int | None = None
+    """padded tokens per forward/backward pass at most (rows × the longest row, at least one row);
+    ``None`` = ``micro_batch_size`` rows whatever their length. Long trajectories then come in
+    fewer rows per pass: less padding, and attention's cost grows with the square of the longest
+    row. The gradient does not change (the loss is a token-weighted sum over the whole batch);
+    verl's counterpart is ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``"""
     ppo_epochs: int = 1
     """passes over each rollout batch (1 = on-policy, the SPADER setting)"""
 
@@ -141,6 +147,8 @@ class NativeTrainerConfig:
                 f"micro_batch_size={self.micro_batch_size} must divide the batch of "
                 f"prompts_per_step × group_size = {batch} trajectories"
             )
+        if self.micro_batch_max_tokens is not None and self.micro_batch_max_tokens < 1:
+            raise ValueError("micro_batch_max_tokens must be >= 1 or null")
         if self.ppo_epochs < 1:
             raise ValueError("ppo_epochs must be >= 1")
         if not 0 <= self.warmup_ratio < 1:

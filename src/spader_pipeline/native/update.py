@@ -64,21 +64,33 @@ def response_logprobs(
     return out, entropy
 
 
-def length_sorted_micro_batches(batch: RolloutBatch, size: int) -> list[torch.Tensor]:
-    """Row indices of the micro-batches: rows sorted by length, ``size`` per micro-batch.
+def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Row indices of the micro-batches: rows sorted by length, at most ``size`` per micro-batch
+    and, with ``max_tokens``, at most ``max_tokens`` padded tokens (rows × the longest row; a row
+    longer than that is a micro-batch alone).
 
     Each micro-batch is trimmed to its longest sequence, so sorting keeps padding (wasted decoder
-    work) small. The loss is a token-weighted sum over the whole batch, so the grouping of rows
-    does not change the gradient.
+    work) small, and the token budget keeps long rows in small passes, where attention's
+    quadratic cost and the padding to the longest row would otherwise dominate. The loss is a
+    token-weighted sum over the whole batch, so the grouping of rows does not change the gradient.
     """
-    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
-    return list(order.split(size))
+    lengths = batch.attention_mask.sum(dim=1)
+    order = torch.argsort(lengths, stable=True)
+    if max_tokens is None:
+        return list(order.split(size))
+    parts, start = [], 0
+    for end, row in enumerate(order.tolist(), start=1):  # ascending: the newest row is the longest
+        if end - start > size or (end - start > 1 and (end - start) * int(lengths[row]) > max_tokens):
+            parts.append(order[start : end - 1])
+            start = end - 1
+    parts.append(order[start:])
+    return parts
 
 
 def all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool | str) -> torch.Tensor:
     """Log-probs ``[B, R]`` of the whole batch (the behaviour policy's, before any epoch updates)."""
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-    for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
+    for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
         logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
                                     with_entropy=False)
         out[rows] = logp.cpu()
@@ -138,7 +150,7 @@ def update_policy(
     stats = UpdateStats()
     for _epoch in range(config.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
+        for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
             mask = batch.response_mask[rows].to(device)
             if mask.sum() == 0:
                 continue
