@@ -15,7 +15,12 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
-from spader_pipeline.native.update import actor_config, all_logprobs, length_sorted_micro_batches, update_policy
+from spader_pipeline.native.update import (
+    actor_config,
+    all_logprobs,
+    length_sorted_micro_batches,
+    update_policy,
+)
 from spader_pipeline.retrieval.service import LocalSearch
 
 FIRST = 2  # the 3-block model trains its top block; block 1's output is the boundary
