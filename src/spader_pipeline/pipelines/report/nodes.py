@@ -67,7 +67,7 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
         for i, (method, rows) in enumerate(histories.items()):
             missing = [r["step"] for r in rows if isinstance(r.get(key), float) and math.isnan(r[key])]
             if missing:
-                undefined.append(f"{method}: steps {_step_list(missing)}")
+                undefined.append(f"{method}: step{'s' if len(missing) > 1 else ''} {_step_list(missing)}")
             rows = [r for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]  # NaN: undefined
             if rows:
                 steps, values = [r["step"] for r in rows], [r[key] for r in rows]
