@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from spader_pipeline.modeling.batching import token_budget_runs
 from spader_pipeline.modeling.shared_prefix import decoder_states
 
 logger = logging.getLogger(__name__)
@@ -106,16 +107,8 @@ def length_buckets(examples: Sequence[SFTExample], batch_tokens: int, rng: rando
     Examples are sorted by length, cut into consecutive batches, and the batch order shuffled.
     """
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].input_ids), rng.random()))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = max([len(examples[j].input_ids) for j in current] + [len(examples[i].input_ids)])
-        if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    runs = token_budget_runs([len(examples[i].input_ids) for i in order], batch_tokens)
+    batches = [order[run.start : run.stop] for run in runs]
     rng.shuffle(batches)
     return batches
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spader_pipeline.modeling.batching import token_budget_runs
 from spader_pipeline.modeling.boundary import top_block_states
 from spader_pipeline.modeling.shared_prefix import decoder_states
 from spader_pipeline.modeling.warm_start import autocast
@@ -76,15 +77,7 @@ def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int 
     """
     lengths = batch.attention_mask.sum(dim=1)
     order = torch.argsort(lengths, stable=True)
-    if max_tokens is None:
-        return list(order.split(size))
-    parts, start = [], 0
-    for end, row in enumerate(order.tolist(), start=1):  # ascending: the newest row is the longest
-        if end - start > size or (end - start > 1 and (end - start) * int(lengths[row]) > max_tokens):
-            parts.append(order[start : end - 1])
-            start = end - 1
-    parts.append(order[start:])
-    return parts
+    return [order[run.start : run.stop] for run in token_budget_runs(lengths[order].tolist(), max_tokens, size)]
 
 
 def all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool | str) -> torch.Tensor:
