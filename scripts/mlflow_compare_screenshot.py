@@ -12,8 +12,8 @@ One command, from the repository root, after ``make run``::
 
 After ``make compare``, ``--seeds`` shoots the seeded comparison instead: the runs table narrowed
 to the latest ``compare`` chain (``tags.chain_run_id = '…'`` in the search box), every method ×
-seed training run ticked and compared (held-out scores side by side), and the per-step curves of
-whether the methods' updates differ (``adv/corr_vs_grpo``, ``adv/zero_frac``) for all of them
+seed training run ticked and compared (held-out scores side by side), and the per-step curve of
+whether the methods' updates differ (``adv/corr_vs_grpo``) for all of them
 (docs/images/mlflow_seeds_*.png).
 
 It starts ``mlflow ui`` on the project's store (``--store``, default ``mlruns/mlflow.db``, with the
@@ -101,8 +101,8 @@ def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[s
 
 
 SEED_SHOTS = ("mlflow_seeds_table.png", "mlflow_seeds_metrics.png", "mlflow_seeds_curves.png")
-#: Per-step curves of the seeded comparison: do the updates differ, and what did training reach.
-SEED_CURVES = ["adv/corr_vs_grpo", "adv/zero_frac", "answer/recall"]
+#: The per-step curve of the seeded comparison: how far each run's advantages are from GRPO's.
+SEED_CURVES = ["adv/corr_vs_grpo"]
 
 
 def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]:
@@ -129,7 +129,6 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
     experiment_id, chain_id, runs = compare_chain_runs(url, experiment)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in SEED_SHOTS]
-    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
     with sync_playwright() as p:
         browser, page = _browser_page(p, chromium)
         # 1. the runs table narrowed to the comparison's chain, as the README tells a user to type it
@@ -138,19 +137,10 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
         page.screenshot(path=str(paths[0]))
         # 2. Compare: the held-out scores of every method x seed side by side
         _press_compare(page)
-        page.get_by_text("Parameters", exact=True).first.click()
-        page.wait_for_timeout(1500)
-        _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
-        page.wait_for_timeout(1000)
+        _show_heldout_metrics(page)
         page.screenshot(path=str(paths[1]))
-        # 3. the per-step mechanism curves of every run on one chart
-        ids = [run["id"] for run in runs]
-        page.goto(f"{url}/#/metric?runs={q(ids)}&metric={q(SEED_CURVES[0])}&experiments={q([experiment_id])}"
-                  f"&plot_metric_keys={q(SEED_CURVES[:1])}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
-                  f"&show_point=true&workflowType=machine_learning", timeout=180_000)
-        page.wait_for_selector("text=Completed Runs", timeout=120_000)
-        page.wait_for_timeout(8000)
-        _close_side_panel(page)
+        # 3. the per-step mechanism curve of every run on one chart
+        _open_metric_chart(page, url, experiment_id, [run["id"] for run in runs], SEED_CURVES)
         page.screenshot(path=str(paths[2]))
         browser.close()
     return paths
@@ -188,6 +178,25 @@ def _press_compare(page) -> None:
     page.get_by_text("Visualizations", exact=True).first.click()  # collapsed: run names head the columns
 
 
+def _show_heldout_metrics(page) -> None:
+    """In the Compare view: collapse Parameters (the metrics move up) and scroll to the held-out recall."""
+    page.get_by_text("Parameters", exact=True).first.click()
+    page.wait_for_timeout(1500)
+    _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
+    page.wait_for_timeout(1000)
+
+
+def _open_metric_chart(page, url: str, experiment_id: str, run_ids: list[str], keys: list[str]) -> None:
+    """The per-step chart of ``keys`` for ``run_ids`` (where a metric link of the Compare view leads)."""
+    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
+    page.goto(f"{url}/#/metric?runs={q(run_ids)}&metric={q(keys[0])}&experiments={q([experiment_id])}"
+              f"&plot_metric_keys={q(keys)}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
+              f"&show_point=true&workflowType=machine_learning", timeout=180_000)
+    page.wait_for_selector("text=Completed Runs", timeout=120_000)
+    page.wait_for_timeout(8000)
+    _close_side_panel(page)
+
+
 def _close_side_panel(page) -> None:
     close = page.locator('button[aria-label="Close"]')  # the assistant side panel
     if close.count():
@@ -223,7 +232,6 @@ def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromi
     experiment_id, runs = latest_method_runs(url, experiment, methods)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in SHOTS]
-    q = lambda value: urllib.parse.quote(json.dumps(value))  # noqa: E731
     with sync_playwright() as p:
         browser, page = _browser_page(p, chromium)
         # 1. the runs table at the URL `make mlflow-ui` prints, untouched
@@ -237,19 +245,10 @@ def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromi
         page.get_by_text("Show diff only").first.click()
         page.wait_for_timeout(1500)
         page.screenshot(path=str(paths[2]))
-        page.get_by_text("Parameters", exact=True).first.click()  # collapse: the metrics move up
-        page.wait_for_timeout(1500)
-        _scroll_metrics_to(page, re.compile(r"^heldout\/.+\/recall$"))
-        page.wait_for_timeout(1000)
+        _show_heldout_metrics(page)
         page.screenshot(path=str(paths[3]))
         # 4. the overlaid per-step curves of both runs (a metric link of the Compare view)
-        ids = [runs[m]["id"] for m in methods]
-        page.goto(f"{url}/#/metric?runs={q(ids)}&metric={q(CURVES[0])}&experiments={q([experiment_id])}"
-                  f"&plot_metric_keys={q(CURVES)}&x_axis=step&y_axis_scale=linear&line_smoothness=1"
-                  f"&show_point=true&workflowType=machine_learning", timeout=180_000)
-        page.wait_for_selector("text=Completed Runs", timeout=120_000)
-        page.wait_for_timeout(8000)
-        _close_side_panel(page)
+        _open_metric_chart(page, url, experiment_id, [runs[m]["id"] for m in methods], CURVES)
         page.screenshot(path=str(paths[4]))
         browser.close()
     return paths
