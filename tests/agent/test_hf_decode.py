@@ -36,11 +36,13 @@ def _frequent_tokens(model, tokenizer, prompts, count):
     return {t for t, _ in sorted(seen.items(), key=lambda kv: -kv[1])[:count]}
 
 
-@pytest.mark.parametrize(("rows", "stops", "shared_prefix"), [(5, 1, False), (6, 2, True), (3, 0, False)])
-def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_prefix):
+@pytest.mark.parametrize(("rows", "stops", "shared_prefix", "blocks"),
+                         [(5, 1, False, None), (6, 2, True, None), (3, 0, False, None), (6, 2, True, (0, 0))])
+def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_prefix, blocks):
     """Rows of different lengths, ending at different steps (stop tokens, per-row budgets), three
     turns with cache continuation and a batch that shrinks: token ids equal ``generate``'s, and
-    no finished row is decoded."""
+    no finished row is decoded. ``blocks``: the observations' prefill in blocks of rows (``(0, 0)``:
+    a block per distinct length)."""
     model, tokenizer = tiny_lm
     head = "Find every answer. Question: " if shared_prefix else ""
     texts = [head + q["question"] for q in QUESTIONS] + [head + t for t in ("Ghana", "Which river?", "Accra", "Lakes")]
@@ -48,8 +50,8 @@ def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_p
     limits = [40, 13, 9, 40, 22, 30][:rows]
     stop = _frequent_tokens(model, tokenizer, prompts, stops)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
-    gens = {"new": HFGenerator(model, tokenizer, sampling), "old": HFGenerator(model, tokenizer, sampling,
-                                                                              drop_finished_rows=False)}
+    gens = {"new": HFGenerator(model, tokenizer, sampling, prefill_block_cost=blocks),
+            "old": HFGenerator(model, tokenizer, sampling, drop_finished_rows=False)}
     assert gens["new"].drop_finished_rows
     observation = tokenizer.encode(" Doc 1 (Title: Ghana) Country in West Africa. Accra is the capital.")
     states = {name: _states(prompts, limits) for name in gens}
@@ -67,6 +69,7 @@ def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_p
                 states[name] = [s for i, s in enumerate(states[name]) if i != 1]
     assert gens["new"].kv_reuses == gens["old"].kv_reuses == 2
     assert gens["new"].gap_compactions == 2 and gens["old"].gap_compactions == 0  # gaps closed each turn
+    assert gens["new"].blocked_prefills == (2 if blocks else 0)
     assert gens["new"].generated_tokens == gens["old"].generated_tokens
     # the new loop samples exactly the generated tokens; generate samples padding too when rows differ
     assert gens["new"].sampled_rows == gens["new"].generated_tokens <= gens["old"].sampled_rows

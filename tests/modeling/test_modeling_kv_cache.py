@@ -85,3 +85,25 @@ def test_gather_positions_keeps_each_rows_positions():
     expected = torch.stack([keys[0][:, [0, 2, 5]], keys[1][:, [1, 3, 4]]])
     assert cache.get_seq_length() == 3 and torch.equal(layer.keys, expected) and torch.equal(layer.values, -expected)
     assert torch.count_nonzero(layer._key_buffer[:, :, 3:]) == 0
+
+
+def test_row_windows_append_each_block_after_the_same_length():
+    """Blocks of rows written after the same cached length, the first one reallocating: every row
+    keeps what it had, each block's positions land after it, the rest of a shorter block is zeros,
+    and closing the windows exposes every row as long as the furthest write."""
+    cache, first = GrowingKVCache(), torch.randn(5, 2, 3, 4)
+    cache.update(first, -first, 0)
+    layer = cache.layers[0]
+    wide, narrow = torch.randn(2, 2, 70, 4), torch.randn(3, 2, 5, 4)  # 70: past the spare room
+    cache.row_window(0, 2, 3)
+    keys, _ = cache.update(wide, -wide, 0)
+    assert keys.shape == (2, 2, 73, 4) and cache.get_seq_length() == 73
+    cache.row_window(2, 5, 3)
+    assert cache.get_seq_length() == 3 and torch.equal(layer.keys, first[2:])
+    keys, values = cache.update(narrow, -narrow, 0)
+    assert keys.shape == (3, 2, 8, 4) and torch.equal(keys[:, :, 3:], narrow) and torch.equal(values, -keys)
+    cache.close_windows()
+    assert cache.get_seq_length() == 73 and layer.keys.shape == (5, 2, 73, 4)
+    assert torch.equal(layer.keys[:, :, :3], first)
+    assert torch.equal(layer.keys[:2, :, 3:], wide)
+    assert torch.equal(layer.keys[2:, :, 3:8], narrow) and torch.count_nonzero(layer.keys[2:, :, 8:]) == 0

@@ -28,12 +28,13 @@ FIRST = 2  # the 3-block model trains its top block; block 1's output is the bou
 
 def _rollout(model_dir, index_dir, **generator_kwargs):
     """Two questions × four sampled trajectories, three turns: rows end their turns at different steps
-    (many end tokens), the cache is continued, its gaps closed, the shared prefix encoded once."""
+    (many end tokens), the cache is continued, its gaps closed, the shared prefix encoded once, and
+    the observations prefilled in blocks of rows (a block per distinct length)."""
     from spader_pipeline.retrieval import load_retriever
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
     gen = HFGenerator(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3),
-                      max_prompt_tokens=1024, **generator_kwargs)
+                      max_prompt_tokens=1024, prefill_block_cost=(0, 0), **generator_kwargs)
     gen.eos_ids |= set(range(20, 60))  # ~10% of the vocabulary ends a turn: rows finish at different steps
     gen.gap_share = 0.01
     group = [{**q, "uid": f"g{k}"} for k, q in enumerate(QUESTIONS[:2]) for _ in range(4)]
@@ -49,7 +50,7 @@ def rolled_out(native_deep_model_dir, toy_index_dir):
 
 def test_captured_states_equal_a_plain_forward_at_the_boundary(rolled_out):
     model, _, gen, _, trajectories = rolled_out
-    assert gen.kv_reuses >= 1 and gen.shared_prefills >= 1 and gen.gap_compactions >= 1
+    assert gen.kv_reuses >= 1 and gen.shared_prefills >= 1 and gen.gap_compactions >= 1 and gen.blocked_prefills >= 1
     assert max(t.num_turns for t in trajectories) >= 2
     turn_lengths = {step.token_span[1] - step.token_span[0] for t in trajectories for step in t.steps}
     assert len(turn_lengths) > 1  # rows ended their turns at different steps

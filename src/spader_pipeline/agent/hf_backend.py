@@ -59,6 +59,10 @@ class HFGenerator(Generator):
             caches (``growing_kv_cache=False``) or generation settings it cannot handle use
             ``generate`` (logged once); ``False``: always ``generate``. With it, a continued turn
             first closes the cache's masked gaps when they are at least ``gap_share`` (0.1) of it.
+        prefill_block_cost: ``(min_tokens, overhead_tokens)``: a continued turn's prefill runs in
+            blocks of rows of similar length when that costs less than padding every row to the longest
+            (:func:`~spader_pipeline.modeling.batching.padding_blocks`; ``decode_batch`` only);
+            ``None``: one forward. Same outputs.
         capture_states_from_layer: keep, per trajectory, decoder block ``k``'s output at its tokens
             (:meth:`captured_states`; the native trainer's boundary states, docs/training.md). Needs
             ``drop_finished_rows``; stops, dropping what it kept, when a turn is decoded with ``generate``.
@@ -79,11 +83,13 @@ class HFGenerator(Generator):
         bf16: bool = False,
         growing_kv_cache: bool = True,
         drop_finished_rows: bool = True,
+        prefill_block_cost: tuple[int, int] | None = (128, 32),
         capture_states_from_layer: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.growing_kv_cache = growing_kv_cache
         self.drop_finished_rows = drop_finished_rows and self._can_drop_finished_rows()
+        self.prefill_block_cost = prefill_block_cost
         self.bf16 = bf16
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingParams()
@@ -106,6 +112,7 @@ class HFGenerator(Generator):
         self.sampled_rows = 0  # rows sampled over all decoding steps (padding included), for reporting
         self.gap_share = 0.1  # close the cache's gaps when at least this share of it is masked
         self.gap_compactions = 0  # turns whose cache gaps were closed (for tests and reporting)
+        self.blocked_prefills = 0  # turns whose prefill ran in several blocks of rows (the same)
         self._processors: Any = None
         self._generator = None
         if self.sampling.seed is not None:
@@ -369,8 +376,10 @@ class HFGenerator(Generator):
             result = decode_batch(
                 self.model, input_ids.to(device), attention.to(device), cache, budgets,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, processors=processors, do_sample=do_sample,
+                prefill_block_cost=self.prefill_block_cost,
             )
         self.sampled_rows += result.row_steps
+        self.blocked_prefills += result.prefill_blocks > 1
         if self.capture is not None:
             self.capture.record([s.uid for s in states], cache, result.ids, result.mask, result.cache_rows)
         turns = []

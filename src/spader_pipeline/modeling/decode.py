@@ -8,6 +8,13 @@ swapped behind the active ones in a :class:`~spader_pipeline.modeling.kv_cache.G
 (two rows copied, :meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.swap_rows`) and the model
 sees the active prefix of the cache, so the cache of every row stays in one piece for the next turn.
 
+A continued turn's prefill (each row's new tokens: its last sampled token and an observation of its
+own length) runs in blocks of rows of similar length when that saves more padding than the extra
+forwards cost (:func:`~spader_pipeline.modeling.batching.padding_blocks`): rows are ordered by their
+number of new tokens, each block is padded only to its longest row
+(:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.row_window`), and a shorter row's block ends
+in masked positions instead of starting with padding. Exact: every key keeps its logical position.
+
 Sampling uses ``generate``'s own logits processors (:func:`generation_processors`) and the same
 softmax, then draws by inverse CDF (:func:`sample_categorical`) instead of ``torch.multinomial``,
 or takes the argmax when greedy: the same distribution, and greedy decoding gives the same tokens
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 
+from spader_pipeline.modeling.batching import padding_blocks
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
 __all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
@@ -34,6 +42,12 @@ ROW_WISE_PROCESSORS = frozenset({
     "TypicalLogitsWarper", "EpsilonLogitsWarper", "RepetitionPenaltyLogitsProcessor",
     "NoRepeatNGramLogitsProcessor", "SuppressTokensLogitsProcessor",
 })
+#: processors that read only the scores, not the ids before them: with these a row's ids may have
+#: masked gaps (a blocked prefill) and the processors still see what ``generate`` would
+SCORE_ONLY_PROCESSORS = frozenset({
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper",
+})
 
 
 @dataclass
@@ -45,6 +59,7 @@ class DecodeResult:
     cached positions and 1 where a position holds a real token whose keys are in the cache (a row's
     last sampled token is never fed, so it is not cached). ``cache_rows``: the input row held by each
     cache row (the cache rows are permuted). ``row_steps``: rows sampled over all steps.
+    ``prefill_blocks``: forwards of the prefill (1: the whole batch at once).
     """
 
     tokens: list[list[int]]
@@ -52,6 +67,7 @@ class DecodeResult:
     mask: torch.Tensor
     cache_rows: list[int]
     row_steps: int
+    prefill_blocks: int = 1
 
 
 def supports_decode_batch(model: Any) -> bool:
@@ -128,6 +144,34 @@ def _swap(i: int, j: int, tensors: tuple[torch.Tensor, ...], lists: tuple[list, 
     cache.swap_rows(i, j)
 
 
+def _can_block(cache: Any, past: int, processors: Any) -> bool:
+    """Whether a prefill may run in row blocks: a continued :class:`GrowingKVCache` (every layer
+    allocated) and processors that ignore the ids (the rows get masked gaps)."""
+    return (isinstance(cache, GrowingKVCache) and past > 0 and len(cache.layers) > 0
+            and all(getattr(layer, "_key_buffer", None) is not None for layer in cache.layers)
+            and all(type(p).__name__ in SCORE_ONLY_PROCESSORS for p in processors))
+
+
+def _block_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int, order: list[int],
+                  blocks: list[range], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and mask ``[B, past + w]`` in cache-row order (row ``r`` holds input row ``order[r]``, rows
+    by descending number of new tokens; ``w`` the most): the cached part as it was, then each row's
+    new tokens ending where its block's longest row ends, masked positions after them."""
+    lengths = attention_mask[:, past:].sum(1)
+    width = past + int(lengths.max())
+    ids = input_ids.new_full((len(order), width), pad_id)
+    mask = attention_mask.new_zeros((len(order), width))
+    ids[:, :past], mask[:, :past] = input_ids[order, :past], attention_mask[order, :past]
+    for block in blocks:
+        end = past + int(lengths[order[block.start]])
+        for row in block:
+            source = order[row]
+            new = input_ids[source, past:][attention_mask[source, past:] == 1]
+            ids[row, end - len(new) : end] = new
+            mask[row, end - len(new) : end] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def decode_batch(
     model: Any,
@@ -140,6 +184,7 @@ def decode_batch(
     pad_id: int,
     processors: Any,
     do_sample: bool,
+    prefill_block_cost: tuple[int, int] | None = (128, 32),
 ) -> DecodeResult:
     """Sample up to ``budgets[b]`` tokens for each row ``b``, a row leaving the batch when it ends.
 
@@ -155,11 +200,26 @@ def decode_batch(
         pad_id: the id written at positions that are not real tokens.
         processors: logits processors, called as ``processors(ids [n, W + t], scores [n, V])``
             (:func:`generation_processors`); ``do_sample``: draw from the softmax, else the argmax.
+        prefill_block_cost: ``(min_tokens, overhead_tokens)`` of
+            :func:`~spader_pipeline.modeling.batching.padding_blocks` for a continued cache's prefill;
+            ``None``: one forward over the whole left-padded batch.
 
     Position ids follow the mask (``cumsum - 1``, as ``generate``), so the cached rows continue
     correctly in the next call with more tokens appended.
     """
     device = input_ids.device
+    past = cache.get_seq_length()
+    order = list(range(len(budgets)))  # input row held by each cache row
+    blocks = [range(len(budgets))]
+    if prefill_block_cost is not None and _can_block(cache, past, processors):
+        new_lengths = attention_mask[:, past:].sum(1).tolist()
+        by_length = sorted(order, key=lambda row: -new_lengths[row])
+        min_tokens, overhead = prefill_block_cost
+        planned = padding_blocks([new_lengths[r] for r in by_length], min_tokens=min_tokens, overhead_tokens=overhead)
+        if len(planned) > 1:
+            order, blocks = by_length, planned
+            input_ids, attention_mask = _block_layout(input_ids, attention_mask, past, order, blocks, pad_id)
+            cache.batch_select_indices(torch.tensor(order, device=device))
     batch, width = input_ids.shape
     longest = max(budgets)
     seq = input_ids.new_full((batch, width + longest), pad_id)  # physical ids, cache-row order
@@ -167,18 +227,25 @@ def decode_batch(
     mask = attention_mask.new_zeros((batch, width + longest))
     mask[:, :width] = attention_mask
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    next_position = positions[:, -1] + 1
-    budget = list(budgets)  # per cache row
-    order = list(range(batch))  # input row held by each cache row
+    next_position = attention_mask.long().sum(-1)  # the real tokens so far
+    budget = [budgets[row] for row in order]  # per cache row
     tokens: list[list[int]] = [[] for _ in range(batch)]
     extra: dict[str, Any] = {"use_cache": True}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         extra["logits_to_keep"] = 1
-    past = cache.get_seq_length()
-    logits = model(
-        input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions[:, past:],
-        past_key_values=cache, **extra,
-    ).logits[:, -1, :]
+    parts = []
+    for block in blocks:  # one block: the whole batch; else each padded to its longest row
+        end = past + int(attention_mask[block.start, past:].sum()) if len(blocks) > 1 else width
+        if len(blocks) > 1:
+            cache.row_window(block.start, block.stop, past)
+        rows = slice(block.start, block.stop)
+        parts.append(model(
+            input_ids=input_ids[rows, past:end], attention_mask=attention_mask[rows, :end],
+            position_ids=positions[rows, past:end], past_key_values=cache, **extra,
+        ).logits[:, -1, :])
+    if len(blocks) > 1:
+        cache.close_windows()
+    logits = torch.cat(parts) if len(parts) > 1 else parts[0]
     active, step, row_steps = batch, 0, 0
     while True:
         scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))
@@ -217,4 +284,5 @@ def decode_batch(
     where = where.to(device)
     return DecodeResult(
         tokens=tokens, ids=seq[where, :length], mask=mask[where, :length], cache_rows=order, row_steps=row_steps,
+        prefill_blocks=len(blocks),
     )

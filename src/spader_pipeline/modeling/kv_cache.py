@@ -21,6 +21,12 @@ the active ones and stop being computed, without copying the cache of the rows t
 past a row's last write hold zeros (never uninitialised memory), so a masked position can never
 turn attention into NaN.
 
+A prefill whose rows bring different numbers of new tokens can run as several forwards over blocks of
+rows, each padded only to its own longest row (:meth:`GrowingKVCache.row_window`): a window exposes
+rows ``[start, stop)`` with ``length`` cached positions, so the model appends that block's positions
+after ``length``; :meth:`GrowingKVCache.close_windows` exposes every row again, as long as the
+furthest write. A block's rows then hold zeros (masked) between their last write and that length.
+
 For the native trainer the cache can also keep, per position, the hidden states one decoder block
 wrote there (``GrowingKVCache(capture_states=True)``, :class:`GrowingStates`): the states follow
 every cache operation exactly as the keys and values do, so after a rollout they line up with the
@@ -47,7 +53,9 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
-        self._rows: int | None = None  # rows exposed to the model: the first ``_rows`` (None: all)
+        self._furthest = 0  # furthest position written in any row (> _length inside a row window)
+        self._row_start = 0  # rows exposed to the model: [_row_start, _rows)
+        self._rows: int | None = None  # None: to the last row
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, headroom: int = 0) -> None:
         """Make ``keys``/``values`` (``[B, H_kv, S, D]``) the contents, with ``headroom`` spare positions."""
@@ -58,16 +66,31 @@ class GrowingLayer(DynamicLayer):
         self._value_buffer[:, :, :length] = values
         self._key_buffer[:, :, length:] = 0  # spare room is zeros: rows left out of a step stay finite
         self._value_buffer[:, :, length:] = 0
-        self._length = length
+        self._length = self._furthest = length
         self._expose()
 
     def _expose(self) -> None:
-        self.keys = self._key_buffer[: self._rows, :, : self._length]
-        self.values = self._value_buffer[: self._rows, :, : self._length]
+        self.keys = self._key_buffer[self._row_start : self._rows, :, : self._length]
+        self.values = self._value_buffer[self._row_start : self._rows, :, : self._length]
 
     def set_active_rows(self, rows: int | None) -> None:
         """Expose (and let ``update`` write) only the first ``rows`` rows; ``None``: all rows."""
-        self._rows = rows
+        self._row_start, self._rows = 0, rows
+        if self._key_buffer is not None:
+            self._expose()
+
+    def set_window(self, start: int, stop: int, length: int) -> None:
+        """Expose rows ``[start, stop)`` with their first ``length`` positions (``length`` at most the
+        current length): the next ``update`` writes these rows' new positions after ``length``."""
+        if length > self._length:
+            raise ValueError(f"a window of {length} positions on a cache of {self._length}")
+        self._row_start, self._rows, self._length = start, stop, length
+        if self._key_buffer is not None:
+            self._expose()
+
+    def close_window(self) -> None:
+        """Expose every row again, as long as the furthest position any window wrote."""
+        self._row_start, self._rows, self._length = 0, None, self._furthest
         if self._key_buffer is not None:
             self._expose()
 
@@ -100,12 +123,15 @@ class GrowingLayer(DynamicLayer):
             return self.keys, self.values
         end = self._length + new
         if end > self._key_buffer.shape[-2]:  # full: reallocate with room to grow (one copy, every row)
-            length = self._length
-            self._adopt(self._key_buffer[:, :, :length], self._value_buffer[:, :, :length],
-                        headroom=new + max(self.min_headroom, end // 2))
-        self._key_buffer[: self._rows, :, self._length : end] = key_states
-        self._value_buffer[: self._rows, :, self._length : end] = value_states
+            length, kept = self._length, max(self._length, self._furthest)
+            self._adopt(self._key_buffer[:, :, :kept], self._value_buffer[:, :, :kept],
+                        headroom=max(end - kept, 0) + new + max(self.min_headroom, end // 2))
+            self._length = length
+        rows = slice(self._row_start, self._rows)
+        self._key_buffer[rows, :, self._length : end] = key_states
+        self._value_buffer[rows, :, self._length : end] = value_states
         self._length = end
+        self._furthest = max(self._furthest, end)
         self._expose()
         return self.keys, self.values
 
@@ -116,7 +142,7 @@ class GrowingLayer(DynamicLayer):
         if max_length < 0:
             max_length = self._length - abs(max_length)
         if self._key_buffer is not None and max_length < self._length:
-            self._length = max(0, max_length)
+            self._length = self._furthest = max(0, max_length)
             self._key_buffer[:, :, self._length :] = 0  # keep the spare room zeros
             self._value_buffer[:, :, self._length :] = 0
             self._expose()
@@ -152,7 +178,7 @@ class GrowingLayer(DynamicLayer):
             self._expose()
 
     def reset(self) -> None:
-        self._length = 0
+        self._length = self._furthest = 0
         if self._key_buffer is not None:
             self._key_buffer.zero_()
             self._value_buffer.zero_()
@@ -197,6 +223,17 @@ class GrowingKVCache(DynamicCache):
         """Let the model see and extend only the first ``rows`` rows of every layer (``None``: all)."""
         for layer in [*self.layers, *self._extra()]:
             layer.set_active_rows(rows)
+
+    def row_window(self, start: int, stop: int, length: int) -> None:
+        """Expose rows ``[start, stop)`` with ``length`` cached positions in every layer
+        (:meth:`GrowingLayer.set_window`); the model's next forward appends after ``length``."""
+        for layer in [*self.layers, *self._extra()]:
+            layer.set_window(start, stop, length)
+
+    def close_windows(self) -> None:
+        """Expose every row of every layer again, as long as the furthest write."""
+        for layer in [*self.layers, *self._extra()]:
+            layer.close_window()
 
     def gather_positions(self, index: torch.Tensor) -> None:
         """Keep positions ``index[b]`` of every row ``b`` in every layer (``index``: ``[B, L']``)."""
