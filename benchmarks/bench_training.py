@@ -27,7 +27,9 @@ project's path with the instruction encoded for every row (before :mod:`spader_p
   *project* (``training.native`` + ``training.rollout`` of conf/base/parameters_training.yml at 4
   prompts × 8: top 8 blocks trained from the rollout's boundary states, no reference pass at
   ``kl_coef: 0``, passages cut to 120 characters, bf16 by probe) and *recompute* (*project* with
-  ``reuse_rollout_states: false``: the update runs the frozen blocks again). Per step: rollout
+  ``reuse_rollout_states: false``: the update runs the frozen blocks again) and *one-prefill*
+  (*project* with each continued turn's prefill as one forward padded to the longest row instead
+  of blocks of similar rows; the same trajectories, so the two time the same work). Per step: rollout
   (of which copying the boundary states out of the cache) and update seconds, and whether the
   update started from the rollout's states; then the medians over the steps.
 * **Update breakdown** (``--update-breakdown``; same data): one rollout batch of the *project*
@@ -49,6 +51,7 @@ compare the ratio, not absolute numbers (the load average is printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -312,6 +315,21 @@ class _RolloutWork:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _prefill_blocks(enabled: bool):
+    """The rollout's continued prefill in blocks of rows (the default) or as one forward (the code
+    before blocks; same trajectories: each row's random draws follow the row, not the layout)."""
+    from spader_pipeline.agent.hf_backend import HFGenerator
+
+    defaults = HFGenerator.__init__.__kwdefaults__
+    saved = defaults["prefill_block_cost"]
+    defaults["prefill_block_cost"] = saved if enabled else None
+    try:
+        yield
+    finally:
+        defaults["prefill_block_cost"] = saved
+
+
 def bench_rl_step(args) -> None:
     from bench_agent_rollout import matmul_peak_flops
 
@@ -324,7 +342,7 @@ def bench_rl_step(args) -> None:
         return
     project = inputs["project"]
     configs = {"straightforward": _straightforward_settings(project), "project": project,
-               "recompute": {**project, "reuse_rollout_states": False}}
+               "recompute": {**project, "reuse_rollout_states": False}, "one-prefill": project}
     for name in args.models.split(","):
         path = inputs["models"][name]()
         for label in args.configs.split(","):
@@ -333,7 +351,7 @@ def bench_rl_step(args) -> None:
                 "resume": False, "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
             load = os.getloadavg()[0]
             peak = matmul_peak_flops()
-            with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work:
+            with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work, _prefill_blocks(label != "one-prefill"):
                 result = train_native(config, model_path=path, samples=inputs["samples"],
                                       search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
                                       prompt_template=inputs["template"])
@@ -492,7 +510,8 @@ def main() -> None:
                         help="one rollout batch, then today's update vs the one from rollout states (needs --data)")
     parser.add_argument("--models", default="smollm2,tiny")
     parser.add_argument("--configs", default="straightforward,project", help="--rl-step: straightforward, "
-                        "project, recompute (the project's settings, the update running the frozen blocks again)")
+                        "project, recompute (the project's settings, the update running the frozen blocks again), "
+                        "one-prefill (the project's settings, each turn's prefill as one padded forward)")
     parser.add_argument("--data", default="data")
     parser.add_argument("--conf", default="conf/base",
                         help="a folder with parameters.yml and parameters_training.yml (an environment merged over base)")

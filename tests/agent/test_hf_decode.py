@@ -76,6 +76,26 @@ def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_p
     assert len(lengths) > 1  # rows did end at different steps
 
 
+def test_sampled_turns_do_not_depend_on_prefill_blocks(tiny_lm):
+    """Seeded sampling over three turns whose observations differ in length per row: the prefill in
+    blocks (rows reordered by length) draws the same tokens as one forward, because each row's
+    uniform numbers follow the input row, not its place in the cache."""
+    model, tokenizer = tiny_lm
+    prompts = [tokenizer.encode(t) for t in [q["question"] for q in QUESTIONS] + ["Ghana", "Which river?"]][:4]
+    observation = tokenizer.encode(" Doc 1 (Title: Ghana) Country in West Africa. Accra is the capital.")
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8, seed=5)
+    gens = {"blocks": HFGenerator(model, tokenizer, sampling, prefill_block_cost=(0, 0)),
+            "one": HFGenerator(model, tokenizer, sampling, prefill_block_cost=None)}
+    states = {name: _states(prompts, [60] * 4) for name in gens}
+    for round_ in range(3):
+        turns = {name: asyncio.run(gen.generate(states[name])) for name, gen in gens.items()}
+        assert [t.token_ids for t in turns["blocks"]] == [t.token_ids for t in turns["one"]]
+        for name in gens:
+            for i, (state, turn) in enumerate(zip(states[name], turns[name], strict=True)):
+                state.token_ids += list(turn.token_ids) + observation[: 1 + 4 * i + round_]
+    assert gens["blocks"].blocked_prefills == 2 and gens["one"].blocked_prefills == 0
+
+
 def test_sampling_draws_from_the_same_distribution(tiny_lm):
     """temperature/top-p/top-k sampling: the first token's empirical distribution over many rows
     of one prompt matches ``generate``'s (same processors), and per-row budgets are kept."""

@@ -115,18 +115,20 @@ def left_aligned_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return index, new_mask
 
 
-def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from the categorical distributions ``probs`` ``[n, V]`` (rows sum to ~1).
 
     Inverse-CDF sampling: one uniform number per row against the row's cumulative sum. The same
     distribution as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential variate for
     every vocabulary entry (49k per row for SmolLM2, ~9% of a rollout's time). A token of
     probability 0 (cut by top-p/top-k) is never drawn: the first index whose cumulative sum exceeds
-    the draw is always one where the sum grew. Uses the global torch RNG (seeded runs repeat).
-    Returns long ``[n]``.
+    the draw is always one where the sum grew. ``uniforms`` ``[n]``: the uniform numbers in [0, 1) to
+    draw with; ``None``: from the global torch RNG (seeded runs repeat). Returns long ``[n]``.
     """
     cdf = probs.cumsum(dim=-1)  # [n, V]
-    draws = torch.rand((probs.shape[0], 1), dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], dtype=cdf.dtype, device=cdf.device)
+    draws = uniforms.to(dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, draws, right=True).squeeze(1)  # first position with cdf > draw
     overflow = index >= probs.shape[1]  # the draw rounded up to the row's total: its last possible token
     if bool(overflow.any()):
@@ -249,8 +251,9 @@ def decode_batch(
     active, step, row_steps = batch, 0, 0
     while True:
         scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))
-        if do_sample:
-            new = sample_categorical(torch.softmax(scores, dim=-1))
+        if do_sample:  # one uniform per input row, so a row's draws do not depend on the cache-row order
+            uniforms = torch.rand(batch)[torch.tensor(order[:active])]
+            new = sample_categorical(torch.softmax(scores, dim=-1), uniforms)
         else:
             new = torch.argmax(scores, dim=-1)
         seq[:active, width + step] = new
