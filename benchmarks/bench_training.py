@@ -262,14 +262,15 @@ def _rl_inputs(args) -> dict | None:
 class _RolloutWork:
     """The rollout's matrix-product work, counted while installed: a forward pre-hook on the decoder
     body, active only while ``HFGenerator`` generates, counts the positions it runs (a call of one
-    position per row is a decoding step, anything longer a prefill). FLOPs = positions x 2 x the
-    body's linear weights + sampled tokens x 2 x the output layer's; attention scores are not
-    counted, so the share of peak it gives is a lower bound."""
+    position per row is a decoding step, anything longer a prefill). Useful FLOPs = real (unmasked)
+    positions x 2 x the body's linear weights + sampled tokens x 2 x the output layer's; padded
+    prefill positions are computed but not counted as work (``prefill_computed`` counts them), nor
+    are attention scores, so the share of peak it gives is a lower bound."""
 
     def __enter__(self) -> _RolloutWork:
         from spader_pipeline.agent.hf_backend import HFGenerator
 
-        self.prefill = self.decode = self.flops = 0
+        self.prefill = self.prefill_computed = self.decode = self.flops = 0
         self._handles: list = []
         self._bodies: set[int] = set()
         self._active = False
@@ -303,8 +304,11 @@ class _RolloutWork:
                 self.decode += rows
                 self.flops += rows * 2 * (body + head)
             else:
-                self.prefill += rows * width
-                self.flops += rows * width * 2 * body
+                mask = kwargs.get("attention_mask")
+                real = rows * width if mask is None else int(mask[:, -width:].sum())
+                self.prefill += real
+                self.prefill_computed += rows * width
+                self.flops += real * 2 * body
         return count
 
     def __exit__(self, *exc) -> None:
@@ -357,7 +361,8 @@ def bench_rl_step(args) -> None:
                                       prompt_template=inputs["template"])
             hist = result.history
             rollout_seconds = sum(h["perf/rollout_seconds"] for h in hist)
-            print(f"  rollout work: {work.prefill} prefill + {work.decode} decoding positions, "
+            print(f"  rollout work: {work.prefill} prefill ({work.prefill_computed} computed, padding included) + "
+                  f"{work.decode} decoding positions, "
                   f"{work.flops / 1e12:.2f} TFLOP in {rollout_seconds:.1f} s = {work.flops / rollout_seconds / 1e9:.0f} "
                   f"GFLOP/s, {100 * work.flops / rollout_seconds / peak:.0f}% of the measured matmul peak "
                   f"({peak / 1e9:.0f} GFLOP/s, torch.mm 2048² fp32 on {torch.get_num_threads()} threads)", flush=True)
