@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -107,3 +108,18 @@ def test_row_windows_append_each_block_after_the_same_length():
     assert torch.equal(layer.keys[:, :, :3], first)
     assert torch.equal(layer.keys[:2, :, 3:], wide)
     assert torch.equal(layer.keys[2:, :, 3:8], narrow) and torch.count_nonzero(layer.keys[2:, :, 8:]) == 0
+
+
+@pytest.mark.parametrize("rows", [[3, 0, 4, 1, 2], [4, 2], [0, 1, 2, 3, 4], [1, 2, 0]])
+def test_selecting_distinct_rows_moves_them_in_place(rows):
+    """A reordering or a subset of distinct rows: the same contents as indexing, in the same buffer,
+    the capacity's zeros kept."""
+    cache, keys = GrowingKVCache(capture_states=True), torch.randn(5, 2, 6, 4)
+    cache.update(keys, -keys, 0)
+    cache.states.append(keys[:, 0])
+    layer = cache.layers[0]
+    pointer = layer._key_buffer.data_ptr()
+    cache.batch_select_indices(torch.tensor(rows))
+    assert torch.equal(layer.keys, keys[rows]) and torch.equal(layer.values, -keys[rows])
+    assert torch.equal(cache.states.states, keys[rows, 0])
+    assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0

@@ -95,15 +95,21 @@ class GrowingLayer(DynamicLayer):
             self._expose()
 
     def gather_positions(self, index: torch.Tensor) -> None:
-        """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, each ``< length``): the cache
-        becomes ``L'`` long (one copy, with spare room)."""
+        """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, ``L'`` at most the length,
+        each index ``< length``): the cache becomes ``L'`` long, in place (a row at a time through a
+        small copy; the freed positions are zeroed, the capacity kept)."""
         if self._key_buffer is None:
             return
-        batch, heads, _, dim = self._key_buffer.shape
-        where = index.to(self._key_buffer.device)[:, None, :, None]
-        keys = self._key_buffer.gather(2, where.expand(batch, heads, -1, dim))
-        values = self._value_buffer.gather(2, where.expand(batch, heads, -1, self._value_buffer.shape[-1]))
-        self._adopt(keys, values, headroom=max(self.min_headroom, index.shape[1] // 2))
+        index = index.to(self._key_buffer.device)
+        length, new_length = self._length, index.shape[1]
+        if new_length > length:
+            raise ValueError(f"gathering {new_length} positions from a cache of {length}")
+        for buffer in (self._key_buffer, self._value_buffer):
+            for row in range(index.shape[0]):
+                buffer[row, :, :new_length] = buffer[row, :, :length].index_select(1, index[row])
+            buffer[:, :, new_length:length] = 0
+        self._length = self._furthest = new_length
+        self._expose()
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows ``i`` and ``j`` of the filled positions (two rows copied)."""
@@ -155,12 +161,26 @@ class GrowingLayer(DynamicLayer):
             self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows ``indices`` (repeats allowed: a shared prefix copied to several rows), capacity kept."""
-        if self.get_seq_length() > 0:
+        """Keep rows ``indices`` (repeats allowed: a shared prefix copied to several rows), capacity kept.
+
+        Distinct rows (a reordering, or the trajectories still going) move in place along the
+        permutation's cycles, each filled row copied once and no new buffer (a new buffer of a
+        long cache costs its page faults on top of the copy); repeated rows are copied to a new one.
+        """
+        if self.get_seq_length() == 0:
+            return
+        rows = [int(r) for r in indices.tolist()]
+        if len(set(rows)) < len(rows):
             indices = indices.to(self._key_buffer.device)
             self._key_buffer = self._key_buffer.index_select(0, indices)
             self._value_buffer = self._value_buffer.index_select(0, indices)
-            self._expose()
+        else:
+            kept = set(rows)
+            source = rows + [r for r in range(self._key_buffer.shape[0]) if r not in kept]  # a permutation
+            for buffer in (self._key_buffer, self._value_buffer):
+                _permute_rows(buffer[:, :, : self._length], source)
+            self._key_buffer, self._value_buffer = self._key_buffer[: len(rows)], self._value_buffer[: len(rows)]
+        self._expose()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -183,6 +203,23 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer.zero_()
             self._value_buffer.zero_()
             self._expose()
+
+
+def _permute_rows(tensor: torch.Tensor, source: list[int]) -> None:
+    """Make row ``b`` of ``tensor`` what row ``source[b]`` was (``source``: a permutation), in place:
+    each cycle of the permutation is walked with one spare row."""
+    done = [False] * len(source)
+    for start in range(len(source)):
+        if done[start] or source[start] == start:
+            continue
+        spare = tensor[start].clone()
+        row = start
+        while source[row] != start:
+            tensor[row] = tensor[source[row]]
+            done[row] = True
+            row = source[row]
+        tensor[row] = spare
+        done[row] = True
 
 
 class GrowingStates(GrowingLayer):
