@@ -6,7 +6,9 @@
 * **HF rollout**: ``HFGenerator`` rolls out N trajectories in lock-step rounds with one batched
   decoding call per round, keeping the KV cache between turns in a ``GrowingKVCache`` (decoding
   writes in place) and decoding with ``modeling.decode.decode_batch`` (a row leaves the batch when
-  its turn ends), vs the same with ``model.generate`` (finished rows decode padding until the
+  its turn ends) and prefilling each turn's new tokens in blocks of rows of similar length, vs the
+  same with the prefill as one forward padded to the longest row (``one_prefill``), vs the same with
+  ``model.generate`` (finished rows decode padding until the
   longest row ends), vs transformers' ``DynamicCache`` (a copy of the cache per token, decoded by
   ``generate``), vs re-encoding the context every turn, vs the straightforward loop that rolls out
   one trajectory at a time re-encoding its context. Greedy decoding, BM25 search in process.
@@ -82,7 +84,7 @@ def _project_setup(model_dir: str, n: int, max_turns: int | None = None):
     return model, tokenizer, rows, template, RolloutConfig.from_mapping(rollout)
 
 
-VARIANTS = ("growing", "generate", "dynamic", "no_cache", "single")
+VARIANTS = ("growing", "one_prefill", "generate", "dynamic", "no_cache", "single")
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
@@ -134,11 +136,14 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         search = LocalSearch(load_retriever(Path(tmp) / "bm25"))
 
         def run(batched: bool, reuse_kv_cache: bool = True, growing: bool = True,
-                drop: bool = True) -> tuple[float, float]:
+                drop: bool = True, blocks: bool = True) -> tuple[float, float]:
             """(model tokens/s, share of sampled row-steps that were padding)."""
             sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+            options = {} if drop else {"drop_finished_rows": False}  # only what differs from the defaults:
+            if not blocks:  # the same script then also times older code (PYTHONPATH=<old checkout>/src)
+                options["prefill_block_cost"] = None
             gen = HFGenerator(model, tokenizer, sampling, reuse_kv_cache=reuse_kv_cache, growing_kv_cache=growing,
-                              micro_batch_size=max(32, len(samples)), drop_finished_rows=drop)
+                              micro_batch_size=max(32, len(samples)), **options)
             start = time.perf_counter()
             if batched:
                 asyncio.run(run_rollouts(samples, gen, search, config, template))
@@ -152,6 +157,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
         # Alternate the variants within each repeat so a change in machine load hits all alike.
         runs = {
             "growing": lambda: run(True),
+            "one_prefill": lambda: run(True, blocks=False),
             "generate": lambda: run(True, drop=False),
             "dynamic": lambda: run(True, growing=False),
             "no_cache": lambda: run(True, reuse_kv_cache=False),
@@ -170,6 +176,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
           f"{model_dir or 'tiny Qwen3'}, {args_threads} thread(s), median of {repeats}")
     labels = {
         "growing": "batched, GrowingKVCache, drop finished",
+        "one_prefill": "the same, prefill as one padded forward",
         "generate": "batched, GrowingKVCache, generate       ",
         "dynamic": "batched, DynamicCache, generate         ",
         "no_cache": "batched, context re-encoded per turn     ",
@@ -178,11 +185,13 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
     print(f"  matmul peak (torch.mm 2048^2 fp32): {peak / 1e9:.1f} GFLOP/s; "
           f"{flops_per_token / 1e6:.1f} MFLOP per generated token (2 x linear weights)")
     for name, value in med.items():
-        print(f"  {labels[name]}: {value:8.1f} model tokens/s, {100 * padded[name]:4.1f}% padded row-steps, "
+        print(f"  {labels[name]:40s}: {value:8.1f} model tokens/s, {100 * padded[name]:4.1f}% padded row-steps, "
               f"{100 * value * flops_per_token / peak:5.1f}% of matmul peak  "
               f"(runs: {', '.join(f'{t:.1f}' for t in times[name])})")
     if "growing" in med and "generate" in med:
         print(f"  drop finished rows vs generate: {med['growing'] / med['generate']:.2f}x")
+    if "growing" in med and "one_prefill" in med:
+        print(f"  prefill in blocks of rows vs one padded forward: {med['growing'] / med['one_prefill']:.2f}x")
     for name in ("dynamic", "no_cache", "single"):
         if "growing" in med and name in med:
             print(f"  GrowingKVCache (drop finished) vs {name}: {med['growing'] / med[name]:.2f}x")
