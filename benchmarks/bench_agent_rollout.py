@@ -151,7 +151,8 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
                 for sample in samples:
                     asyncio.run(run_rollouts([sample], gen, search, config, template))
             seconds = time.perf_counter() - start
-            return gen.generated_tokens / seconds, 1 - gen.generated_tokens / max(1, gen.sampled_rows)
+            sampled = getattr(gen, "sampled_rows", 0)  # older checkouts do not count it
+            return gen.generated_tokens / seconds, 1 - gen.generated_tokens / sampled if sampled else float("nan")
 
         run(True)  # warm-up
         # Alternate the variants within each repeat so a change in machine load hits all alike.
