@@ -19,6 +19,7 @@ from spader_pipeline.agent.state_capture import CapturedStates, StateCapture
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
 from spader_pipeline.modeling.boundary import decoder_blocks
 from spader_pipeline.modeling.decode import (
+    PREFILL_BLOCK_COST,
     decode_batch,
     generation_processors,
     left_aligned_positions,
@@ -83,7 +84,7 @@ class HFGenerator(Generator):
         bf16: bool = False,
         growing_kv_cache: bool = True,
         drop_finished_rows: bool = True,
-        prefill_block_cost: tuple[int, int] | None = (128, 32),
+        prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
         capture_states_from_layer: int | None = None,
     ) -> None:
         self.model = model.eval()

@@ -42,6 +42,9 @@ ROW_WISE_PROCESSORS = frozenset({
     "TypicalLogitsWarper", "EpsilonLogitsWarper", "RepetitionPenaltyLogitsProcessor",
     "NoRepeatNGramLogitsProcessor", "SuppressTokensLogitsProcessor",
 })
+#: ``(min_tokens, overhead_tokens)`` of :func:`~spader_pipeline.modeling.batching.padding_blocks` for a
+#: continued turn's prefill (``decode_batch``'s and ``HFGenerator``'s default)
+PREFILL_BLOCK_COST = (128, 32)
 #: processors that read only the scores, not the ids before them: with these a row's ids may have
 #: masked gaps (a blocked prefill) and the processors still see what ``generate`` would
 SCORE_ONLY_PROCESSORS = frozenset({
@@ -154,23 +157,20 @@ def _can_block(cache: Any, past: int, processors: Any) -> bool:
             and all(type(p).__name__ in SCORE_ONLY_PROCESSORS for p in processors))
 
 
-def _block_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int, order: list[int],
-                  blocks: list[range], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids and mask ``[B, past + w]`` in cache-row order (row ``r`` holds input row ``order[r]``, rows
-    by descending number of new tokens; ``w`` the most): the cached part as it was, then each row's
-    new tokens ending where its block's longest row ends, masked positions after them."""
-    lengths = attention_mask[:, past:].sum(1)
-    width = past + int(lengths.max())
-    ids = input_ids.new_full((len(order), width), pad_id)
-    mask = attention_mask.new_zeros((len(order), width))
+def _block_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int, new_lengths: list[int],
+                  order: list[int], ends: list[int], blocks: list[range], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and mask ``[B, ends[0]]`` in cache-row order (row ``r`` holds input row ``order[r]``, rows by
+    descending number of new tokens ``new_lengths``): the cached part as it was, then each row's new
+    tokens ending where its block ends (``ends``, one per block), masked positions after them."""
+    ids = input_ids.new_full((len(order), ends[0]), pad_id)
+    mask = attention_mask.new_zeros((len(order), ends[0]))
     ids[:, :past], mask[:, :past] = input_ids[order, :past], attention_mask[order, :past]
-    for block in blocks:
-        end = past + int(lengths[order[block.start]])
+    for block, end in zip(blocks, ends, strict=True):
         for row in block:
             source = order[row]
-            new = input_ids[source, past:][attention_mask[source, past:] == 1]
-            ids[row, end - len(new) : end] = new
-            mask[row, end - len(new) : end] = 1
+            start = end - new_lengths[source]
+            ids[row, start:end] = input_ids[source, past:][attention_mask[source, past:] == 1]
+            mask[row, start:end] = 1
     return ids, mask
 
 
@@ -186,7 +186,7 @@ def decode_batch(
     pad_id: int,
     processors: Any,
     do_sample: bool,
-    prefill_block_cost: tuple[int, int] | None = (128, 32),
+    prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
 ) -> DecodeResult:
     """Sample up to ``budgets[b]`` tokens for each row ``b``, a row leaving the batch when it ends.
 
@@ -212,7 +212,7 @@ def decode_batch(
     device = input_ids.device
     past = cache.get_seq_length()
     order = list(range(len(budgets)))  # input row held by each cache row
-    blocks = [range(len(budgets))]
+    blocks, ends = [range(len(budgets))], [input_ids.shape[1]]  # row blocks of the prefill, where each ends
     if prefill_block_cost is not None and _can_block(cache, past, processors):
         new_lengths = attention_mask[:, past:].sum(1).tolist()
         by_length = sorted(order, key=lambda row: -new_lengths[row])
@@ -220,7 +220,9 @@ def decode_batch(
         planned = padding_blocks([new_lengths[r] for r in by_length], min_tokens=min_tokens, overhead_tokens=overhead)
         if len(planned) > 1:
             order, blocks = by_length, planned
-            input_ids, attention_mask = _block_layout(input_ids, attention_mask, past, order, blocks, pad_id)
+            ends = [past + new_lengths[order[block.start]] for block in blocks]
+            input_ids, attention_mask = _block_layout(input_ids, attention_mask, past, new_lengths, order, ends,
+                                                      blocks, pad_id)
             cache.batch_select_indices(torch.tensor(order, device=device))
     batch, width = input_ids.shape
     longest = max(budgets)
@@ -235,19 +237,19 @@ def decode_batch(
     extra: dict[str, Any] = {"use_cache": True}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         extra["logits_to_keep"] = 1
+    blocked = len(blocks) > 1
     parts = []
-    for block in blocks:  # one block: the whole batch; else each padded to its longest row
-        end = past + int(attention_mask[block.start, past:].sum()) if len(blocks) > 1 else width
-        if len(blocks) > 1:
+    for block, end in zip(blocks, ends, strict=True):  # one block: the whole batch; else each to its longest row
+        if blocked:
             cache.row_window(block.start, block.stop, past)
         rows = slice(block.start, block.stop)
         parts.append(model(
             input_ids=input_ids[rows, past:end], attention_mask=attention_mask[rows, :end],
             position_ids=positions[rows, past:end], past_key_values=cache, **extra,
         ).logits[:, -1, :])
-    if len(blocks) > 1:
+    if blocked:
         cache.close_windows()
-    logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+    logits = torch.cat(parts) if blocked else parts[0]
     active, step, row_steps = batch, 0, 0
     while True:
         scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))

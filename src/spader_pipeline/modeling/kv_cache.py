@@ -75,11 +75,9 @@ class GrowingLayer(DynamicLayer):
 
     def set_active_rows(self, rows: int | None) -> None:
         """Expose (and let ``update`` write) only the first ``rows`` rows; ``None``: all rows."""
-        self._row_start, self._rows = 0, rows
-        if self._key_buffer is not None:
-            self._expose()
+        self.set_window(0, rows, self._length)
 
-    def set_window(self, start: int, stop: int, length: int) -> None:
+    def set_window(self, start: int, stop: int | None, length: int) -> None:
         """Expose rows ``[start, stop)`` with their first ``length`` positions (``length`` at most the
         current length): the next ``update`` writes these rows' new positions after ``length``."""
         if length > self._length:
