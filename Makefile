@@ -54,10 +54,10 @@ run-long: $(STAMP)
 	$(BIN)/kedro run --env long
 
 # GRPO vs SPADER, seeded, with bootstrap confidence intervals (conf/compare; docs/results.md).
-# Interrupted, it resumes: run it again.
+# Interrupted, it resumes: Kedro runs only the nodes whose outputs are missing (a finished cell is skipped).
 compare: $(STAMP)
 	mkdir -p mlruns
-	$(BIN)/kedro run --env compare --pipeline compare
+	$(BIN)/kedro run --env compare --pipeline compare --only-missing-outputs
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

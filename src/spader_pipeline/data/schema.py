@@ -75,6 +75,11 @@ def sample_record(
     return record
 
 
+def frame_records(frame: Any) -> list[SampleRecord]:
+    """:func:`sample_record` of every row of a pandas frame (an evaluation or training set)."""
+    return [sample_record(row) for row in frame.to_dict(orient="records")]
+
+
 def ground_truth_lists(value: Any) -> list[list[str]]:
     """``QARow.ground_truth`` as plain Python lists of strings, from what storage hands back: lists,
     numpy arrays (parquet round trips) or a flat list of names (each name its own entity)."""

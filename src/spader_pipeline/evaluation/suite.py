@@ -146,6 +146,41 @@ async def _one(config, model, generator, samples, frequencies, url, rollout, tem
             await generator.aclose()
 
 
+def evaluate_manifests(
+    params: Mapping[str, Any],
+    manifests: Mapping[str, Mapping[str, Any]],
+    datasets: Mapping[str, list[dict[str, Any]]],
+    frequencies: Mapping[str, Mapping[str, list[int]]],
+    *,
+    index_manifest: Mapping[str, Any],
+    prompt: Mapping[str, Any],
+    links: Callable[[Mapping[str, Any]], Mapping[str, str]] = lambda manifest: {},
+    on_result: Callable[[EvaluationResult], None] | None = None,
+) -> list[EvaluationResult]:
+    """The models of ``manifests`` (name → catalog manifest), then those of ``params.models``, on
+    every dataset. ``links`` gives a manifest's tags that link it to its training run."""
+    config = EvaluationConfig.from_mapping(params)
+    unknown = sorted(set(config.catalog_overrides) - set(manifests))
+    if unknown:
+        raise ValueError(f"evaluate.catalog_overrides names {unknown}, not models of the catalog "
+                         f"({sorted(manifests)})")
+    from_catalog = [
+        ModelSpec.from_manifest(name, manifest, config.catalog_settings(name), source=f"the catalog's {name} manifest",
+                                training=dict(links(manifest)))
+        for name, manifest in manifests.items()
+    ]
+    return evaluate_models(config, select_models(config, from_catalog), datasets, frequencies,
+                           index_manifest=index_manifest, prompt=prompt, on_result=on_result)
+
+
+def records_frame(results: Sequence[EvaluationResult]) -> Any:
+    """Per-sample records of ``results`` as one frame, with ``model`` and ``dataset`` first."""
+    import pandas as pd
+
+    return pd.DataFrame([{"model": r.model.name, "dataset": r.dataset, **record} for r in results
+                         for record in r.records])
+
+
 def _log_summary(result: EvaluationResult) -> None:
     m, failed = result.metrics, result.num_failed
     if failed:

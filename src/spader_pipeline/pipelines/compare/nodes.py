@@ -1,46 +1,55 @@
-"""Nodes of ``make compare``: a seeded comparison of two methods from one shared warm start.
+"""Nodes of ``make compare``: a seeded comparison of methods from one shared warm start.
 
-:func:`check_design` refuses a design that cannot give a confidence interval before anything
-trains; :func:`train_and_evaluate` trains every method × seed (the training stage's
-``train_policy``, one MLflow run ``<method> seed<k>`` each) and evaluates each policy greedy on the
-held-out set (the evaluate stage's ``run_evaluations``); :mod:`.report` turns the per-question
-scores into the table, the curves and the paired difference.
-
-Interrupted, a rerun resumes: the warm start is reused (``warm_start.reuse``), a finished
-method × seed is not trained again (a marker with its settings' fingerprint beside its checkpoints),
-an unfinished one resumes from its last checkpoint, and evaluation skips the questions already
-answered (``evaluate.runner.resume``).
+The pipeline (:mod:`.pipeline`) is a fan-out: :func:`check_design` refuses a design that cannot
+give a confidence interval before anything trains, :func:`select_heldout` fixes the held-out
+questions, :func:`evaluate_references` scores the warm start and the reference models once, then
+every method × seed is a namespace of its own (:func:`cell_settings` → the training stage's
+``train_policy`` → ``merge_policy`` → :func:`evaluate_cell`), and :func:`gather_cells` and
+:func:`write_report` turn every cell's per-question scores into the report (:mod:`.report`).
+Resuming is Kedro's: ``kedro run --only-missing-outputs`` skips every node whose outputs exist.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from spader_pipeline.pipelines.evaluate.nodes import count_entity_frequencies, run_evaluations
-from spader_pipeline.pipelines.training.nodes import train_policy, warm_start
+from spader_pipeline import tracking
+from spader_pipeline.data.schema import frame_records
+from spader_pipeline.evaluation.suite import evaluate_manifests, records_frame
+from spader_pipeline.pipelines.evaluate.nodes import count_entity_frequencies
+from spader_pipeline.typed_config import merge_settings
 
 logger = logging.getLogger(__name__)
 
-RUN_DONE = "compare_done.json"
-"""Marker of a finished method × seed training: fingerprint, manifest and per-step history."""
+#: Label of a compare cell's MLflow run name and its ``chain_kind`` tag.
+RUN_LABEL = "compare"
 
 
-def check_design(eval_sets: Mapping[str, Callable[[], pd.DataFrame]], compare: Mapping[str, Any]) -> dict[str, Any]:
+def cell_name(method: str, seed: int) -> str:
+    """The namespace of one method × seed (``grpo_seed0``)."""
+    return f"{method}_seed{int(seed)}"
+
+
+def check_design(eval_sets: Mapping[str, Callable[[], pd.DataFrame]], compare: Mapping[str, Any],
+                 cells: Sequence[tuple[str, int]] | None = None) -> dict[str, Any]:
     """The comparison's design, checked before any training: ≥ 2 seeds, two methods, a held-out set
-    with at least ``min_questions`` questions. Returns methods, seeds, dataset and question ids."""
+    with at least ``min_questions`` questions, and — given the ``cells`` the pipeline registered
+    from conf — the same methods × seeds. Returns methods, seeds, dataset and question ids."""
     methods, seeds = list(compare.get("methods") or []), list(compare.get("seeds") or [])
     if len(methods) != 2 or len(set(methods)) != 2:
         raise ValueError(f"compare.methods must name two different methods (baseline, candidate), got {methods}")
     if len(set(seeds)) < 2:
         raise ValueError(f"compare.seeds: a confidence interval over seeds needs at least 2 seeds, got {seeds}; "
                          "set e.g. compare.seeds=[0,1,2]")
+    if cells is not None and sorted((m, int(s)) for m in methods for s in seeds) != sorted(cells):
+        raise ValueError(f"compare.methods × compare.seeds ({methods} × {seeds}) differ from the pipeline's cells "
+                         f"{sorted(cell_name(m, s) for m, s in cells)}: the cells are registered from conf/ "
+                         "(KEDRO_ENV's parameters_compare.yml, default env compare), so set them there, not at run time")
     dataset = compare["dataset"]
     if dataset not in eval_sets:
         raise ValueError(f"compare.dataset {dataset!r} is not an evaluation set (have: {sorted(eval_sets)}); "
@@ -57,9 +66,51 @@ def check_design(eval_sets: Mapping[str, Callable[[], pd.DataFrame]], compare: M
             "question_ids": [str(i) for i in rows["id"]]}
 
 
-def shared_warm_start(design: Mapping[str, Any], *args: Any) -> tuple[dict[str, Any], dict[str, float]]:
-    """The training stage's warm start, ordered after :func:`check_design` (``design`` is unused)."""
-    return warm_start(*args)
+def evaluation_settings(evaluate: Mapping[str, Any], compare_evaluation: Mapping[str, Any] | None,
+                        dataset: str) -> dict[str, Any]:
+    """``evaluate`` with ``compare.evaluation`` laid over it, on the held-out set alone."""
+    return {**merge_settings(evaluate, compare_evaluation), "datasets": [dataset], "max_samples": None,
+            "extra_files": {}, "catalog_overrides": {}}
+
+
+def select_heldout(design: Mapping[str, Any], eval_sets: Mapping[str, Callable[[], pd.DataFrame]],
+                   corpus: pd.DataFrame, evaluate: Mapping[str, Any],
+                   compare_evaluation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The design's held-out questions (records) and their gold entities' corpus frequencies."""
+    dataset, keep = design["dataset"], set(design["question_ids"])
+    selected = {dataset: [r for r in frame_records(eval_sets[dataset]()) if str(r["id"]) in keep]}
+    params = evaluation_settings(evaluate, compare_evaluation, dataset)
+    return {"dataset": dataset, "records": selected[dataset],
+            "frequencies": count_entity_frequencies(selected, corpus, params).get(dataset, {})}
+
+
+def _evaluate(heldout: Mapping[str, Any], index_manifest: Mapping[str, Any], params: Mapping[str, Any],
+              prompt: Mapping[str, Any], manifests: Mapping[str, Mapping[str, Any]], on_result=None):
+    dataset = heldout["dataset"]
+    frequencies = {dataset: heldout["frequencies"]} if heldout.get("frequencies") else {}
+    return evaluate_manifests(params, manifests, {dataset: list(heldout["records"])}, frequencies,
+                              index_manifest=index_manifest, prompt=prompt, on_result=on_result)
+
+
+def evaluate_references(warm_start_manifest: Mapping[str, Any], heldout: Mapping[str, Any],
+                        index_manifest: Mapping[str, Any], evaluate: Mapping[str, Any],
+                        compare_evaluation: Mapping[str, Any] | None, prompt: Mapping[str, Any]
+                        ) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The warm start and ``compare.evaluation.models`` (e.g. scripted), greedy, once: per-question
+    records (``method`` = model, ``seed`` = -1) and headline scores (``<model>/<metric>``)."""
+    params = evaluation_settings(evaluate, compare_evaluation, heldout["dataset"])
+    results = _evaluate(heldout, index_manifest, params, prompt, {"warm_start": warm_start_manifest})
+    samples = records_frame(results)
+    metrics = {f"{r.model.name}/{k}": v for r in results for k, v in tracking.numeric_items(r.metrics).items()
+               if k in tracking.HELDOUT_KEYS}
+    return samples.assign(method=samples["model"], seed=-1), metrics
+
+
+def cell_settings(training: Mapping[str, Any], merge: Mapping[str, Any], output_dir: str,
+                  seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``training`` and ``merge`` settings of one cell: its seed and its own directories."""
+    seeded = seed_training(training, output_dir, seed)
+    return {**seeded, "run_label": RUN_LABEL}, {**merge, "output_dir": str(Path(seeded["output_dir"]) / "merged")}
 
 
 def seed_training(training: Mapping[str, Any], output_dir: str, seed: int) -> dict[str, Any]:
@@ -70,86 +121,30 @@ def seed_training(training: Mapping[str, Any], output_dir: str, seed: int) -> di
     return {**training, "output_dir": str(Path(output_dir) / f"seed{seed}"), "native": native, "verl": verl}
 
 
-def _fingerprint(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+def evaluate_cell(model_manifest: Mapping[str, Any], heldout: Mapping[str, Any], index_manifest: Mapping[str, Any],
+                  evaluate: Mapping[str, Any], compare_evaluation: Mapping[str, Any] | None,
+                  prompt: Mapping[str, Any], method: str, seed: int) -> pd.DataFrame:
+    """One cell's trained policy, greedy on the held-out questions: its per-question records; the
+    headline scores also go onto the cell's training run (``heldout/<dataset>/…``)."""
+    params = {**evaluation_settings(evaluate, compare_evaluation, heldout["dataset"]), "models": []}
+    run_id = model_manifest.get("mlflow_run_id")
+    results = _evaluate(heldout, index_manifest, params, prompt, {cell_name(method, seed): model_manifest},
+                        on_result=lambda r: tracking.log_heldout(run_id, r.dataset, r.metrics))
+    return records_frame(results).assign(method=method, seed=int(seed))
 
 
-def _train_once(init: Mapping[str, Any], verl_train: pd.DataFrame, index_manifest: Mapping[str, Any],
-                method: Mapping[str, Any], training: Mapping[str, Any], prompt: Mapping[str, Any]
-                ) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """Train one method × seed, or return the finished one recorded in its run directory."""
-    run_dir = Path(training["output_dir"]) / f"train_{method['method']}"
-    marker = run_dir / RUN_DONE
-    fingerprint = _fingerprint(init.get("path"), method, {k: v for k, v in training.items() if k != "verl"}, prompt)
-    if marker.is_file():
-        done = json.loads(marker.read_text())
-        if done.get("fingerprint") == fingerprint:
-            logger.info("compare: %s already trained with these settings; reused", run_dir)
-            return done["manifest"], done["history"]
-    manifest, history, _ = train_policy(init, verl_train, index_manifest, method, training, prompt)
-    if training.get("backend", "native") == "verl":
-        from spader_pipeline.pipelines.merge.nodes import merge_policy
-
-        manifest = {**merge_policy(manifest, {"output_dir": str(run_dir / "merged")}), "mlflow_run_id": manifest.get("mlflow_run_id")}
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"fingerprint": fingerprint, "manifest": manifest, "history": history}, default=str))
-    return manifest, history
-
-
-def train_and_evaluate(
-    design: Mapping[str, Any],
-    warm_start_manifest: Mapping[str, Any],
-    verl_train: pd.DataFrame,
-    index_manifest: Mapping[str, Any],
-    eval_sets: Mapping[str, Callable[[], pd.DataFrame]],
-    corpus: pd.DataFrame,
-    parameters: Mapping[str, Any],
-) -> tuple[dict[str, Any], pd.DataFrame]:
-    """Every method × seed of ``design``: train from the shared warm start, evaluate greedy.
-
-    Returns the runs (per method and seed: manifest and per-step history) and the per-question
-    records of every evaluated model (columns ``model``, ``method``, ``seed`` added; the warm start
-    is evaluated once, as ``method = warm_start``).
-    """
-    compare, training, prompt = parameters["compare"], parameters["training"], parameters["prompt"]
-    evaluate = {**_merged(parameters["evaluate"], compare.get("evaluation") or {}), "datasets": [design["dataset"]],
-                "max_samples": None, "extra_files": {}, "catalog_overrides": {}}
-    trained_only = {**evaluate, "models": []}  # the reference models are evaluated once, beside the warm start
-    keep = set(design["question_ids"])
-    selected = {design["dataset"]: [r for r in _records(eval_sets[design["dataset"]]()) if str(r["id"]) in keep]}
-    frequencies = count_entity_frequencies(selected, corpus, evaluate)
-
-    def evaluate_model(name: str, manifest: Mapping[str, Any], params: Mapping[str, Any]) -> pd.DataFrame:
-        samples, _, _ = run_evaluations(selected, frequencies, index_manifest, params, prompt, **{name: manifest})
-        return samples
-
-    first = evaluate_model("warm_start", warm_start_manifest, evaluate)
-    frames = [first.assign(method=first["model"], seed=-1)]
+def gather_cells(design: Mapping[str, Any], reference_samples: pd.DataFrame,
+                 **cells: Any) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Every cell's per-step history and per-question records (inputs ``<cell>__history`` and
+    ``<cell>__samples``) with the references': the runs and the samples the report reads."""
     runs: dict[str, Any] = {}
+    frames = [reference_samples]
     for seed in design["seeds"]:
-        seeded = seed_training(training, compare["output_dir"], seed)
-        for name in design["methods"]:
-            block = parameters.get(f"train_{name}", {}).get("method")
-            if block is None:
-                raise ValueError(f"no train_{name}.method block in the parameters (methods: {design['methods']})")
-            manifest, history = _train_once(warm_start_manifest, verl_train, index_manifest, block, seeded, prompt)
-            runs[f"{name}_seed{seed}"] = {"method": name, "seed": seed, "manifest": manifest, "history": history}
-            frames.append(evaluate_model(f"{name}_seed{seed}", manifest, trained_only).assign(method=name, seed=seed))
+        for method in design["methods"]:
+            name = cell_name(method, seed)
+            runs[name] = {"method": method, "seed": int(seed), "history": cells[f"{name}__history"]}
+            frames.append(cells[f"{name}__samples"])
     return runs, pd.concat(frames, ignore_index=True)
-
-
-def _merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``override`` merged in, mappings key by key (lists and values replaced)."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
-    return out
-
-
-def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    from spader_pipeline.data.schema import sample_record
-
-    return [sample_record(row) for row in frame.to_dict(orient="records")]
 
 
 def write_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd.DataFrame,

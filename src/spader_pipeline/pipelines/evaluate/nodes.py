@@ -18,21 +18,16 @@ import mlflow
 import pandas as pd
 
 from spader_pipeline import tracking
-from spader_pipeline.data.schema import SampleRecord, sample_record
+from spader_pipeline.data.schema import frame_records
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import entity_corpus_frequency
-from spader_pipeline.evaluation.models import ModelSpec
 from spader_pipeline.evaluation.plots import comparison_figure, sample_figure
-from spader_pipeline.evaluation.suite import EvaluationResult, evaluate_models, select_models
+from spader_pipeline.evaluation.suite import EvaluationResult, evaluate_manifests, records_frame
 
 logger = logging.getLogger(__name__)
 
 #: Columns of the comparison table, first, in this order.
 TABLE_HEAD = ["model", "dataset", "num_samples", "num_failed", "precision", "recall", "f1", "exact_match"]
-
-
-def _records(frame: pd.DataFrame) -> list[SampleRecord]:
-    return [sample_record(row) for row in frame.to_dict(orient="records")]
 
 
 def select_eval_sets(
@@ -45,12 +40,12 @@ def select_eval_sets(
         if name not in eval_sets:
             logger.info("evaluation set %s not present (available: %s); skipped", name, sorted(eval_sets))
             continue
-        selected[name] = _records(eval_sets[name]())
+        selected[name] = frame_records(eval_sets[name]())
     for name, path in (params.get("extra_files") or {}).items():
         if not Path(path).is_file():
             logger.info("evaluation file %s (%s) not found; skipped", name, path)
             continue
-        selected[name] = _records(pd.read_json(path, lines=True, dtype={"id": str}))
+        selected[name] = frame_records(pd.read_json(path, lines=True, dtype={"id": str}))
     limit = params.get("max_samples")
     if limit:
         selected = {k: v[: int(limit)] for k, v in selected.items()}
@@ -93,29 +88,18 @@ def run_evaluations(
     metrics dict the MLflow hook logs (``<model>/<dataset>/<metric>``).
     """
     config = EvaluationConfig.from_mapping(params)
-    unknown = sorted(set(config.catalog_overrides) - set(model_manifests))
-    if unknown:
-        raise ValueError(f"evaluate.catalog_overrides names {unknown}, not models of the catalog "
-                         f"({sorted(model_manifests)})")
-    from_catalog = [
-        ModelSpec.from_manifest(name, manifest, config.catalog_settings(name), source=f"the catalog's {name} manifest",
-                                training=tracking.training_link_tags(manifest))
-        for name, manifest in model_manifests.items()
-    ]
-    models = select_models(config, from_catalog)
-    edges = config.long_tail.edges
-    results = evaluate_models(config, models, selected, frequencies, index_manifest=index_manifest, prompt=prompt,
-                              on_result=lambda result: _log_evaluation(result, edges))
+    results = evaluate_manifests(params, model_manifests, selected, frequencies, index_manifest=index_manifest,
+                                 prompt=prompt, links=tracking.training_link_tags,
+                                 on_result=lambda result: _log_evaluation(result, config.long_tail.edges))
     return _outputs(results)
 
 
 def _outputs(results: list[EvaluationResult]) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
-    samples = [{"model": r.model.name, "dataset": r.dataset, **record} for r in results for record in r.records]
     table = pd.DataFrame([{"model": r.model.name, "dataset": r.dataset, **r.metrics} for r in results])
     if not table.empty:
         table = table[TABLE_HEAD + [c for c in table.columns if c not in TABLE_HEAD]]
     metrics = {f"{r.model.name}/{r.dataset}/{k}": v for r in results for k, v in r.metrics.items() if not math.isnan(v)}
-    return pd.DataFrame(samples), table, metrics
+    return records_frame(results), table, metrics
 
 
 def _log_evaluation(result: EvaluationResult, edges) -> None:

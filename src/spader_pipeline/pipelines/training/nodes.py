@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -76,13 +75,6 @@ def warm_start(
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")
         return {**base_model_manifest, "warm_start": False}, {}
-    fingerprint = _fingerprint(base_model_manifest["path"], verl_train, params, prompt)
-    done = Path(params["output_dir"]) / WARM_START_DONE
-    if params.get("reuse", False) and done.is_file():
-        previous = json.loads(done.read_text())
-        if previous.get("fingerprint") == fingerprint:
-            logger.info("warm start reused: %s was trained with the same settings and data", params["output_dir"])
-            return previous["manifest"], previous["metrics"]
     started = time.perf_counter()
     seed = int(params.get("seed", 0))
     template = _template(prompt, params.get("prompt_template"))
@@ -113,22 +105,7 @@ def warm_start(
     metrics["total_seconds"] = time.perf_counter() - started
     manifest = {"path": str(out.resolve()), "source": "warm_start", "base": base_model_manifest["path"],
                 "demonstrations": source, "warm_start": True}
-    done.write_text(json.dumps({"fingerprint": fingerprint, "manifest": manifest, "metrics": metrics}, indent=1))
     return manifest, metrics
-
-
-WARM_START_DONE = "warm_start_done.json"
-"""Written beside a finished warm start: its settings' fingerprint, manifest and metrics (``reuse``)."""
-
-
-def _fingerprint(base_path: str, verl_train: pd.DataFrame, params: Mapping[str, Any], prompt: Mapping[str, Any]) -> str:
-    """Hash of what determines a warm start: base model, training questions, settings, prompt."""
-    data = hashlib.sha256(pd.util.hash_pandas_object(verl_train.astype(str), index=False).values.tobytes()).hexdigest()
-    settings = {k: v for k, v in params.items() if k not in ("reuse", "check_questions", "check_max_new_tokens")}
-    own = Path(params["data_path"]).read_bytes() if params.get("data_path") else b""
-    blob = json.dumps([str(base_path), data, hashlib.sha256(own).hexdigest(), settings, prompt], sort_keys=True,
-                      default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -> dict[str, float]:
@@ -174,7 +151,10 @@ def method_run_identity(
     tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
     params = {"backend": backend, "seed": seed, **method_settings(training, method)}
-    return f"{name} seed{seed}", tags, params
+    label = training.get("run_label")  # e.g. "compare": a compare cell's run, told apart at a glance
+    if label:
+        tags["chain_kind"] = label
+    return f"{label + ' ' if label else ''}{name} seed{seed}", tags, params
 
 
 def train_policy(
