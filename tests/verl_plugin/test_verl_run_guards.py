@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def _missing_in_fresh_process(**env) -> str:
 
     cloudpickle.register_pickle_by_value(registration)
     try:
-        payload = cloudpickle.dumps(registration.missing_registrations)
+        payload = cloudpickle.dumps(partial(registration.missing_registrations, registration.required_registrations()))
     finally:
         cloudpickle.unregister_pickle_by_value(registration)
     code = "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read())())"

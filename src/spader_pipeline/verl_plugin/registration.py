@@ -17,10 +17,17 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-#: what the project's verl runs need, by registry
-REQUIRED = {"advantage estimator": ("spa", "calibadv", "tspo"), "agent loop": ("spader_search",),
+
+
+def required_registrations() -> dict[str, tuple[str, ...]]:
+    """What the project's verl runs need, by verl registry: every registered method's estimator
+    (from :mod:`spader_pipeline.algorithms.methods`, so a new method is checked too), the agent loop
+    and the reward manager. Called in the driver; the workers get the result as an argument."""
+    from spader_pipeline.algorithms.methods import estimator_names
+
+    return {"advantage estimator": estimator_names(), "agent loop": ("spader_search",),
             "reward manager": ("spader",)}
 
 
@@ -28,8 +35,9 @@ class PluginNotRegisteredError(RuntimeError):
     """The project's verl plugin is not registered in some Ray worker process."""
 
 
-def missing_registrations() -> dict[str, list[str]]:
-    """Names of :data:`REQUIRED` not registered after ``import verl`` in this process."""
+def missing_registrations(required: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """Names of ``required`` (:func:`required_registrations`) not registered after ``import verl``
+    in this process."""
     import verl  # noqa: F401  (runs verl's plugin loading)
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
     from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
@@ -37,13 +45,13 @@ def missing_registrations() -> dict[str, list[str]]:
 
     present = {"advantage estimator": ADV_ESTIMATOR_REGISTRY, "agent loop": _agent_loop_registry,
                "reward manager": REWARD_MANAGER}
-    missing = {kind: [n for n in names if n not in present[kind]] for kind, names in REQUIRED.items()}
+    missing = {kind: [n for n in names if n not in present[kind]] for kind, names in required.items()}
     return {kind: names for kind, names in missing.items() if names}
 
 
-def _node_report() -> dict:
+def _node_report(required: Mapping[str, Sequence[str]]) -> dict:
     """Run on a worker: what is missing, and why the plugin did not load (if it does not)."""
-    report = {"host": socket.gethostname(), "missing": missing_registrations(),
+    report = {"host": socket.gethostname(), "missing": missing_registrations(required),
               "VERL_USE_EXTERNAL_MODULES": os.environ.get("VERL_USE_EXTERNAL_MODULES", "")}
     if report["missing"]:
         try:
@@ -73,18 +81,19 @@ def check_workers_registered(timeout: float = 300.0) -> None:
     from ray import cloudpickle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    required = required_registrations()
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     task = ray.remote(num_cpus=0)(_node_report)
     # the nodes verl places its agent-loop workers on (AgentLoopManager._init_agent_loop_workers)
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-    refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+    refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(required)
             for node in nodes}
     reports = {}
     for node, ref in refs.items():
         try:
             reports[node] = ray.get(ref, timeout=timeout)
         except Exception as exc:  # e.g. spader_pipeline not installed there: the task cannot unpickle
-            reports[node] = {"missing": REQUIRED, "import_error": f"{exc.__class__.__name__}: {exc}"}
+            reports[node] = {"missing": required, "import_error": f"{exc.__class__.__name__}: {exc}"}
     bad = {node: r for node, r in reports.items() if r["missing"]}
     if bad:
         raise PluginNotRegisteredError(

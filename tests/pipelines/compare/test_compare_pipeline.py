@@ -1,18 +1,26 @@
-"""`make compare` through a real KedroSession (tiny model, test env): the design check, every
-method × seed trained and evaluated, the report, MLflow runs per seed, and resume on a rerun."""
+"""`make compare` as Kedro pipelines: the design check, the cells registered from conf, and real
+KedroSession runs (tiny model, test env): an uninterrupted run, one stopped after its first cell and
+resumed by ``--only-missing-outputs``, and one on ParallelRunner."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
+from kedro.framework.hooks import hook_impl
 from kedro.framework.session import KedroSession
+from kedro.framework.startup import bootstrap_project
+from kedro.runner import ParallelRunner
 
-from spader_pipeline.pipelines.compare.nodes import check_design, seed_training
+from spader_pipeline.pipelines.compare.nodes import cell_settings, check_design, seed_training
+from spader_pipeline.pipelines.compare.pipeline import create_pipeline, registered_cells
 
 PARAMS = {"methods": ["grpo", "spader"], "seeds": [0, 1], "dataset": "embedded_test", "min_questions": 4}
+CELLS = ["grpo_seed0", "spader_seed0", "grpo_seed1", "spader_seed1"]
 
 
 def _sets(n: int) -> dict:
@@ -20,7 +28,7 @@ def _sets(n: int) -> dict:
     return {"embedded_test": lambda: frame}
 
 
-def test_design_needs_two_seeds_two_methods_and_enough_questions():
+def test_design_needs_two_seeds_two_methods_enough_questions_and_the_registered_cells():
     assert check_design(_sets(5), PARAMS)["question_ids"] == ["0", "1", "2", "3", "4"]
     with pytest.raises(ValueError, match="at least 2 seeds"):
         check_design(_sets(5), {**PARAMS, "seeds": [0, 0]})
@@ -30,69 +38,142 @@ def test_design_needs_two_seeds_two_methods_and_enough_questions():
         check_design(_sets(3), PARAMS)
     with pytest.raises(ValueError, match="not an evaluation set"):
         check_design(_sets(5), {**PARAMS, "dataset": "nope"})
+    cells = (("grpo", 0), ("spader", 0), ("grpo", 1), ("spader", 1))
+    assert check_design(_sets(5), PARAMS, cells)["seeds"] == [0, 1]
+    with pytest.raises(ValueError, match="differ from the pipeline's cells"):
+        check_design(_sets(5), {**PARAMS, "seeds": [0, 1, 2]}, cells)
 
 
-def test_each_seed_gets_its_own_directory_and_seed_for_both_backends():
+def test_each_cell_gets_its_own_seed_directories_and_run_label():
     training = {"native": {"seed": 0, "total_steps": 3}, "verl": {"overrides": ["a=1"]}, "output_dir": "x"}
     seeded = seed_training(training, "out/compare", 2)
     assert seeded["output_dir"] == "out/compare/seed2" and seeded["native"] == {"seed": 2, "total_steps": 3}
     assert seeded["verl"]["overrides"] == ["a=1", "data.seed=2", "actor_rollout_ref.actor.data_loader_seed=2"]
     assert training["native"]["seed"] == 0  # the shared settings are not modified
+    cell, merge = cell_settings(training, {"timeout": 5}, "out/compare", 1)
+    assert cell["run_label"] == "compare" and merge == {"timeout": 5, "output_dir": "out/compare/seed1/merged"}
 
 
-RUNTIME = {
-    "compare": {"seeds": [0, 1], "min_questions": 4, "max_questions": 6,
-                "bootstrap": {"resamples": 200}, "evaluation": {"trained_models": {"batch_size": 8}}},
-    "warm_start": {"reuse": True},
-    "training": {"native": {"total_steps": 1}},
-}
+def test_cells_come_from_conf_at_registry_time(project_root, tmp_path):
+    shutil.copytree(project_root / "conf", tmp_path / "conf", ignore=shutil.ignore_patterns("local"))
+    (tmp_path / "conf" / "local").mkdir()
+    bootstrap_project(project_root)
+    assert registered_cells(tmp_path, "compare") == [(m, s) for s in (0, 1, 2) for m in ("grpo", "spader")]
+    (tmp_path / "conf/local/parameters_compare.yml").write_text("compare:\n  seeds: [0, 1, 2, 3, 4]\n")
+    cells = registered_cells(tmp_path, "local")
+    assert len(cells) == 10 and ("spader", 4) in cells
+    pipeline = create_pipeline(cells)
+    assert {"grpo_seed4", "spader_seed4"} <= {n.namespace for n in pipeline.nodes}
+    one = pipeline.only_nodes_with_namespaces(["spader_seed4"])  # what --namespaces spader_seed4 runs
+    assert [n.name.split(".")[1] for n in one.nodes] == ["cell_settings", "train_policy", "merge_policy",
+                                                        "evaluate_cell"]
+    # a cell reads only persisted shared datasets and its own parameters
+    assert {i for i in one.inputs() if not i.startswith("params:")} == {
+        "warm_start_manifest", "verl_train", "index_manifest", "compare_heldout"}
+    assert "params:train_spader.method" in one.inputs() and "parameters" not in pipeline.inputs()
 
 
-def _method_runs() -> list:
-    experiment = mlflow.get_experiment_by_name("spader-pipeline-test")
-    if experiment is None:
-        return []
-    runs = mlflow.search_runs(experiment_ids=[experiment.experiment_id], output_format="list")
-    return [r for r in runs if "method" in r.data.tags and r.info.run_name.split()[0] in ("grpo", "spader")]
+RUNTIME = {"compare": {"max_questions": 4}, "training": {"native": {"total_steps": 1}}}
+
+
+class _StopAfter:
+    """Fails the run right after one dataset is saved (a crash between two cells)."""
+
+    def __init__(self, dataset_name: str) -> None:
+        self.dataset_name = dataset_name
+
+    @hook_impl
+    def after_dataset_saved(self, dataset_name: str) -> None:
+        if dataset_name == self.dataset_name:
+            raise RuntimeError(f"stopped after {dataset_name}")
+
+
+class _Ran:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    @hook_impl
+    def before_node_run(self, node) -> None:
+        self.names.append(node.name)
+
+
+def _project(root: Path, project_root: Path, monkeypatch) -> Path:
+    """A throw-away project whose test env registers the cells grpo/spader × seeds 0, 1."""
+    root.mkdir()
+    shutil.copy(project_root / "pyproject.toml", root / "pyproject.toml")
+    shutil.copytree(project_root / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    (root / "src").mkdir()
+    (root / "src" / "spader_pipeline").symlink_to(project_root / "src" / "spader_pipeline")
+    with (root / "conf/test/parameters_compare.yml").open("a") as f:
+        f.write("  seeds: [0, 1]\n")
+    monkeypatch.setenv("KEDRO_ENV", "test")
+    monkeypatch.chdir(root)
+    bootstrap_project(root)
+    return root
+
+
+def _run(root: Path, *hooks, **kwargs) -> None:
+    with KedroSession.create(project_path=root, env="test", runtime_params=RUNTIME) as session:
+        for hook in hooks:
+            session._hook_manager.register(hook)
+        session.run(pipeline_names=["compare"], **kwargs)
+
+
+def _records(root: Path) -> pd.DataFrame:
+    frame = pd.read_json(root / "data/07_model_output/compare_eval_samples.jsonl", lines=True, dtype={"id": str})
+    return frame.sort_values(["model", "id"]).reset_index(drop=True).astype(str)
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_compare_session_trains_every_seed_reports_and_resumes(kedro_project):
-    before = {r.info.run_id for r in _method_runs()}
-    with KedroSession.create(project_path=kedro_project, env="test", runtime_params=RUNTIME) as session:
-        session.run(pipeline_names=["compare"])
-
-    runs = json.loads((kedro_project / "data/07_model_output/compare_runs.json").read_text())
-    assert sorted(runs) == ["grpo_seed0", "grpo_seed1", "spader_seed0", "spader_seed1"]
-    for run in runs.values():
-        assert run["manifest"]["path"].endswith(f"compare/seed{run['seed']}/train_{run['method']}/final")
-        assert [h["step"] for h in run["history"]] == [1]
-    samples = pd.read_json(kedro_project / "data/07_model_output/compare_eval_samples.jsonl", lines=True)
-    assert set(samples["model"]) == {"warm_start", "scripted", *runs}
-    assert samples.groupby("model").size().nunique() == 1  # every model on the same questions
-    report = (kedro_project / "data/08_reporting/compare_report.md").read_text()
+def test_compare_cells_resume_and_run_in_parallel(project_root, tmp_path, monkeypatch):
+    # 1. uninterrupted, sequential
+    whole = _project(tmp_path / "whole", project_root, monkeypatch)
+    _run(whole)
+    runs = json.loads((whole / "data/07_model_output/compare_runs.json").read_text())
+    assert sorted(runs) == sorted(CELLS) and all([h["step"] for h in r["history"]] == [1] for r in runs.values())
+    for cell in CELLS:  # each cell wrote its own per-question records
+        assert len(pd.read_json(whole / f"data/07_model_output/{cell}/eval_samples.jsonl", lines=True)) == 4
+    samples = _records(whole)
+    assert set(samples["model"]) == {"warm_start", "scripted", *CELLS}
+    report = (whole / "data/08_reporting/compare_report.md").read_text()
     assert "SPADER vs GRPO" in report and "(paired)" in report and "detectable" in report
-    assert (kedro_project / "data/08_reporting/compare_curves.png").stat().st_size > 10_000
-    metrics = json.loads((kedro_project / "data/08_reporting/compare_metrics.json").read_text())
-    assert {"grpo/recall/mean", "spader/f1/low", "diff/recall/high", "diff/long_tail_recall/detectable"} <= set(metrics)
+    metrics = json.loads((whole / "data/08_reporting/compare_metrics.json").read_text())
+    assert {"grpo/recall/mean", "spader/f1/low", "diff/recall/high"} <= set(metrics)
+    chain = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                               filter_string="tags.`kedro.pipeline` = 'compare'")[0]
+    cells = mlflow.search_runs([chain.info.experiment_id], output_format="list",
+                               filter_string=f"tags.chain_run_id = '{chain.info.run_id}'")
+    # the chain's runs: one per cell, named and tagged compare, with the cell's held-out scores
+    assert sorted(r.info.run_name for r in cells) == sorted(f"compare {c.replace('_seed', ' seed')}" for c in CELLS)
+    assert all(r.data.tags["chain_kind"] == "compare" and "heldout/embedded_test/recall" in r.data.metrics
+               for r in cells)
+    assert "compare/diff/recall/mean" in mlflow.get_run(chain.info.run_id).data.metrics
 
-    created = [r for r in _method_runs() if r.info.run_id not in before]
-    assert sorted(r.info.run_name for r in created) == ["grpo seed0", "grpo seed1", "spader seed0", "spader seed1"]
-    chain = mlflow.get_run(created[0].data.tags["chain_run_id"])
-    assert "compare/diff/recall/mean" in chain.data.metrics
+    # 2. stopped right after its first cell, then resumed by Kedro
+    resumed = _project(tmp_path / "resumed", project_root, monkeypatch)
+    with pytest.raises(RuntimeError, match="stopped after"):
+        _run(resumed, _StopAfter("grpo_seed0__samples"))
+    weights = next((resumed / "data/06_models/compare/seed0/train_grpo/final").glob("*.safetensors"))
+    before = weights.stat().st_mtime_ns
+    ran = _Ran()
+    _run(resumed, ran, only_missing_outputs=True)
+    assert not [n for n in ran.names if n.startswith("grpo_seed0.") or n in ("warm_start", "check_compare_design")]
+    assert {"spader_seed1.evaluate_cell", "gather_cells", "compare_report"} <= set(ran.names)
+    assert weights.stat().st_mtime_ns == before  # the first cell was not trained again
+    assert (resumed / "data/08_reporting/compare_report.md").read_text() == report
+    pd.testing.assert_frame_equal(_records(resumed), samples)
 
-    # A rerun resumes: the warm start and the finished trainings are reused (no new training run).
-    warm_weights = next((kedro_project / "data/06_models/warm_start").glob("*.safetensors")).stat().st_mtime_ns
-    with KedroSession.create(project_path=kedro_project, env="test", runtime_params=RUNTIME) as session:
-        session.run(pipeline_names=["compare"])
-    assert next((kedro_project / "data/06_models/warm_start").glob("*.safetensors")).stat().st_mtime_ns == warm_weights
-    assert len([r for r in _method_runs() if r.info.run_id not in before]) == 4
+    # 3. on ParallelRunner: the cells are independent, the records the same
+    parallel = _project(tmp_path / "parallel", project_root, monkeypatch)
+    _run(parallel, runner=ParallelRunner(max_workers=2))
+    pd.testing.assert_frame_equal(_records(parallel), samples)
 
 
 @pytest.mark.e2e
 def test_a_held_out_set_too_small_stops_before_training(kedro_project):
-    runtime = {**RUNTIME, "compare": {**RUNTIME["compare"], "min_questions": 100_000}}
+    runtime = {**RUNTIME, "compare": {"min_questions": 100_000}}
     with KedroSession.create(project_path=kedro_project, env="test", runtime_params=runtime) as session:
         with pytest.raises(ValueError, match="a paired interval needs at least 100000"):
             session.run(pipeline_names=["compare"])

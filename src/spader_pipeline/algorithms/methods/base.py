@@ -29,6 +29,8 @@ __all__ = [
     "RewardInputs",
     "answer_score",
     "cost_coefficient",
+    "default_methods",
+    "estimator_names",
     "fit_steps",
     "get_method",
     "method_advantages",
@@ -121,6 +123,8 @@ class Method:
     """the rewards read :attr:`RewardInputs.step_documents`"""
     needs_step_thinks: bool = False
     """the rewards read :attr:`RewardInputs.step_thinks`"""
+    default_run: bool = False
+    """trained, evaluated and reported by the default chain (``make run``: GRPO vs SPADER)"""
 
 
 METHODS: dict[str, Method] = {}
@@ -170,6 +174,16 @@ def get_method(name: str) -> Method:
 
 def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
+
+
+def default_methods() -> tuple[str, ...]:
+    """The methods of the default chain (:attr:`Method.default_run`), in registration order."""
+    return tuple(name for name, method in METHODS.items() if method.default_run)
+
+
+def estimator_names() -> tuple[str, ...]:
+    """The advantage estimators of the registered methods (verl's ``algorithm.adv_estimator``)."""
+    return tuple(dict.fromkeys(method.estimator for method in METHODS.values()))
 
 
 def options_from_mapping(method: str, params: Mapping[str, Any] | None) -> Any:

@@ -38,5 +38,6 @@ def grpo_advantage(rewards, mask, index, options: GrpoOptions, layout):
 
 
 GRPO = register_method(
-    Method("grpo", "grpo", GrpoOptions, grpo_rewards, grpo_advantage, paper="DeepSeekMath, arXiv 2402.03300")
+    Method("grpo", "grpo", GrpoOptions, grpo_rewards, grpo_advantage, paper="DeepSeekMath, arXiv 2402.03300",
+           default_run=True)
 )

@@ -57,6 +57,6 @@ def spader_advantage(rewards, mask, index, options: SpaOptions, layout):
 SPADER = register_method(
     Method(
         "spader", "spa", SpaOptions, spader_method_rewards, spader_advantage, paper="SPADER, arXiv 2606.00593",
-        exploration=True, tool_round_cost=0.01,
+        exploration=True, tool_round_cost=0.01, default_run=True,
     )
 )

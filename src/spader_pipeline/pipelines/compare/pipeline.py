@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from functools import partial
+from functools import partial, update_wrapper
 from pathlib import Path
 
 from kedro.pipeline import Pipeline, node, pipeline
@@ -56,13 +56,18 @@ def registered_cells(project_path: Path | None = None, env: str | None = None) -
     return [(str(m), int(s)) for s in compare.get("seeds") or [] for m in compare.get("methods") or []]
 
 
+def _bound(func, **kwargs):
+    """``func`` with ``kwargs`` fixed at registry time (a cell's method and seed), keeping its name."""
+    return update_wrapper(partial(func, **kwargs), func)
+
+
 def cell_pipeline(method: str, seed: int) -> Pipeline:
     """One method × seed under the namespace :func:`nodes.cell_name`; it exposes its per-step
     history and per-question records as ``<cell>__history`` / ``<cell>__samples``."""
     name = nodes.cell_name(method, seed)
     template = Pipeline(
         [
-            node(partial(nodes.cell_settings, seed=seed),
+            node(_bound(nodes.cell_settings, seed=seed),
                  ["params:training", "params:merge", "params:compare.output_dir"],
                  ["training_settings", "merge_settings"], name="cell_settings"),
             node(train_policy,
@@ -71,7 +76,7 @@ def cell_pipeline(method: str, seed: int) -> Pipeline:
                  ["policy_manifest", "training_history", "training_metrics"],
                  name="train_policy", tags=[METHOD_RUN_TAG]),
             node(merge_policy, ["policy_manifest", "merge_settings"], "model_manifest", name="merge_policy"),
-            node(partial(nodes.evaluate_cell, method=method, seed=seed),
+            node(_bound(nodes.evaluate_cell, method=method, seed=seed),
                  ["model_manifest", "compare_heldout", "index_manifest", "params:evaluate",
                   "params:compare.evaluation", "params:prompt"],
                  "eval_samples", name="evaluate_cell"),
@@ -88,7 +93,7 @@ def create_pipeline(cells: Sequence[tuple[str, int]] | None = None, **kwargs) ->
     cells = registered_cells() if cells is None else list(cells)
     shared = Pipeline(
         [
-            node(partial(nodes.check_design, cells=tuple(cells)), ["eval_sets", "params:compare"], "compare_design",
+            node(_bound(nodes.check_design, cells=tuple(cells)), ["eval_sets", "params:compare"], "compare_design",
                  name="check_compare_design"),
             node(nodes.select_heldout,
                  ["compare_design", "eval_sets", "corpus", "params:evaluate", "params:compare.evaluation"],

@@ -10,15 +10,16 @@ from collections.abc import Mapping, Sequence
 
 from kedro.pipeline import Pipeline, node
 
-from spader_pipeline.pipelines.merge.pipeline import METHODS, model_manifest
+from spader_pipeline.algorithms.methods import default_methods
+from spader_pipeline.pipelines.merge.pipeline import model_manifest
 
 from . import nodes
 
 
-def model_manifests(methods: Sequence[str] = METHODS) -> dict[str, str]:
-    """Evaluated model name → catalog manifest dataset."""
+def model_manifests(methods: Sequence[str] | None = None) -> dict[str, str]:
+    """Evaluated model name → catalog manifest dataset (default methods: the registry's default run)."""
     return {"base": "base_model_manifest", "warm_start": "warm_start_manifest",
-            **{method: model_manifest(method) for method in methods}}
+            **{method: model_manifest(method) for method in methods or default_methods()}}
 
 
 def create_pipeline(models: Mapping[str, str] | None = None, **kwargs) -> Pipeline:

@@ -6,10 +6,9 @@ from collections.abc import Sequence
 
 from kedro.pipeline import Pipeline, node, pipeline
 
-from .nodes import merge_policy
+from spader_pipeline.algorithms.methods import default_methods
 
-#: The methods of the default run (train_grpo, train_spader).
-METHODS = ("grpo", "spader")
+from .nodes import merge_policy
 
 
 def model_manifest(method: str) -> str:
@@ -17,11 +16,11 @@ def model_manifest(method: str) -> str:
     return f"{method}_model_manifest"
 
 
-def create_pipeline(methods: Sequence[str] = METHODS, **kwargs) -> Pipeline:
+def create_pipeline(methods: Sequence[str] | None = None, **kwargs) -> Pipeline:
     base = Pipeline([node(merge_policy, ["policy_manifest", "params:merge"], "model_manifest", name="merge_policy")],
                     tags="merge")
     out = Pipeline([])
-    for method in methods:
+    for method in methods or default_methods():
         out += pipeline(base, namespace=f"train_{method}", parameters={"params:merge"},
                         outputs={"model_manifest": model_manifest(method)})
     return out

@@ -1,12 +1,12 @@
 from kedro.pipeline import Pipeline, node
 
-from .nodes import build_report
+from spader_pipeline.algorithms.methods import default_methods
 
-METHODS = ("grpo", "spader")
+from .nodes import build_report
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    methods = kwargs.get("methods", METHODS)
+    methods = kwargs.get("methods") or default_methods()
     inputs = {"eval_table": "eval_table", "warm_start_metrics": "warm_start_metrics", "params": "params:report"}
     inputs.update({f"history_{m}": f"train_{m}.training_history" for m in methods})
     return Pipeline(

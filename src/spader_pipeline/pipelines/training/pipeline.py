@@ -7,18 +7,19 @@
   block ``params:train_<method>.method`` (``conf/base/parameters_training.yml``), while
   ``params:training`` (everything shared) stays common. Two methods therefore differ only in
   their ``train_<method>.method`` blocks. Each is one MLflow run (see :mod:`spader_pipeline.hooks`).
-- :func:`create_pipeline` — the default ``training`` stage: warm start + GRPO + SPADER.
+- :func:`create_pipeline` — the default ``training`` stage: warm start + the registry's default
+  methods (:func:`~spader_pipeline.algorithms.methods.default_methods`: GRPO and SPADER).
 """
 
 from kedro.pipeline import Pipeline, node, pipeline
 
+from spader_pipeline.algorithms.methods import default_methods
 from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from .nodes import train_policy, warm_start
 
 SHARED_INPUTS = {"warm_start_manifest", "verl_train", "index_manifest"}
 SHARED_PARAMS = {"params:training", "params:prompt"}
-DEFAULT_METHODS = ("grpo", "spader")
 
 
 def warm_start_pipeline() -> Pipeline:
@@ -55,7 +56,7 @@ def method_pipeline(method: str) -> Pipeline:
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    methods = kwargs.get("methods", DEFAULT_METHODS)
+    methods = kwargs.get("methods") or default_methods()
     combined = warm_start_pipeline()
     for method in methods:
         combined += method_pipeline(method)
