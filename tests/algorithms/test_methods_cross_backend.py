@@ -10,7 +10,7 @@ repeated searches) are laid out twice:
 * VERL: token ids decoded by a real (tiny, locally trained) BPE tokenizer → the ``spader`` reward
   manager (``run_single`` per sample, whole-batch assembly as ``GroupRewardAgentLoopManager`` calls it)
   → verl's own ``ray_trainer.compute_advantage`` with the estimator registered under the method's
-  name, configured from the composed Hydra overlay ``conf/base/verl/<method>.yaml``.
+  name, configured from the composed Hydra config ``conf/base/verl/method.yaml`` with ``spader_method=<method>``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _data_proto(tok, trajectories, samples) -> DataProto:
 @functools.cache
 def _composed(method: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "base" / "verl"), version_base=None):
-        return compose(config_name=method)
+        return compose(config_name="method", overrides=[f"spader_method={method}"])
 
 
 def _verl_config(method: str, updates: dict[str, object]):

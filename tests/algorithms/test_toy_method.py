@@ -1,5 +1,6 @@
 """Adding a method is one definition: a toy fifth method, defined here and nowhere else, trains with
-both trainers — the native one and verl's own ``RayPPOTrainer.fit()`` — without edits elsewhere.
+both trainers — the native one and verl's own ``RayPPOTrainer.fit()`` — without edits elsewhere: no
+overlay file, its verl settings come from the registry (:mod:`spader_pipeline.verl_plugin.method_configs`).
 
 The toy method (the worked example of docs/algorithms.md, "Adding a method"): the shared outcome
 term on the answer step (as GRPO), and REINFORCE with the group-mean baseline as its estimator,
@@ -138,41 +139,14 @@ def test_native_trainer_trains_the_toy_method(toy, loop, workspace, tmp_path):
     assert load_trainer_state(latest_checkpoint(tmp_path)[1])["extra"]["method"] == "toy"
 
 
-OVERLAY = """\
-# The toy method's overlay: verl's trainer, the shared search-agent settings, the model, the method.
-hydra:
-  searchpath:
-    - pkg://verl.trainer.config
-    - file://{verl_conf}
-defaults:
-  - ppo_trainer
-  - spader_common: search_agent
-  - spader_model: qwen3_8b
-  - _self_
-algorithm:
-  adv_estimator: toy_baseline
-  toy_baseline:
-    scale: 1.0
-reward:
-  reward_kwargs:
-    method: toy
-    tool_round_cost: 0.0
-trainer:
-  experiment_name: toy
-"""
-
-
 @pytest.mark.slow
 def test_verl_trainer_loop_trains_the_toy_method(toy, loop, workspace, tmp_path):
     import spader_pipeline.verl_plugin  # noqa: F401  (registers the estimators: the toy's too)
 
-    conf = tmp_path / "conf"
-    conf.mkdir()
-    (conf / "toy.yaml").write_text(OVERLAY.format(verl_conf=ROOT / "conf/base/verl"))
     block = {"method": "toy", "reward": {"tool_round_cost": 0.0}, "options": {"scale": 2.0}}
     with loop.ray_for_trainer_loop(workspace["model"], paths=[HERE], modules=[Path(__file__).stem],
                                    env={WORKER_FLAG: "1"}):
-        metrics, config = loop.run_trainer_loop("toy", workspace, tmp_path / "run", config_dir=conf, block=block)
+        metrics, config = loop.run_trainer_loop("toy", workspace, tmp_path / "run", block=block)
         calls = list(loop.RecordingWorkerGroup.calls)
     assert config.algorithm.adv_estimator == "toy_baseline" and config.algorithm.toy_baseline.scale == 2.0
     assert [m["step"] for m in metrics] == [0, 1, 2]

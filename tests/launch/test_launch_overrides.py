@@ -12,14 +12,14 @@ pytest.importorskip("verl")
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+import spader_pipeline.verl_plugin  # noqa: E402,F401  (the methods' settings: Hydra group spader_method)
+from spader_pipeline.algorithms.methods import method_names  # noqa: E402
 from spader_pipeline.launch.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "base" / "verl"
 OVERLAYS = [
     "grpo",
     "spader",
-    "calibadv",
-    "tspo",
     "grpo_qwen3_8b",
     "spader_qwen3_8b",
     "grpo_llama3_8b",
@@ -101,14 +101,14 @@ def test_build_overrides_maps_parameters():
         "overrides": ["trainer.save_freq=7"],
     }
     out = build_overrides(params)
-    assert out[0] == "spader_model=llama3_8b"
+    assert out[:3] == ["spader_method=spader", "trainer.experiment_name=spader", "spader_model=llama3_8b"]
     assert "actor_rollout_ref.model.path='/models/warm start'" in out
     assert "trainer.n_gpus_per_node=4" in out and "trainer.logger=[console,mlflow]" in out
     assert "trainer.rollout_data_dir=/runs/x/rollouts" in out
     assert "++reward.reward_kwargs.lam=0.5" in out and "++algorithm.spa.gamma=0.9" in out
     assert out[-1] == "trainer.save_freq=7"
     argv = main_ppo_argv(params, CONF)
-    assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
+    assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "method"
     cfg = _compose(overlay_name(params), out)
     assert cfg.reward.reward_kwargs.lam == 0.5 and cfg.reward.reward_kwargs.cost_free_steps == 200
     assert cfg.actor_rollout_ref.model.path == "/models/warm start" and cfg.trainer.save_freq == 7
@@ -136,13 +136,25 @@ def test_build_overrides_rejects_bad_parameters(params, match):
 
 def test_method_options_compose():
     cfg = _compose(
-        "calibadv",
+        "method",
         build_overrides({"method": "calibadv", "options": {"target_ratio": 1.5, "silver_threshold": 0.6}}),
     )
     # one place for a method's options, read by both the reward manager and the estimator
     assert cfg.algorithm.calibadv.target_ratio == 1.5 and cfg.algorithm.calibadv.silver_threshold == 0.6
-    cfg = _compose("tspo", build_overrides({"method": "tspo", "options": {"latent_reward": 0.3}}))
+    cfg = _compose("method", build_overrides({"method": "tspo", "options": {"latent_reward": 0.3}}))
     assert cfg.algorithm.tspo.latent_reward == 0.3
+
+
+def test_every_registered_method_composes_from_the_registry_alone():
+    """No overlay file per method: ``method.yaml`` + ``spader_method=<m>`` holds the method's
+    estimator, its options' defaults and its reward manager settings, for every registered method."""
+    for method in method_names():
+        cfg = _compose(overlay_name({"method": method}), build_overrides({"method": method}))
+        assert cfg.reward.reward_kwargs.method == method and cfg.trainer.experiment_name == method
+        assert cfg.algorithm.adv_estimator == {"spader": "spa"}.get(method, method)
+    assert _compose("method", ["spader_method=spader"]).algorithm.spa.gamma == 0.9
+    assert _compose("method", ["spader_method=calibadv"]).algorithm.calibadv.target_ratio == 1.0
+    assert _compose("method", ["spader_method=grpo"]).algorithm.norm_adv_by_std_in_grpo is True
 
 
 def test_entry_point_is_declared_and_loads():

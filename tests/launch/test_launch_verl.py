@@ -120,7 +120,8 @@ def test_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_path, mon
 
 def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path):
     argv = launch.argv
-    assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "spader"
+    assert argv[1:3] == ["-m", "verl.trainer.main_ppo"] and argv[argv.index("--config-name") + 1] == "method"
+    assert "spader_method=spader" in argv
     assert "spader_model=llama3_8b" in argv
     assert f"actor_rollout_ref.model.path={tmp_path / 'warm'}" in argv
     assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.spa.gamma=0.9" in argv

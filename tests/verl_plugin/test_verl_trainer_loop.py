@@ -1,6 +1,6 @@
 """verl 0.9.1's own trainer loop on CPU, for every method: ``RayPPOTrainer.fit()``, 2 steps + validation.
 
-Real: Hydra composition of ``conf/base/verl/<method>.yaml`` with the overrides the launcher generates
+Real: Hydra composition of ``conf/base/verl/method.yaml`` (the method's settings from the registry) with the overrides the launcher generates
 (:func:`spader_pipeline.launch.verl.verl_parameters` → ``build_overrides``), verl's ``main()`` checks
 (``validate_config``) and its legacy ``TaskRunner.run`` (datasets, ``RLHFDataset`` over parquet written
 by our ``data_prep`` format, dataloaders, ``RayPPOTrainer``), ``AgentLoopWorker`` running the
@@ -187,11 +187,11 @@ def pays_tool_cost(method: str) -> bool:
 
 def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / "conf/base/verl",
              block: dict | None = None):
-    """The method's overlay (``<config_dir>/<method>.yaml``) + the launcher's overrides for its
+    """``<config_dir>/method.yaml`` + the launcher's overrides (``spader_method=<method>``, …) for its
     ``train_<method>.method`` block (or ``block``) + CPU-test sizes, composed by Hydra."""
     from hydra import compose, initialize_config_dir
 
-    from spader_pipeline.launch.overrides import build_overrides
+    from spader_pipeline.launch.overrides import build_overrides, overlay_name
     from spader_pipeline.launch.verl import verl_parameters, write_tool_config
 
     tool_config = write_tool_config(ROOT / "conf/base/verl/tool_config/search_tool.yaml", ws["url"],
@@ -234,7 +234,7 @@ def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / 
     params = verl_parameters({"path": str(ws["model"])}, block or method_block(method), training, run_dir,
                              tool_config_path=tool_config)
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        return compose(config_name=method, overrides=build_overrides(params))
+        return compose(config_name=overlay_name(params), overrides=build_overrides(params))
 
 
 def run_trainer_loop(method: str, ws: dict, run_dir: Path, **compose) -> tuple[list[dict], object]:

@@ -1,12 +1,14 @@
 """Kedro parameters → ``python -m verl.trainer.main_ppo`` command line (pure, no verl import).
 
-The Hydra overlays in ``conf/base/verl/`` hold the paper settings; ``build_overrides`` adds only what
+The Hydra overlays in ``conf/base/verl/`` hold the paper settings and every method's settings come
+from the method registry (the Hydra group ``spader_method``,
+:mod:`spader_pipeline.verl_plugin.method_configs`); ``build_overrides`` adds only what
 a run chooses (data, model path, cluster size, output directories, method hyper-parameters), so every
 GRPO-vs-SPADER difference stays visible in config (docs/training.md, "RL: the VERL backend").
 
 Parameter dict (all keys optional except ``method``)::
 
-    method: spader            # a method of spader_pipeline.algorithms.methods → overlay conf/base/verl/<method>.yaml
+    method: spader            # a method of spader_pipeline.algorithms.methods → spader_method=<method> on conf/base/verl/method.yaml
     model: qwen3_8b           # qwen3_8b | llama3_8b             → Hydra group spader_model
     model_path: /models/x     # actor_rollout_ref.model.path (a local checkpoint)
     train_files: ..., val_files: ...
@@ -38,6 +40,7 @@ from spader_pipeline.algorithms.methods import (
 
 __all__ = [
     "MODELS",
+    "METHOD_CONFIG",
     "VERL_REWARD_KEYS",
     "build_overrides",
     "hydra_value",
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 MODELS = ("qwen3_8b", "llama3_8b")
+#: the config the launcher composes: any method, selected by the group override ``spader_method``
+METHOD_CONFIG = "method"
 #: reward_kwargs the ``spader`` reward manager takes besides the reward config's fields
 VERL_REWARD_KEYS = ("require_global_step",)
 _TOP_LEVEL = {
@@ -97,11 +102,12 @@ hydra_value = _value
 
 
 def overlay_name(params: Mapping[str, Any]) -> str:
-    """Config name in ``conf/base/verl``: the method overlay (the model is a Hydra group override)."""
+    """Config name in ``conf/base/verl`` (:data:`METHOD_CONFIG`) after checking ``params['method']``;
+    the method and the model are Hydra group overrides."""
     method = params.get("method")
     if method not in method_names():
         raise ValueError(f"params['method'] must be one of {method_names()}, got {method!r}")
-    return str(method)
+    return METHOD_CONFIG
 
 
 def build_overrides(params: Mapping[str, Any]) -> list[str]:
@@ -112,8 +118,11 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
     unknown = sorted(set(params) - _TOP_LEVEL)
     if unknown:
         raise ValueError(f"unknown verl parameters {unknown}; known: {sorted(_TOP_LEVEL)}")
-    method = overlay_name(params)
-    out: list[str] = []
+    overlay_name(params)  # checks the method
+    method = str(params["method"])
+    out: list[str] = [f"spader_method={method}"]
+    if params.get("experiment_name") is None:
+        out.append(f"trainer.experiment_name={_value(method)}")
     model = params.get("model")
     if model is not None:
         if model not in MODELS:
@@ -164,7 +173,7 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
 
 
 def main_ppo_argv(params: Mapping[str, Any], config_dir: str | Path, python: str | None = None) -> list[str]:
-    """Full argv: ``python -m verl.trainer.main_ppo --config-path <abs dir> --config-name <method> ...``."""
+    """Full argv: ``python -m verl.trainer.main_ppo --config-path <abs dir> --config-name method spader_method=<method> ...``."""
     return [
         python or sys.executable,
         "-m",

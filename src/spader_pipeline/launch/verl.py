@@ -9,9 +9,9 @@ What the launch does, in order:
    ``nnodes > 1`` the URL they get must not be loopback: bind the started service with
    ``retrieval.bind_host`` (e.g. ``0.0.0.0``) and give the address the other nodes reach it at in
    ``retrieval.advertised_host``, or pass an external ``retrieval.url``;
-2. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (the method's
-   Hydra overlay in
-   ``conf/base/verl/`` plus the overrides generated from Kedro parameters);
+2. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (``conf/base/verl/method.yaml``
+   with ``spader_method=<method>``, whose settings come from the method registry, plus the
+   overrides generated from Kedro parameters);
 3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
    reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
    ``MLFLOW_RUN_ID`` of the Kedro run (VERL's MLflow tracker joins it), ``RAY_ADDRESS`` for an
@@ -82,7 +82,7 @@ class VerlSettings:
     train_files: str = "data/05_model_input/verl/train.parquet"
     val_files: str = "data/05_model_input/verl/validation.parquet"
     config_dir: str = str(DEFAULT_CONFIG_DIR)
-    """folder of the Hydra overlays (``<method>.yaml``), ``agent_loops.yaml`` and ``tool_config/``"""
+    """folder of the Hydra configs (``method.yaml``), ``agent_loops.yaml`` and ``tool_config/``"""
     timeout: float | None = None
     """seconds before the launch is stopped; ``None``: no limit"""
     log_tail_lines: int = 80

@@ -9,6 +9,7 @@ Importing it registers
 * advantage estimators ``spa``, ``calibadv``, ``tspo`` — the methods' estimators
   (:mod:`.estimators`, ``register_adv_est``);
 * the reward-loop reward manager ``spader`` (:mod:`.reward_manager`);
+* every method's verl settings, the Hydra group ``spader_method`` (:mod:`.method_configs`);
 
 and provides :class:`.batch_reward.GroupRewardAgentLoopManager` (whose start-up check is
 :mod:`.registration`). Everything verl calls lives here; :mod:`spader_pipeline.launch` only builds and
@@ -18,7 +19,7 @@ Every Ray process registers too, through either ``VERL_USE_EXTERNAL_MODULES=spad
 or the ``verl.plugins`` entry point in ``pyproject.toml`` (verl imports both on ``import verl``).
 """
 
-from . import estimators, reward_manager  # noqa: F401  (registration side effects)
+from . import estimators, method_configs, reward_manager  # noqa: F401  (registration side effects)
 
 # --- agent/eval area: the search tool and the agent loop register here (their owner adds the imports) ---
 # isort: split
