@@ -44,16 +44,13 @@ class HFGenerator(Generator):
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template`` (VERL's
             ``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
         micro_batch_size: most sequences per ``generate`` call (memory bound).
-        reuse_kv_cache: keep the KV cache between the turns of a batch, so each turn only encodes
-            the new tokens (observation) instead of the whole context again, and encode a context
-            that several rows share (a GRPO group's prompt), or the leading tokens every row of a
-            fresh batch shares (the prompt template's instruction), once. Outputs are the same as
-            without it (up to floating-point reassociation).
+        reuse_kv_cache: keep the KV cache between a batch's turns (a turn encodes only its new
+            tokens) and encode a context several rows share (a group's prompt, the template's
+            instruction) once. Same outputs up to floating-point reassociation.
         bf16: run generation under bf16 autocast (decide with
             :func:`spader_pipeline.modeling.precision.resolve_bf16`; slower on CPUs without bf16 units).
-        growing_kv_cache: keep keys/values in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
-            (decoding writes in place instead of copying the cache every token); ``False``: transformers'
-            ``DynamicCache``. Same outputs.
+        growing_kv_cache: keys/values in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
+            (written in place, not copied every token); ``False``: ``DynamicCache``. Same outputs.
         drop_finished_rows: decode with :func:`spader_pipeline.modeling.decode.decode_batch`, which stops
             computing a row when its turn ends, instead of ``model.generate``, which decodes padding for
             it until the longest row ends. Same sampling distribution, same greedy tokens. Models,

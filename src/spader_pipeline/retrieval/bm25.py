@@ -63,11 +63,9 @@ def passage_text(passage: Passage, with_title: bool) -> str:
 
 def build_bm25(passages: Iterable[Passage], out_dir: str | Path, params: BM25Params,
                *, show_progress: bool = True) -> dict:
-    """Index ``passages`` (any iterable, consumed once) into ``out_dir``; returns size figures."""
-    if params.shard_docs is not None:
-        from spader_pipeline.retrieval.bm25_sharded import build_bm25_sharded  # imports this module
-
-        return build_bm25_sharded(passages, out_dir, params, show_progress=show_progress)
+    """Index ``passages`` (any iterable, consumed once) into ``out_dir`` in one in-memory build;
+    returns size figures. ``params.shard_docs`` is :func:`.bm25_sharded.build_bm25_sharded`'s
+    (:func:`spader_pipeline.retrieval.index.build_index` picks the build)."""
     import bm25s
 
     out_dir = Path(out_dir)

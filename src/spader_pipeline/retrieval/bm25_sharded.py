@@ -1,7 +1,8 @@
 """The BM25 index built in bounded memory: bm25s' files from a corpus of any size (docs/retrieval.md).
 
-Used by :func:`.bm25.build_bm25` when the corpus is too large to index in one piece; the files and
-weights are the same as bm25s' own build.
+Used instead of :func:`.bm25.build_bm25` (:func:`.index.build_index` picks it when
+``bm25.shard_docs`` is set) for a corpus too large to index in one piece; the files and weights are
+the same as bm25s' own build.
 """
 
 from __future__ import annotations

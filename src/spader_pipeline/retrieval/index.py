@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.retrieval.bm25 import BM25Params, BM25Retriever, build_bm25
+from spader_pipeline.retrieval.bm25_sharded import build_bm25_sharded
 from spader_pipeline.retrieval.corpus import (
     DOCS_FILE,
     OFFSETS_FILE,
@@ -66,7 +67,8 @@ def build_index(passages: Iterable[Passage], out_dir: str | os.PathLike, method:
     try:
         if method == "bm25":
             bm25 = BM25Params.from_dict(params.get("bm25"))
-            figures = build_bm25(_tee(passages, store), out / "bm25", bm25, show_progress=show_progress)
+            build = build_bm25 if bm25.shard_docs is None else build_bm25_sharded
+            figures = build(_tee(passages, store), out / "bm25", bm25, show_progress=show_progress)
         elif method == "dense":
             dense = DenseParams.from_dict(params.get("dense"))
             figures = build_dense(_tee(passages, store), out / "dense", dense, show_progress=show_progress)
