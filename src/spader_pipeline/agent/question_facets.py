@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from .question_grammar import ELEMENT, IRREGULAR_SINGULARS, singular
+
 WORD_RE = re.compile(r"[^\W_]+", re.UNICODE)
 STOPWORDS = frozenset(
     """a an the of in on at to for from by with and or is are was were be been being which what who whom
@@ -38,12 +40,7 @@ def stem(word: str) -> str:
 _ELEMENTS_Q = re.compile(r"^Which chemical elements have atomic numbers from (\d+) to (\d+)\?$")
 _IN_Q = re.compile(r"^Which (?P<names>[^,;\"“”]+?) are in (?P<list>[^\"“”]+)\?$")
 _THERE_Q = re.compile(r"^Which (?P<body>[^\"“”]+) are there\?$")
-_ELEMENT_LINE = re.compile(r"^chemical element with atomic number (\d+)\b", re.IGNORECASE)
 _DATE_WORDS = frozenset("century c ca bc bce ad ce".split())
-_SINGULAR = {
-    "genera": "genus", "phyla": "phylum", "subphyla": "subphylum", "children": "child", "peoples": "people",
-    "phenomena": "phenomenon", "criteria": "criterion", "species": "species", "series": "series",
-}
 #: atomic numbers per search of an element-range question (a search returns ``topk`` = 3 passages)
 NUMBERS_PER_SEARCH = 3
 
@@ -97,7 +94,7 @@ class QuestionFacets:
         "painter"); element lines by their atomic number.
         """
         if self.form == "elements":
-            found = _ELEMENT_LINE.match(line.strip())
+            found = ELEMENT.match(line.strip())
             number = int(found.group(1)) if found else None
             return next((i for i, numbers in enumerate(self.numbers) if number in numbers), None)
         signature = _signature(line)
@@ -166,34 +163,10 @@ def _or_items(text: str) -> list[str]:
     return [item.strip() for item in head.split("; " if "; " in head else ", ")] + [last.strip()]
 
 
-def singular(noun_phrase: str) -> str:
-    """The singular of a plural noun phrase: the last word of each ``and``-joined part."""
-    parts = re.split(r"( and |, )", noun_phrase)
-    return "".join(part if part in (" and ", ", ") else _singular_last(part) for part in parts)
-
-
-def _singular_last(phrase: str) -> str:
-    head, _, word = phrase.rpartition(" ")
-    lower = word.lower()
-    if lower in _SINGULAR:
-        one = word[:1] + _SINGULAR[lower][1:]
-    elif lower.endswith("men") and len(lower) > 3:
-        one = word[:-3] + "man"
-    elif lower.endswith("ies") and len(lower) > 4:
-        one = word[:-3] + "y"
-    elif lower.endswith(("sses", "ches", "shes", "xes", "zzes")):
-        one = word[:-2]
-    elif lower.endswith("s") and not lower.endswith("ss"):
-        one = word[:-1]
-    else:
-        one = word
-    return f"{head} {one}" if head else one
-
-
 def _fold(word: str) -> str:
     """A word folded so that singular and plural agree (genera/genus, statesmen, niches/niche)."""
     lower = word.lower()
-    lower = _SINGULAR.get(lower, lower)
+    lower = IRREGULAR_SINGULARS.get(lower, lower)
     if lower.endswith("men") and len(lower) > 3:
         lower = lower[:-3] + "man"
     folded = stem(lower)

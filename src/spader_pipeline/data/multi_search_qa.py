@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from spader_pipeline.agent.question_grammar import ELEMENT, pluralize
 from spader_pipeline.data.embedded_qa import DATA_SOURCE, _short_hash, _stable_fraction, assign_split
 from spader_pipeline.data.readers import title_aliases
 from spader_pipeline.data.schema import QARow, make_id
@@ -57,14 +58,7 @@ _DEMONYMS = (
 _NATIONALITY = re.compile(rf"^(?P<facet>{_DEMONYMS}) (?P<head>[a-z].+)$")
 _PREPOSITION = re.compile(r"^(?P<head>[A-Z][^,]*?) (?P<prep>of|in) (?P<facet>.+)$")
 _LAST_WORD = re.compile(r"^(?P<facet>.+) (?P<head>[a-z][\w-]+)$")
-_ELEMENT = re.compile(r"^Chemical element with atomic number (?P<number>\d+)\b")
 _FUNCTION_WORDS = frozenset("a an and by for from in of on or the to with".split())
-
-_IRREGULAR_PLURALS = {
-    "genus": "genera", "phylum": "phyla", "subphylum": "subphyla", "species": "species",
-    "series": "series", "child": "children", "people": "peoples", "phenomenon": "phenomena",
-    "criterion": "criteria",
-}
 
 
 def normalize_description(description: str) -> str:
@@ -76,30 +70,6 @@ def normalize_description(description: str) -> str:
     text = re.sub(r"\s+", " ", text).strip(" ,;:–-")
     # connectives the removed years leave behind: "Empire in West Africa from to"
     return re.sub(r"(?:[\s,;:–-]+(?:from|to|since|until|between|and|c\.|ca\.|BC|BCE|AD|CE)\b)+$", "", text).strip(" ,;:–-")
-
-
-def pluralize(noun_phrase: str) -> str:
-    """Plural of a noun phrase: the last word of each ``and``-joined part ("actor and filmmaker")."""
-    parts = re.split(r"( and |, )", noun_phrase)
-    return "".join(part if part in (" and ", ", ") else _plural_last(part) for part in parts)
-
-
-def _plural_last(phrase: str) -> str:
-    head, _, word = phrase.rpartition(" ")
-    lower = word.lower()
-    if lower in _IRREGULAR_PLURALS:
-        plural = _IRREGULAR_PLURALS[lower]
-    elif lower.endswith("man"):  # statesman, woman
-        plural = word[:-3] + "men"
-    elif re.search(r"[^aeiou]y$", lower):
-        plural = word[:-1] + "ies"
-    elif re.search(r"(s|x|z|ch|sh)$", lower):
-        plural = word + "es"
-    else:
-        plural = word + "s"
-    if word[:1].isupper() and not plural[:1].isupper():
-        plural = plural[:1].upper() + plural[1:]
-    return f"{head} {plural}" if head else plural
 
 
 def _or_list(items: list[str]) -> str:
@@ -214,7 +184,7 @@ def element_questions(articles: pd.DataFrame, window: int, per_search: int) -> l
     """Atomic-number windows ``[1, window], [window+1, 2·window], …``; one search per ``per_search`` numbers."""
     numbers: dict[int, str] = {}
     for title, description in zip(articles["title"], articles["description"], strict=True):
-        match = _ELEMENT.match(description)
+        match = ELEMENT.match(description)
         if match:
             numbers[int(match["number"])] = title
     out = []
@@ -270,7 +240,7 @@ def union_questions(articles: pd.DataFrame, params: Mapping[str, Any]) -> list[M
     normalized = described["description"].map(normalize_description)
     groups: dict[str, list[str]] = defaultdict(list)
     for title, description in zip(described["title"], normalized, strict=True):
-        if description and not _ELEMENT.match(description):
+        if description and not ELEMENT.match(description):
             groups[description].append(title)
     case = word_case([*described["description"], *described.get("extract", [])])
 
