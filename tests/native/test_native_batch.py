@@ -31,11 +31,11 @@ def test_build_batch_lays_out_tokens_scores_answers_and_finds_entities_in_retrie
     assert batch.input_ids.shape == (4, 3 + 7) and batch.response_mask.shape == (4, 7)
     assert batch.response_mask[0].tolist() == [1, 1, 0, 0, 0, 1, 1]
     assert batch.prompt_lengths.tolist() == [3, 3, 2, 2]
-    assert batch.f1.tolist() == pytest.approx([2 / 3, 2 / 3, 0.0, 1.0])
-    assert batch.exact_match.tolist() == [0.0, 0.0, 0.0, 1.0]
-    assert batch.format_ok.tolist() == [True, True, False, True]
-    assert batch.found[:, 0].sum(dim=-1).tolist() == [1, 0, 0, 2]
-    assert batch.query_counts[:, 0].tolist() == [1, 1, 0, 1]
+    assert batch.rewards.f1.tolist() == pytest.approx([2 / 3, 2 / 3, 0.0, 1.0])
+    assert batch.rewards.exact_match.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert batch.rewards.format_ok.tolist() == [True, True, False, True]
+    assert batch.rewards.found[:, 0].sum(dim=-1).tolist() == [1, 0, 0, 2]
+    assert batch.rewards.query_counts[:, 0].tolist() == [1, 1, 0, 1]
 
 
 def test_build_batch_matches_each_retrieved_document_separately():
@@ -46,7 +46,7 @@ def test_build_batch_matches_each_retrieved_document_separately():
         toy_trajectory([1], [([5], [6]), ([7], [])], ("Lagos",), [["New York and Lagos"]]),
     ]
     batch = build_batch(trajs, [{"uid": "a", "ground_truth": gt}] * 2, pad_id=0)
-    assert batch.found[:, 0].tolist() == [[False, True], [True, True]]
+    assert batch.rewards.found[:, 0].tolist() == [[False, True], [True, True]]
 
 
 def test_grpo_equals_verl_estimator_on_the_outcome():

@@ -47,24 +47,11 @@ class RolloutBatch:
     """``[B]`` group label (one per prompt)"""
     ground_truths: list[list[list[str]]]
     """per trajectory, the gold entities (alias lists)"""
-    f1: torch.Tensor
-    """``[B]`` final-answer F1 (0 without a valid answer)"""
-    exact_match: torch.Tensor
-    """``[B]`` final-answer exact (set) match"""
+    rewards: RewardInputs
+    """what the method registry's rewards read: answer F1 / exact match, format, gold entities
+    found per step, queries per step, retrieved document ids and ``<think>`` texts per step"""
     precision: torch.Tensor
     recall: torch.Tensor
-    format_ok: torch.Tensor
-    """bool ``[B]``: the trajectory ended with a well-formed answer"""
-    found: torch.Tensor
-    """bool ``[B, S, E]``: gold entity ``e`` in the documents retrieved at step ``s``"""
-    num_gt: torch.Tensor
-    """long ``[B]`` distinct gold entities"""
-    query_counts: torch.Tensor
-    """float ``[B, S]`` queries executed at each step"""
-    step_doc_ids: list[list[list[str]]]
-    """per trajectory, per step, ids of the retrieved documents"""
-    step_thinks: list[list[str]]
-    """per trajectory, per step, the turn's ``<think>`` text (CalibAdv's near-duplicate check)"""
     num_turns: torch.Tensor
     num_searches: torch.Tensor
     boundary: torch.Tensor | None = None
@@ -127,16 +114,18 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         response_mask=response_mask,
         uids=np.array([str(s["uid"]) for s in samples], dtype=object),
         ground_truths=gts,
-        f1=torch.tensor([sc.f1 for sc in scores], dtype=torch.float32),
-        exact_match=torch.tensor([sc.exact_match for sc in scores], dtype=torch.float32),
+        rewards=RewardInputs(
+            f1=torch.tensor([sc.f1 for sc in scores], dtype=torch.float32),
+            exact_match=torch.tensor([sc.exact_match for sc in scores], dtype=torch.float32),
+            format_ok=format_ok,
+            found=found,
+            num_gt=num_gt,
+            query_counts=query_counts,
+            step_documents=[[[d for q in step.doc_ids for d in q] for step in t.steps] for t in trajectories],
+            step_thinks=[[think_text(step.text) for step in t.steps] for t in trajectories],
+        ),
         precision=torch.tensor([sc.precision for sc in scores], dtype=torch.float32),
         recall=torch.tensor([sc.recall for sc in scores], dtype=torch.float32),
-        format_ok=format_ok,
-        found=found,
-        num_gt=num_gt,
-        query_counts=query_counts,
-        step_doc_ids=[[[d for q in step.doc_ids for d in q] for step in t.steps] for t in trajectories],
-        step_thinks=[[think_text(step.text) for step in t.steps] for t in trajectories],
         num_turns=torch.tensor([t.num_turns for t in trajectories], dtype=torch.float32),
         num_searches=torch.tensor([t.num_searches for t in trajectories], dtype=torch.float32),
     )
@@ -192,20 +181,6 @@ class Advantages:
     """the tool cost ``c_eff`` applied at this global step"""
 
 
-def reward_inputs(batch: RolloutBatch) -> RewardInputs:
-    """What the method registry's rewards read, from a native batch."""
-    return RewardInputs(
-        f1=batch.f1,
-        exact_match=batch.exact_match,
-        format_ok=batch.format_ok,
-        found=batch.found,
-        num_gt=batch.num_gt,
-        query_counts=batch.query_counts,
-        step_documents=batch.step_doc_ids,
-        step_thinks=batch.step_thinks,
-    )
-
-
 def compute_advantages(
     batch: RolloutBatch,
     method: str,
@@ -222,7 +197,7 @@ def compute_advantages(
     mask = batch.response_mask
     layout = segment_steps(mask)
     rewards = method_rewards(
-        method, mask, batch.uids, reward_inputs(batch), global_step=global_step, reward=reward,
+        method, mask, batch.uids, batch.rewards, global_step=global_step, reward=reward,
         options=options, layout=layout,
     )
     adv, _ = method_advantages(method, rewards.token_rewards, mask, batch.uids, options, layout)

@@ -21,8 +21,8 @@ def step_metrics(batch: RolloutBatch, adv: Advantages, update: UpdateStats, epoc
     """Rewards, answers, retrieval, trajectory shape, advantages and loss terms of one step."""
     mask = batch.response_mask
     returns = adv.returns
-    traj_found = batch.found.any(dim=1).sum(dim=-1).float() if batch.found.numel() else torch.zeros(len(mask))
-    gt = batch.num_gt.float().clamp(min=1)
+    traj_found = batch.rewards.found.any(dim=1).sum(dim=-1).float() if batch.rewards.found.numel() else torch.zeros(len(mask))
+    gt = batch.rewards.num_gt.float().clamp(min=1)
     tok_adv = adv.advantages[mask.bool()]
     groups: dict[str, list[float]] = {}
     for uid, r in zip(batch.uids.tolist(), returns.tolist(), strict=True):
@@ -32,13 +32,13 @@ def step_metrics(batch: RolloutBatch, adv: Advantages, update: UpdateStats, epoc
     return {
         "method_reward/mean": float(returns.mean()),
         "method_reward/std": float(returns.std()) if len(returns) > 1 else 0.0,
-        "method_reward/final_mean": float(torch.where(batch.format_ok, batch.f1, torch.zeros_like(batch.f1)).mean()),
+        "method_reward/final_mean": float(torch.where(batch.rewards.format_ok, batch.rewards.f1, torch.zeros_like(batch.rewards.f1)).mean()),
         "method_reward/discovery_mean": float(adv.discovery.mean()),
         "method_reward/tool_cost_coef": float(adv.cost_coefficient),
-        "answer/f1": float(batch.f1.mean()),
+        "answer/f1": float(batch.rewards.f1.mean()),
         "answer/recall": float(batch.recall.mean()),
         "answer/precision": float(batch.precision.mean()),
-        "answer/format_ok": float(batch.format_ok.float().mean()),
+        "answer/format_ok": float(batch.rewards.format_ok.float().mean()),
         "retrieval/entities_found": float(traj_found.mean()),
         "retrieval/recall": float((traj_found / gt).mean()),
         "rollout/turns": float(batch.num_turns.mean()),
@@ -79,6 +79,6 @@ def mechanism_metrics(
     from GRPO's on the same batch (``adv/corr_vs_grpo``, ``adv/rel_l2_vs_grpo``)."""
     diversity = group_diversity(
         batch.uids, [turn_actions(t) for t in trajectories], [retrieved_documents(t) for t in trajectories],
-        batch.found, batch.num_gt,
+        batch.rewards.found, batch.rewards.num_gt,
     )
     return {**diversity, **advantage_agreement(adv.advantages, grpo, batch.response_mask)}

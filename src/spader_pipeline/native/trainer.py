@@ -42,7 +42,6 @@ from spader_pipeline.native.batch import (
     RolloutBatch,
     build_batch,
     compute_advantages,
-    reward_inputs,
 )
 from spader_pipeline.native.checkpoint import (
     latest_checkpoint,
@@ -246,7 +245,7 @@ def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[
     """The method's rewards and advantages (the global step drives the tool-cost schedule), and
     GRPO's advantages ``[B, R]`` on the same batch, for ``adv/*_vs_grpo`` (docs/metrics.md)."""
     adv = compute_advantages(batch, config.method, global_step=step, reward=config.reward, options=config.options)
-    grpo = comparison_advantages(batch.response_mask, batch.uids, reward_inputs(batch), global_step=step,
+    grpo = comparison_advantages(batch.response_mask, batch.uids, batch.rewards, global_step=step,
                                  reward=config.reward)
     return adv, grpo
 

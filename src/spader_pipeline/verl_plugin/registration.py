@@ -20,7 +20,6 @@ import sys
 from collections.abc import Mapping, Sequence
 
 
-
 def required_registrations() -> dict[str, tuple[str, ...]]:
     """What the project's verl runs need, by verl registry: every registered method's estimator
     (from :mod:`spader_pipeline.algorithms.methods`, so a new method is checked too), the agent loop

@@ -40,7 +40,6 @@ def registered_cells(project_path: Path | None = None, env: str | None = None) -
     """``compare.methods`` × ``compare.seeds`` of ``env`` (default: ``$KEDRO_ENV``, else ``compare``)
     read with the project's config loader, seed-major."""
     from kedro.framework.project import settings
-
     from omegaconf.basecontainer import BaseContainer
 
     conf = Path(project_path or Path.cwd()) / settings.CONF_SOURCE
