@@ -234,7 +234,7 @@ def _rl_inputs(args) -> dict | None:
     import pandas as pd
 
     from spader_pipeline.agent.prompts import resolve_template
-    from spader_pipeline.pipelines.training.nodes import samples_from_verl
+    from spader_pipeline.data.formats import samples_from_verl
 
     data = Path(args.data)
     if not (data / "05_model_input/verl/train.parquet").is_file():

@@ -34,9 +34,9 @@ from spader_pipeline.agent.scripted import ScriptedPolicy
 from spader_pipeline.agent.tokens import examples_from_dialogues
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.group_metrics import normalise_query
+from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.modeling import load_model_and_tokenizer
 from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
-from spader_pipeline.pipelines.training.nodes import samples_from_verl
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import from_mapping
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from spader_pipeline.agent.prompts import render_prompt
-from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.data.schema import SampleRecord, ground_truth_lists, sample_record
 
 EVAL_FIELDS = ("id", "question", "ground_truth", "data_source")
 
@@ -51,3 +52,17 @@ def verl_rows(
     return pd.DataFrame.from_records(
         records, columns=["data_source", "prompt", "ability", "reward_model", "extra_info", "agent_name"]
     )
+
+
+def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[SampleRecord]:
+    """Training questions (:func:`~spader_pipeline.data.schema.sample_record`) from the VERL parquet
+    (``extra_info.question``, ``reward_model.ground_truth``); an optional seeded subset of ``limit``."""
+    rows: list[SampleRecord] = []
+    for row in frame.to_dict(orient="records"):
+        extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
+        rows.append(sample_record({"id": extra.get("id", len(rows)), "question": extra["question"],
+                                   "ground_truth": reward.get("ground_truth", []), "data_source": row.get("data_source")}))
+    if limit and len(rows) > limit:
+        keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
+        rows = [rows[int(i)] for i in sorted(keep)]
+    return rows

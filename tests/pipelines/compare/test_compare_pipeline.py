@@ -165,7 +165,9 @@ def test_compare_cells_resume_and_run_in_parallel(project_root, tmp_path, monkey
     assert (resumed / "data/08_reporting/compare_report.md").read_text() == report
     pd.testing.assert_frame_equal(_records(resumed), samples)
 
-    # 3. on ParallelRunner: the cells are independent, the records the same
+    # 3. on ParallelRunner: the cells are independent, the records the same (workers spawned: this
+    # process already runs torch's thread pools, which a forked worker would inherit locked)
+    monkeypatch.setenv("KEDRO_MP_CONTEXT", "spawn")
     parallel = _project(tmp_path / "parallel", project_root, monkeypatch)
     _run(parallel, runner=ParallelRunner(max_workers=2))
     pd.testing.assert_frame_equal(_records(parallel), samples)

@@ -4,12 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from spader_pipeline.pipelines.training.nodes import (
-    _summary,
-    samples_from_verl,
-    train_policy,
-    warm_start,
-)
+from spader_pipeline.data.formats import samples_from_verl
+from spader_pipeline.pipelines.training.nodes import _summary, train_policy, warm_start
 from spader_pipeline.typed_config import method_settings
 
 

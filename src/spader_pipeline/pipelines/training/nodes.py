@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,9 +13,9 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.data.schema import SampleRecord, sample_record
+from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.retrieval.settings import search_backend
-from spader_pipeline.typed_config import from_mapping, method_settings
+from spader_pipeline.typed_config import method_settings
 
 logger = logging.getLogger(__name__)
 
@@ -25,20 +23,6 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 # Inputs
 # ----------------------------------------------------------------------------------------------
-
-
-def samples_from_verl(frame: pd.DataFrame, limit: int | None = None, seed: int = 0) -> list[SampleRecord]:
-    """Training questions (:func:`~spader_pipeline.data.schema.sample_record`) from the VERL parquet
-    (``extra_info.question``, ``reward_model.ground_truth``); an optional seeded subset of ``limit``."""
-    rows: list[SampleRecord] = []
-    for row in frame.to_dict(orient="records"):
-        extra, reward = row.get("extra_info") or {}, row.get("reward_model") or {}
-        rows.append(sample_record({"id": extra.get("id", len(rows)), "question": extra["question"],
-                                   "ground_truth": reward.get("ground_truth", []), "data_source": row.get("data_source")}))
-    if limit and len(rows) > limit:
-        keep = np.random.default_rng(seed).choice(len(rows), size=int(limit), replace=False)
-        rows = [rows[int(i)] for i in sorted(keep)]
-    return rows
 
 
 def _template(prompt: Mapping[str, Any], name: str | None = None) -> str:
@@ -60,74 +44,18 @@ def warm_start(
     params: Mapping[str, Any],
     prompt: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """Supervised warm start of the base model; returns its manifest and summary metrics.
-
-    Demonstrations are the scripted policy's trajectories on training questions, or the user's own
-    chat conversations (``params.data_path``: JSON lines with ``messages``). ``enabled: false``
-    passes the base model through unchanged.
-    """
-    from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
-    from spader_pipeline.agent.scripted import ScriptedPolicy
-    from spader_pipeline.agent.tokens import examples_from_dialogues
-    from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
+    """Supervised warm start of the base model (:func:`spader_pipeline.native.warm_start.warm_start`);
+    its manifest and summary metrics. ``enabled: false`` passes the base model through unchanged."""
+    from spader_pipeline.native.warm_start import warm_start as run_warm_start
 
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")
         return {**base_model_manifest, "warm_start": False}, {}
-    started = time.perf_counter()
-    seed = int(params.get("seed", 0))
-    template = _template(prompt, params.get("prompt_template"))
-    rollout_cfg = RolloutConfig.from_mapping(params.get("rollout", {}))
-    model, tokenizer = load_model_and_tokenizer(base_model_manifest["path"])
-
-    if params.get("data_path"):
-        conversations = [json.loads(line)["messages"] for line in Path(params["data_path"]).read_text().splitlines() if line.strip()]
-        source = str(params["data_path"])
-    else:
-        samples = samples_from_verl(verl_train, params.get("max_demonstrations"), seed)
-        with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
-            demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout_cfg, template)
-        conversations = [t.messages for t in demos if t.predicted is not None]
-        source = "scripted"
-    examples = examples_from_dialogues(tokenizer, conversations, model_type=model.config.model_type,
-                                       max_length=params.get("max_length"))
-    logger.info("warm start on %d demonstrations (%s)", len(examples), source)
-    summary = train_sft(
-        model, examples, from_mapping(WarmStartConfig, params.get("sft"), where="warm_start.sft"), pad_id=tokenizer.pad_token_id,
+    return run_warm_start(
+        base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], params,
+        _template(prompt, params.get("prompt_template")),
         on_log=lambda step, m: tracking.log_metrics(m, step=step, prefix="warm_start/train"),
     )
-    out = Path(params["output_dir"])
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    metrics = {**summary, "demonstrations": float(len(examples))}
-    metrics.update(_protocol_check(model, tokenizer, verl_validation, index_manifest, params, template))
-    metrics["total_seconds"] = time.perf_counter() - started
-    manifest = {"path": str(out.resolve()), "source": "warm_start", "base": base_model_manifest["path"],
-                "demonstrations": source, "warm_start": True}
-    return manifest, metrics
-
-
-def _protocol_check(model, tokenizer, frame, index_manifest, params, template) -> dict[str, float]:
-    """Greedy rollouts of the warm-started model on a few validation questions: does it speak the protocol?"""
-    from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
-    from spader_pipeline.algorithms import score_answers
-
-    n = int(params.get("check_questions", 0) or 0)
-    if n <= 0 or frame is None or len(frame) == 0:
-        return {}
-    samples = samples_from_verl(frame, n, seed=1)
-    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
-    with search_backend(params.get("search"), index_manifest["index_dir"], where="warm_start.search") as search:
-        trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
-    turns = [s for t in trajs for s in t.steps]
-    recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]
-    return {
-        "check/valid_turn_rate": sum(s.kind != "invalid" for s in turns) / max(len(turns), 1),
-        "check/answered_rate": sum(t.predicted is not None for t in trajs) / len(trajs),
-        "check/answer_recall": float(np.mean(recall)),
-    }
 
 
 # ----------------------------------------------------------------------------------------------
