@@ -17,6 +17,7 @@ when no run is active (plain unit tests, library use). Metric keys use ``/`` nam
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -318,6 +319,60 @@ def training_link_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
         "checkpoint.model_id": manifest.get("mlflow_model_id"),
     }
     return {k: str(v) for k, v in out.items() if v}
+
+
+def log_evaluation(result: Any, edges: Any) -> None:
+    """One run per model × dataset (``evaluation.suite.EvaluationResult``) linked to the chain run:
+    tags (``model``, ``dataset``; for a checkpoint ``method`` and its training run, linked), params,
+    metrics (also on the checkpoint's model and the training run: :func:`log_heldout`), records, plot."""
+    import tempfile
+    from dataclasses import asdict
+
+    import matplotlib.pyplot as plt
+
+    from spader_pipeline.evaluation.plots import sample_figure
+
+    if not active():
+        return
+    spec, dataset = result.model, result.dataset
+    tags = {"model": spec.name, "dataset": dataset, "kind": spec.kind, **spec.training}
+    note = _training_note(spec.training)
+    if note:
+        tags["mlflow.note.content"] = note
+    with linked_run(f"evaluate:{spec.name}:{dataset}", tags), tempfile.TemporaryDirectory() as tmp:
+        log_params({**spec.describe(), "dataset": dataset, "prompt_template": result.template_name,
+                    **{f"rollout.{k}": v for k, v in asdict(result.rollout).items()}})
+        values = numeric_items(result.metrics)
+        mlflow.log_metrics(values, model_id=_model_in_store(spec.training.get("checkpoint.model_id")))
+        log_heldout(spec.training.get("training_run_id"), dataset, values)
+        path = Path(tmp) / f"{spec.name}__{dataset}.jsonl"
+        path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in result.records),
+                        encoding="utf-8")
+        log_artifact(path, "samples")
+        fig = sample_figure(result.records, result.metrics, edges, f"{spec.name} on {dataset}")
+        fig.savefig(Path(tmp) / f"{spec.name}__{dataset}.png", dpi=100)
+        plt.close(fig)
+        log_artifact(Path(tmp) / f"{spec.name}__{dataset}.png", "plots")
+
+
+def _model_in_store(model_id: str | None) -> str | None:
+    """The checkpoint's MLflow model id when it is in this tracking store, else ``None``."""
+    try:
+        return mlflow.get_logged_model(model_id).model_id if model_id else None
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+def _training_note(link: Mapping[str, str]) -> str | None:
+    """Markdown description of an evaluation run: which training run made the checkpoint (a link)."""
+    run_id = link.get("training_run_id")
+    if not run_id:
+        return None
+    try:
+        run = mlflow.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        return f"Checkpoint `{link.get('checkpoint.path')}` from training run `{run_id}` (not in this tracking store)."
+    return f"Checkpoint `{link.get('checkpoint.path')}` trained in run [{run.info.run_name}]({run_url(run_id, run.info.experiment_id)})."
 
 
 @contextmanager
