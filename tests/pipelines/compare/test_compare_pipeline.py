@@ -69,7 +69,7 @@ def test_cells_come_from_conf_at_registry_time(project_root, tmp_path):
                                                         "evaluate_cell"]
     # a cell reads only persisted shared datasets and its own parameters
     assert {i for i in one.inputs() if not i.startswith("params:")} == {
-        "warm_start_manifest", "verl_train", "index_manifest", "compare_heldout"}
+        "warm_start_manifest", "verl_train", "verl_validation", "index_manifest", "compare_heldout"}
     assert "params:train_spader.method" in one.inputs() and "parameters" not in pipeline.inputs()
 
 
