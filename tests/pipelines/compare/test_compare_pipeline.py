@@ -1,6 +1,6 @@
 """`make compare` as Kedro pipelines: the design check, the cells registered from conf, and real
-KedroSession runs (tiny model, test env): an uninterrupted run, one stopped after its first cell and
-resumed by ``--only-missing-outputs``, and one on ParallelRunner."""
+KedroSession runs (tiny model, test env): one stopped after its first cell and resumed by
+``--only-missing-outputs``, and one uninterrupted on ParallelRunner."""
 
 from __future__ import annotations
 
@@ -127,31 +127,10 @@ def _records(root: Path) -> pd.DataFrame:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_compare_cells_resume_and_run_in_parallel(project_root, tmp_path, monkeypatch):
-    # 1. uninterrupted, sequential
-    whole = _project(tmp_path / "whole", project_root, monkeypatch)
-    _run(whole)
-    runs = json.loads((whole / "data/07_model_output/compare_runs.json").read_text())
-    assert sorted(runs) == sorted(CELLS) and all([h["step"] for h in r["history"]] == [1] for r in runs.values())
-    for cell in CELLS:  # each cell wrote its own per-question records
-        assert len(pd.read_json(whole / f"data/07_model_output/{cell}/eval_samples.jsonl", lines=True)) == 4
-    samples = _records(whole)
-    assert set(samples["model"]) == {"warm_start", "scripted", *CELLS}
-    report = (whole / "data/08_reporting/compare_report.md").read_text()
-    assert "SPADER vs GRPO" in report and "(paired)" in report and "detectable" in report
-    metrics = json.loads((whole / "data/08_reporting/compare_metrics.json").read_text())
-    assert {"grpo/recall/mean", "spader/f1/low", "diff/recall/high"} <= set(metrics)
-    chain = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                               filter_string="tags.`kedro.pipeline` = 'compare'")[0]
-    cells = mlflow.search_runs([chain.info.experiment_id], output_format="list",
-                               filter_string=f"tags.chain_run_id = '{chain.info.run_id}'")
-    # the chain's runs: one per cell, named and tagged compare, with the cell's held-out scores
-    assert sorted(r.info.run_name for r in cells) == sorted(f"compare {c.replace('_seed', ' seed')}" for c in CELLS)
-    assert all(r.data.tags["chain_kind"] == "compare" and "heldout/embedded_test/recall" in r.data.metrics
-               for r in cells)
-    assert "compare/diff/recall/mean" in mlflow.get_run(chain.info.run_id).data.metrics
-
-    # 2. stopped right after its first cell, then resumed by Kedro
+def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch):
+    """Two runs of the same design: one stopped right after its first cell and resumed by Kedro
+    (sequential), one uninterrupted on ParallelRunner; same records, same report."""
+    # 1. stopped right after the first cell's records are saved, then resumed
     resumed = _project(tmp_path / "resumed", project_root, monkeypatch)
     with pytest.raises(RuntimeError, match="stopped after"):
         _run(resumed, _StopAfter("grpo_seed0__samples"))
@@ -162,15 +141,35 @@ def test_compare_cells_resume_and_run_in_parallel(project_root, tmp_path, monkey
     assert not [n for n in ran.names if n.startswith("grpo_seed0.") or n in ("warm_start", "check_compare_design")]
     assert {"spader_seed1.evaluate_cell", "gather_cells", "compare_report"} <= set(ran.names)
     assert weights.stat().st_mtime_ns == before  # the first cell was not trained again
-    assert (resumed / "data/08_reporting/compare_report.md").read_text() == report
-    pd.testing.assert_frame_equal(_records(resumed), samples)
 
-    # 3. on ParallelRunner: the cells are independent, the records the same (workers spawned: this
-    # process already runs torch's thread pools, which a forked worker would inherit locked)
+    runs = json.loads((resumed / "data/07_model_output/compare_runs.json").read_text())
+    assert sorted(runs) == sorted(CELLS) and all([h["step"] for h in r["history"] if h["step"] > 0] == [1]
+                                                 for r in runs.values())
+    for cell in CELLS:  # each cell wrote its own per-question records
+        assert len(pd.read_json(resumed / f"data/07_model_output/{cell}/eval_samples.jsonl", lines=True)) == 4
+    samples = _records(resumed)
+    assert set(samples["model"]) == {"warm_start", "scripted", *CELLS}
+    report = (resumed / "data/08_reporting/compare_report.md").read_text()
+    assert "SPADER vs GRPO" in report and "(paired)" in report and "detectable" in report
+    metrics = json.loads((resumed / "data/08_reporting/compare_metrics.json").read_text())
+    assert {"grpo/recall/mean", "spader/f1/low", "diff/recall/high"} <= set(metrics)
+    # MLflow: one run per cell, named and tagged compare, with the cell's held-out scores
+    cells = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                               filter_string="tags.chain_kind = 'compare'")
+    assert sorted(r.info.run_name for r in cells) == sorted(f"compare {c.replace('_seed', ' seed')}" for c in CELLS)
+    assert all("heldout/embedded_test/recall" in r.data.metrics for r in cells)
+    assert not mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                  filter_string="attributes.run_name LIKE 'evaluate:%'")
+    chain = mlflow.get_run(cells[0].data.tags["chain_run_id"])
+    assert "compare/diff/recall/mean" in chain.data.metrics
+
+    # 2. uninterrupted on ParallelRunner: the cells are independent, the records and report the same
+    # (workers spawned: this process already runs torch's thread pools, which a fork would inherit)
     monkeypatch.setenv("KEDRO_MP_CONTEXT", "spawn")
     parallel = _project(tmp_path / "parallel", project_root, monkeypatch)
     _run(parallel, runner=ParallelRunner(max_workers=2))
     pd.testing.assert_frame_equal(_records(parallel), samples)
+    assert (parallel / "data/08_reporting/compare_report.md").read_text() == report
 
 
 @pytest.mark.e2e
