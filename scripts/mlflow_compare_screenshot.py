@@ -106,8 +106,8 @@ SEED_CURVES = ["adv/corr_vs_grpo"]
 
 
 def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]:
-    """The experiment id, the latest finished ``compare`` chain run's id and its training runs
-    (``<method> seed<k>``, sorted by name)."""
+    """The experiment id, the latest finished ``compare`` chain run's id and the latest finished run
+    of every cell (``compare <method> seed<k>``, sorted by name)."""
     exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
     experiment_id = exp["experiment"]["experiment_id"]
     runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1000,
@@ -118,8 +118,11 @@ def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]
     if chain is None:
         raise SystemExit(f"no finished `compare` chain run in experiment {experiment!r}: run `make compare` first")
     chain_id = chain["info"]["run_id"]
-    training = [{"id": r["info"]["run_id"], "name": r["info"]["run_name"]} for r in runs
-                if tags[r["info"]["run_id"]].get("chain_run_id") == chain_id and "backend" in tags[r["info"]["run_id"]]]
+    latest: dict[str, dict] = {}  # per cell, its latest finished run (a resumed compare spans chains)
+    for r in runs:
+        if tags[r["info"]["run_id"]].get("chain_kind") == "compare" and r["info"]["status"] == "FINISHED":
+            latest.setdefault(r["info"]["run_name"], {"id": r["info"]["run_id"], "name": r["info"]["run_name"]})
+    training = list(latest.values())
     return experiment_id, chain_id, sorted(training, key=lambda r: r["name"])
 
 
@@ -132,7 +135,7 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
     with sync_playwright() as p:
         browser, page = _browser_page(p, chromium)
         # 1. the runs table narrowed to the comparison's chain, as the README tells a user to type it
-        _open_runs_table(page, url, experiment_id, f"tags.chain_run_id = '{chain_id}'")
+        _open_runs_table(page, url, experiment_id, "tags.chain_kind = 'compare'")
         _tick_runs(page, [run["name"] for run in runs])
         page.screenshot(path=str(paths[0]))
         # 2. Compare: the held-out scores of every method x seed side by side
@@ -260,12 +263,13 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=Path("mlruns/mlflow.db"))
     parser.add_argument("--artifacts", type=Path, default=Path("mlruns/artifacts"))
     parser.add_argument("--mlflow", default=".venv/bin/mlflow", help="the mlflow executable that serves --store")
-    parser.add_argument("--experiment", default="spader-pipeline")
+    parser.add_argument("--experiment", default=None, help="default: spader-pipeline (spader-pipeline-compare with --seeds)")
     parser.add_argument("--methods", nargs=2, default=["grpo", "spader"])
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--seeds", action="store_true", help="the latest `make compare` chain instead of `make run`")
     args = parser.parse_args()
+    args.experiment = args.experiment or ("spader-pipeline-compare" if args.seeds else "spader-pipeline")
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(mlflow_ui(args.store, args.artifacts, args.mlflow))
         if args.seeds:
