@@ -160,7 +160,8 @@ def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root,
     assert all("heldout/embedded_test/recall" in r.data.metrics for r in cells)
     assert not mlflow.search_runs(search_all_experiments=True, output_format="list",
                                   filter_string="attributes.run_name LIKE 'evaluate:%'")
-    chain = mlflow.get_run(max(cells, key=lambda r: r.info.start_time).data.tags["chain_run_id"])  # the rerun
+    (chain,) = mlflow.search_runs(search_all_experiments=True, output_format="list",  # the rerun's chain run
+                                  filter_string="tags.`kedro.pipeline` = 'compare' and attributes.status = 'FINISHED'")
     assert "compare/diff/recall/mean" in chain.data.metrics
 
     # 2. uninterrupted on ParallelRunner: the cells are independent, the records and report the same
