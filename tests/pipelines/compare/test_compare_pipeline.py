@@ -69,7 +69,8 @@ def test_cells_come_from_conf_at_registry_time(project_root, tmp_path):
                                                         "evaluate_cell"]
     # a cell reads only persisted shared datasets and its own parameters
     assert {i for i in one.inputs() if not i.startswith("params:")} == {
-        "warm_start_manifest", "verl_train", "verl_validation", "index_manifest", "compare_heldout"}
+        "warm_start_manifest", "warm_start_validation", "verl_train", "verl_validation", "index_manifest",
+        "compare_heldout"}
     assert "params:train_spader.method" in one.inputs() and "parameters" not in pipeline.inputs()
 
 
@@ -138,7 +139,7 @@ def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root,
     before = weights.stat().st_mtime_ns
     ran = _Ran()
     _run(resumed, ran, only_missing_outputs=True)
-    assert not [n for n in ran.names if n.startswith("grpo_seed0.") or n in ("warm_start", "check_compare_design")]
+    assert not [n for n in ran.names if n.startswith("grpo_seed0.") or n in ("warm_start", "validate_warm_start", "check_compare_design")]
     assert {"spader_seed1.evaluate_cell", "gather_cells", "compare_report"} <= set(ran.names)
     assert weights.stat().st_mtime_ns == before  # the first cell was not trained again
 

@@ -31,7 +31,8 @@ from . import nodes
 #: The environment whose ``compare`` block defines the cells when ``KEDRO_ENV`` is not set.
 DESIGN_ENV = "compare"
 #: Datasets every cell reads from outside its namespace (all persisted: a cell runs alone).
-CELL_INPUTS = {"warm_start_manifest", "verl_train", "verl_validation", "index_manifest", "compare_heldout"}
+CELL_INPUTS = {"warm_start_manifest", "warm_start_validation", "verl_train", "verl_validation", "index_manifest",
+               "compare_heldout"}
 CELL_PARAMS = {"params:training", "params:merge", "params:evaluate", "params:prompt", "params:compare.output_dir",
                "params:compare.evaluation"}
 
@@ -71,7 +72,7 @@ def cell_pipeline(method: str, seed: int) -> Pipeline:
                  ["training_settings", "merge_settings"], name="cell_settings"),
             node(train_policy,
                  ["warm_start_manifest", "verl_train", "index_manifest", "params:method", "training_settings",
-                  "params:prompt", "verl_validation"],
+                  "params:prompt", "verl_validation", "warm_start_validation"],
                  ["policy_manifest", "training_history", "training_metrics"],
                  name="train_policy", tags=[METHOD_RUN_TAG]),
             node(merge_policy, ["policy_manifest", "merge_settings"], "model_manifest", name="merge_policy"),
