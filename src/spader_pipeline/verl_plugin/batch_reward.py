@@ -23,7 +23,7 @@ Also, on every generated batch:
   drops them after generation).
 * **validation**: on a validation batch (``meta_info["validate"]``) the greedy scores per data source
   are logged as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` at the trainer's global
-  step, the native trainer's names (:mod:`spader_pipeline.evaluation.validation`); verl's own
+  step, the native trainer's names (:mod:`spader_pipeline.algorithms.validation`); verl's own
   ``val-core/…`` and ``val-aux/…`` metrics stay as they are.
 * **search health**: the retrieval service's failures (counted per trajectory by the agent loop)
   are reported as ``search/error_rate`` and ``search/calls`` in the batch's generation metrics (verl
@@ -48,7 +48,7 @@ from verl.experimental.agent_loop import AgentLoopManager
 from verl.trainer.ppo.reward import resolve_reward_manager_cls
 from verl.utils.ray_utils import auto_await
 
-from spader_pipeline.evaluation.validation import validation_metrics
+from spader_pipeline.algorithms.validation import validation_metrics
 
 from .registration import check_workers_registered
 from .trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD

@@ -16,8 +16,8 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
+from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.data.schema import SampleRecord, sample_record
-from spader_pipeline.evaluation.validation import ValidationSettings, validation_subset
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import from_mapping, method_settings
 
@@ -192,7 +192,7 @@ def train_policy(
     and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
 
     With ``verl_validation`` the policy is validated on its fixed subset on ``training.validation``'s
-    schedule (:mod:`spader_pipeline.evaluation.validation`): ``val/<source>/…`` per step, step 0 first
+    schedule (:mod:`spader_pipeline.algorithms.validation`): ``val/<source>/…`` per step, step 0 first
     (``warm_start_validation``'s, computed once for every method, when it scored the same start model).
 
     The training is one MLflow run of its own (:func:`spader_pipeline.tracking.method_run`) with the
