@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -31,6 +32,12 @@ logger = logging.getLogger(__name__)
 METRICS_PATH_ENV = "SPADER_METRICS_PATH"
 #: MLflow accepts at most this many metrics in one ``log_batch`` request.
 BATCH_LIMIT = 1000
+_NOT_IN_KEYS = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as MLflow accepts it (verl's ``…/mean@4`` → ``…/mean_at_4``, as verl's own tracker does)."""
+    return _NOT_IN_KEYS.sub("_", re.sub(r"/+", "/", key.replace("@", "_at_")))
 
 
 @dataclass
@@ -68,6 +75,8 @@ class BufferedMetricsWriter:
         """total time the server did not answer (closed outages, plus an open one at close)"""
         self.outages = 0
         self.delivered = 0
+        self.dropped = 0
+        """writes the server refused (a 4xx answer): never retried"""
         self._thread = threading.Thread(target=self._run, name=f"mlflow-writer-{run_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -77,7 +86,7 @@ class BufferedMetricsWriter:
         """Queue the numeric leaves of ``metrics`` for ``step`` (comparable metrics first)."""
         from spader_pipeline.tracking import comparable_first, numeric_items
 
-        values = comparable_first(numeric_items(metrics))
+        values = {mlflow_key(k): v for k, v in comparable_first(numeric_items(metrics)).items()}
         if values:
             self._put(_Item(values, int(step or 0), int(time.time() * 1000)))
 
@@ -112,7 +121,8 @@ class BufferedMetricsWriter:
     def close(self, timeout: float | None = 600.0) -> bool:
         """Deliver the backlog (waiting up to ``timeout`` seconds), stop the thread, report outages.
 
-        Returns whether everything was delivered; what was not is named in a warning (the run's
+        Returns whether everything was delivered (none left, none refused); what was not is named in a
+        warning (the run's
         ``metrics.jsonl`` still holds it: :func:`backfill` sends it later).
         """
         delivered = self.flush(timeout)
@@ -130,7 +140,7 @@ class BufferedMetricsWriter:
         elif self.outages:
             logger.warning("MLflow tracking of run %s was down for %.1f s in total (%d outage(s)); every buffered "
                            "metric was delivered", self.run_id, self.outage_seconds, self.outages)
-        return delivered and not left
+        return delivered and not left and not self.dropped
 
     def __enter__(self) -> BufferedMetricsWriter:
         return self
@@ -155,6 +165,7 @@ class BufferedMetricsWriter:
                 if _refused(exc):  # the server answered no (a bad key, a deleted run): retrying cannot help
                     logger.warning("MLflow refused %d write(s) for run %s, dropped: %s", len(batch), self.run_id, exc)
                     self._done(batch)
+                    self.dropped += len(batch)
                     continue
                 self._went_down(exc)
                 resume_at = time.monotonic() + backoff
@@ -309,7 +320,8 @@ def follow_jsonl(paths: Sequence[str | Path], writer: BufferedMetricsWriter | No
 def backfill(run_id: str, path: str | Path, tracking_uri: str | None = None, timeout: float | None = 600.0) -> bool:
     """Send every step of a metrics file (``metrics.jsonl``) to ``run_id`` again; ``True`` when delivered.
 
-    For a run whose end came while the server was still down. Points already stored are kept once.
+    For a run whose end came while the server was still down. The file holds no times, so a point
+    sent twice is stored twice (at different times): backfill once, after the run.
     """
     writer = BufferedMetricsWriter(run_id, tracking_uri)
     for line in Path(path).read_text().splitlines():
