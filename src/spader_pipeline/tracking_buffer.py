@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import numbers
 import re
 import threading
 import time
@@ -38,6 +40,15 @@ _NOT_IN_KEYS = re.compile(r"[^/\w.\- :]")
 def mlflow_key(key: str) -> str:
     """``key`` as MLflow accepts it (verl's ``…/mean@4`` → ``…/mean_at_4``, as verl's own tracker does)."""
     return _NOT_IN_KEYS.sub("_", re.sub(r"/+", "/", key.replace("@", "_at_")))
+
+
+def finite_numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite real numbers of a flat mapping (bools as 0/1, NumPy scalars too) under MLflow-valid keys."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+            out[mlflow_key(str(key))] = float(value)
+    return out
 
 
 @dataclass
@@ -83,10 +94,8 @@ class BufferedMetricsWriter:
     # -- the caller's side: never blocks on the network ------------------------------------------
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Queue the numeric leaves of ``metrics`` for ``step`` (comparable metrics first)."""
-        from spader_pipeline.tracking import comparable_first, numeric_items
-
-        values = {mlflow_key(k): v for k, v in comparable_first(numeric_items(metrics)).items()}
+        """Queue the finite numbers of the flat mapping ``metrics`` for ``step``, in its order."""
+        values = finite_numbers(metrics)
         if values:
             self._put(_Item(values, int(step or 0), int(time.time() * 1000)))
 

@@ -232,7 +232,7 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
             search=search,
             run_dir=run_dir,
             prompt_template=template,
-            log_metrics=writer.log_metrics if writer else None,
+            log_metrics=(lambda m, step: writer.log_metrics(tracking.comparable_first(m), step)) if writer else None,
             log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
         )
     manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
