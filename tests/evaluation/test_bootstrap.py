@@ -59,3 +59,43 @@ def test_bad_shapes_are_refused():
         bootstrap_interval(np.zeros(5))
     with pytest.raises(ValueError, match="differ in shape"):
         paired_difference(np.zeros((2, 5)), np.zeros((3, 5)))
+
+
+def test_paired_t_interval_over_seed_means_matches_the_textbook_formula():
+    from scipy import stats
+
+    from spader_pipeline.evaluation.bootstrap import paired_t_interval
+
+    a, b = np.array([0.070, 0.080, 0.090]), np.array([0.083, 0.090, 0.077])  # differences +0.013, +0.010, -0.013
+    out = paired_t_interval(a, b)
+    d = b - a
+    half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+    assert out.df == 2 and out.mean == pytest.approx(d.mean())
+    assert (out.low, out.high) == pytest.approx((d.mean() - half, d.mean() + half))
+    # against one reference model (the warm start): the scalar is broadcast over the seeds
+    assert paired_t_interval(0.07, b).mean == pytest.approx(b.mean() - 0.07)
+    assert np.isnan(paired_t_interval([0.1], [0.2]).low)  # one seed: no interval
+
+
+def test_with_three_seeds_the_t_interval_is_the_wider_and_the_conclusion_comes_from_it():
+    from spader_pipeline.evaluation.bootstrap import paired_t_interval, wider
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0, 0.3, size=(3, 100))
+    shift = np.array([[0.013], [0.010], [-0.013]])
+    boot = paired_difference(base, base + shift, resamples=2000)
+    t = paired_t_interval(base.mean(axis=1), (base + shift).mean(axis=1))
+    assert t.high - t.low > boot.high - boot.low
+    assert wider(boot, t) is t
+
+
+def test_design_needs_more_seeds_for_a_smaller_target_and_fewer_with_more_questions():
+    from spader_pipeline.evaluation.bootstrap import design_needs
+
+    rng = np.random.default_rng(1)
+    seed_effect = rng.normal(0.0, 0.01, size=(3, 1))
+    diffs = seed_effect + rng.normal(0.0, 0.2, size=(3, 100))
+    big, small = design_needs(diffs, 0.05, max_questions=240), design_needs(diffs, 0.02, max_questions=240)
+    assert small.seeds_at_current_questions is None or small.seeds_at_current_questions >= (big.seeds_at_current_questions or 0)
+    assert (small.seeds_at_max_questions or 10**6) <= (small.seeds_at_current_questions or 10**6)
+    assert big.detectable_now > 0

@@ -154,3 +154,16 @@ def test_entry_point_is_declared_and_loads():
     (ep,) = [ep for ep in entry_points(group="verl.plugins") if ep.name == "spader"]
     assert ep.value == "spader_pipeline.verl_plugin" and ep.load() is plugin
 
+
+
+def test_validation_block_sets_verls_schedule_subset_and_greedy_decoding():
+    """training.validation composes into verl's own validation keys (the native trainer's schedule)."""
+    overrides = build_overrides({"method": "spader", "validation": {"every": 3, "before_train": True, "max_questions": 24}})
+    cfg = _compose("spader", overrides)
+    assert cfg.trainer.test_freq == 3 and cfg.trainer.val_before_train is True
+    assert cfg.data.val_max_samples == 24 and cfg.data.validation_shuffle is False
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.do_sample is False and cfg.actor_rollout_ref.rollout.val_kwargs.n == 1
+    never = _compose("spader", build_overrides({"method": "spader", "validation": {"every": 0, "max_questions": None}}))
+    assert never.trainer.test_freq == -1 and never.data.val_max_samples == -1
+    with pytest.raises(ValueError, match="validation"):
+        build_overrides({"method": "spader", "validation": {"every": -1}})

@@ -141,3 +141,40 @@ def test_trainable_layers_update_only_the_top_blocks(tmp_path, native_model_dir,
     end = AutoModelForCausalLM.from_pretrained(result.final_model_dir).state_dict()
     changed = {k for k in start if not torch.equal(start[k], end[k])}
     assert changed and all(k.startswith(("model.layers.1.", "model.norm.")) for k in changed), changed
+
+
+def test_validation_runs_before_training_and_on_its_schedule_with_the_shared_names(tmp_path, native_model_dir,
+                                                                                   toy_index_dir, tiny_config):
+    """Step 0 scores the starting policy, then every ``every`` steps and the last one; the subset is fixed."""
+    from spader_pipeline.evaluation.validation import ValidationSettings
+    from spader_pipeline.retrieval import load_retriever
+
+    logged = []
+    validation = [{**q, "id": f"v{i}", "data_source": "embedded"} for i, q in enumerate(QUESTIONS)]
+    result = train_native(
+        tiny_config(method="grpo", total_steps=3, options={}), model_path=native_model_dir, samples=QUESTIONS,
+        search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path, prompt_template=TEMPLATE,
+        log_metrics=lambda m, s: logged.append((s, dict(m))), validation=validation,
+        validation_settings=ValidationSettings(every=2, before_train=True, max_questions=2),
+    )
+    validated = [s for s, m in logged if "val/embedded/recall" in m]
+    assert validated == [0, 2, 3]  # before training, every 2nd step, the last step
+    assert [s for s, _ in logged] == [0, 1, 2, 3]
+    assert set(logged[0][1]) == {"val/embedded/recall", "val/embedded/f1", "val/embedded/searches",
+                                 "perf/validation_seconds"}
+    assert result.history[0]["step"] == 0 and [h["step"] for h in result.history] == [0, 1, 2, 3]
+    for _, m in logged:
+        if "val/embedded/recall" in m:
+            assert 0.0 <= m["val/embedded/recall"] <= 1.0 and m["val/embedded/searches"] >= 0.0
+
+
+def test_validation_metrics_are_means_per_data_source():
+    from spader_pipeline.evaluation.validation import ValidationSettings, validation_metrics
+
+    out = validation_metrics(["a", "b", "a"], [1.0, 0.5, 0.0], [0.5, 0.5, 0.0], [2, 4, 0])
+    assert out == {"val/a/recall": 0.5, "val/a/f1": 0.25, "val/a/searches": 1.0,
+                   "val/b/recall": 0.5, "val/b/f1": 0.5, "val/b/searches": 4.0}
+    settings = ValidationSettings(every=3, before_train=False)
+    assert [s for s in range(0, 8) if settings.due(s, total_steps=7)] == [3, 6, 7]
+    with pytest.raises(ValueError, match="max_questions"):
+        ValidationSettings(max_questions=0)

@@ -199,6 +199,8 @@ def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / 
     shared = project_parameters()["training"]
     training = {
         "reward": {**shared["reward"], "cost_free_steps": FREE_STEPS, "cost_rampup_steps": 0},
+        # the shared validation block, mapped by the launcher to test_freq / val_before_train / val_kwargs
+        "validation": {"every": 2, "before_train": True, "max_questions": None},
         "verl": {
             "train_files": str(ws["data"] / "train.parquet"),
             "val_files": str(ws["data"] / "validation.parquet"),
@@ -212,7 +214,6 @@ def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / 
                 f"data.max_prompt_length={PROMPT_LENGTH}",
                 f"data.max_response_length={RESPONSE_LENGTH}",
                 "data.dataloader_num_workers=0",
-                "data.validation_shuffle=false",
                 "actor_rollout_ref.rollout.n=4",
                 f"actor_rollout_ref.rollout.max_model_len={MAX_MODEL_LEN}",
                 # SPADER's group terms run with 2 workers: verl pads the 3 validation prompts to 4
@@ -225,7 +226,6 @@ def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / 
                 "+actor_rollout_ref.rollout.checkpoint_manager_class=verl_cpu_boundary.NoopCheckpointManager",
                 "reward.num_workers=1",
                 "trainer.save_freq=-1",
-                "trainer.test_freq=2",
                 "trainer.resume_mode=disable",
                 "trainer.device=cpu",
             ],
@@ -361,6 +361,10 @@ def test_each_training_step_logs_whether_the_update_differs_from_grpo(runs, meth
                 "group/first_divergence_turn", "group/identical_frac"):
         assert [step for step, _ in logged[key]] == [1, 2], (key, logged.get(key))
     assert all(n >= 1 for _, n in logged["group/distinct_query_seqs"])
+    # validation curves under the native trainer's names, before training and at test_freq (step 2)
+    for key in ("val/embedded/recall", "val/embedded/f1", "val/embedded/searches"):
+        assert [step for step, _ in logged[key]] == [0, 2], (key, logged.get(key))
+        assert all(0.0 <= v for _, v in logged[key])
     if method == "grpo":  # GRPO against itself: identical, or undefined when every group ties
         assert all(math.isnan(c) or c == pytest.approx(1.0) for _, c in logged["adv/corr_vs_grpo"])
         assert logged["adv/zero_frac"] == logged["adv/grpo_zero_frac"]

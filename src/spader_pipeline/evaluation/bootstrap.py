@@ -20,7 +20,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["Interval", "PairedDifference", "bootstrap_interval", "paired_difference"]
+__all__ = ["DesignNeeds", "Interval", "PairedDifference", "SeedInterval", "bootstrap_interval", "design_needs",
+           "paired_difference", "paired_t_interval", "wider"]
 
 _Z_POWER_80 = NormalDist().inv_cdf(0.8)  # power 0.8 of the design
 
@@ -137,3 +138,77 @@ def paired_difference(
 def _normal_quantile(p: float) -> float:
     """Standard normal quantile."""
     return NormalDist().inv_cdf(p)
+
+
+@dataclass(frozen=True)
+class SeedInterval(Interval):
+    """A paired t interval over seed means (``df = seeds − 1``): with few seeds it is wider than the
+    seeds × questions bootstrap, which draws only from the seeds it was given."""
+
+    std_error: float
+    df: int
+
+
+def paired_t_interval(seed_means_a: np.ndarray, seed_means_b: np.ndarray, *, confidence: float = 0.95) -> SeedInterval:
+    """``mean(B − A)`` over seeds with its Student-t interval.
+
+    Args:
+        seed_means_a, seed_means_b: ``[S]`` per-seed scores (seed ``k`` of both is a pair); a scalar
+            ``A`` (one reference model, e.g. the warm start) is broadcast.
+    """
+    from scipy import stats
+
+    b = np.asarray(seed_means_b, dtype=float)
+    diffs = b - np.broadcast_to(np.asarray(seed_means_a, dtype=float), b.shape)
+    point = float(diffs.mean()) if diffs.size else math.nan
+    if diffs.size < 2:
+        return SeedInterval(point, math.nan, math.nan, confidence, math.nan, max(diffs.size - 1, 0))
+    se = float(diffs.std(ddof=1) / math.sqrt(diffs.size))
+    half = float(stats.t.ppf(0.5 + confidence / 2, diffs.size - 1)) * se
+    return SeedInterval(point, point - half, point + half, confidence, se, diffs.size - 1)
+
+
+def wider(a: Interval, b: Interval) -> Interval:
+    """The wider of two intervals of the same quantity (the one a conclusion is drawn from)."""
+    width = [x.high - x.low if math.isfinite(x.high - x.low) else math.inf for x in (a, b)]
+    return a if width[0] >= width[1] else b
+
+
+@dataclass(frozen=True)
+class DesignNeeds:
+    """What a paired design needs to detect ``target`` (power 0.8, two-sided ``1 − confidence``)."""
+
+    target: float
+    detectable_now: float
+    seeds_at_current_questions: int | None
+    seeds_at_max_questions: int | None
+    max_questions: int
+
+
+def design_needs(diffs: np.ndarray, target: float, *, max_questions: int, confidence: float = 0.95,
+                 max_seeds: int = 200) -> DesignNeeds:
+    """Seeds (at the current and at ``max_questions`` questions) a paired design needs to detect ``target``.
+
+    ``diffs`` is the ``[S, Q]`` grid of paired per-question differences B − A. Its seed means vary by
+    the seed-to-seed variance ``σ²_seed`` plus the question noise ``σ²_q / Q`` (``σ²_q``: the variance
+    of a difference over questions within a seed), so the paired t test's detectable difference with
+    ``S`` seeds and ``Q`` questions is ``(t_{1−α/2,S−1} + t_{0.8,S−1}) · √((σ²_seed + σ²_q/Q) / S)``.
+    ``None``: more than ``max_seeds`` seeds (or no estimate with fewer than 2 seeds).
+    """
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=float)
+    seeds, questions = d.shape
+    if seeds < 2 or questions < 2:
+        return DesignNeeds(target, math.nan, None, None, max_questions)
+    var_q = float(d.var(axis=1, ddof=1).mean())
+    var_seed = max(0.0, float(d.mean(axis=1).var(ddof=1)) - var_q / questions)
+
+    def detectable(s: int, q: int) -> float:
+        df = s - 1
+        return float(stats.t.ppf(0.5 + confidence / 2, df) + stats.t.ppf(0.8, df)) * math.sqrt((var_seed + var_q / q) / s)
+
+    def needed(q: int) -> int | None:
+        return next((s for s in range(2, max_seeds + 1) if detectable(s, q) <= target), None)
+
+    return DesignNeeds(target, detectable(seeds, questions), needed(questions), needed(max_questions), max_questions)

@@ -16,6 +16,8 @@ Parameter dict (all keys optional except ``method``)::
     tool_config_path, agent_loop_config_path
     reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
     options: {...}            # the method's options dataclass → algorithm[.<estimator>] (estimators.verl_options_path)
+    validation: {every, before_train, max_questions}  # evaluation.validation.ValidationSettings →
+                              # trainer.test_freq / val_before_train, data.val_max_samples, greedy val_kwargs
     overrides: ["key=value"]  # appended last, verbatim
 
 Reward settings and method options are checked against the method registry
@@ -65,6 +67,7 @@ _TOP_LEVEL = {
     "agent_loop_config_path",
     "reward",
     "options",
+    "validation",
     "overrides",
 }
 
@@ -156,11 +159,32 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
     for key, value in options.items():
         out.append(f"++{verl_options_path(method)}.{key}={_value(value)}")
 
+    if params.get("validation") is not None:
+        out += validation_overrides(params["validation"])
+
     extra = params.get("overrides") or []
     if isinstance(extra, str) or not isinstance(extra, Sequence):
         raise ValueError("params['overrides'] must be a list of 'key=value' strings")
     out += [str(x) for x in extra]
     return out
+
+
+def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
+    """verl's validation schedule for ``training.validation``: the same steps, questions and greedy
+    decoding as the native trainer (:class:`~spader_pipeline.evaluation.validation.ValidationSettings`)."""
+    from spader_pipeline.evaluation.validation import ValidationSettings
+    from spader_pipeline.typed_config import from_mapping
+
+    settings = validation if isinstance(validation, ValidationSettings) else from_mapping(
+        ValidationSettings, validation, where="training.validation")
+    return [
+        f"trainer.test_freq={settings.every or -1}",
+        f"trainer.val_before_train={_value(settings.before_train)}",
+        f"data.val_max_samples={settings.max_questions or -1}",
+        "data.validation_shuffle=false",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+        "actor_rollout_ref.rollout.val_kwargs.n=1",
+    ]
 
 
 def main_ppo_argv(params: Mapping[str, Any], config_dir: str | Path, python: str | None = None) -> list[str]:

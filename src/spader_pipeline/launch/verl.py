@@ -129,6 +129,7 @@ def verl_parameters(
         "logger": list(verl.logger),
         "reward": method_settings(training, method)["reward"],
         "options": dict(method.get("options") or {}),
+        "validation": training.get("validation"),
         "overrides": list(verl.overrides or []),
         "model": verl.model or model_family(init_manifest["path"]),
     }

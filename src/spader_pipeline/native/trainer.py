@@ -6,6 +6,7 @@ One step::
       ──► rewards + advantages of the method (and GRPO's, for comparison)  ─ score
       ──► clipped PPO loss + KL to the reference, AdamW step (verl's core_algos)  ─ update_policy
       ──► metrics, samples, checkpoint  ─ record_step, checkpoint
+      ──► greedy validation on a fixed validation subset (step 0 and every ``validation.every``)
 
 The maths lives in :mod:`spader_pipeline.algorithms` (rewards, advantages) and
 ``verl.trainer.ppo.core_algos`` (losses); nothing is re-derived here. A killed run resumes from its
@@ -33,6 +34,7 @@ import torch
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
+from spader_pipeline.evaluation.validation import ValidationSettings, validation_subset
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
@@ -54,6 +56,7 @@ from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.metrics import mechanism_metrics, step_metrics
 from spader_pipeline.native.records import append_history, read_history, write_history, write_samples
 from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
+from spader_pipeline.native.validation import validate_policy
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,8 @@ def train_native(
     log_metrics: MetricsLogger | None = None,
     log_artifact: ArtifactLogger | None = None,
     stop_after: int | None = None,
+    validation: Sequence[Mapping[str, Any]] = (),
+    validation_settings: ValidationSettings | None = None,
 ) -> TrainResult:
     """Train the model at ``model_path`` with ``config.method``; write checkpoints and the final model.
 
@@ -128,11 +133,20 @@ def train_native(
         prompt_template: the prompt template text (``{question}`` placeholder).
         log_metrics / log_artifact: callbacks (e.g. MLflow); ``None`` = only local files.
         stop_after: end after this global step without finishing (tests of resume).
+        validation: validation questions (same shape as ``samples``); with ``validation_settings``
+            the policy is scored greedy on their fixed subset at step 0 and on its schedule
+            (``val/<source>/…`` in the step's metrics; step 0 is a history row of its own).
     """
     if not samples:
         raise ValueError("no training samples")
     run = start_run(config, model_path, Path(run_dir))
+    settings = validation_settings or ValidationSettings(every=0, before_train=False)
+    val_set = validation_subset(validation, settings.max_questions)
+    validate = (lambda step: _validate(run, val_set, search, prompt_template)
+                if val_set and settings.due(step, config.total_steps) else {})
     step, run_started, out_of_time = run.start_step, time.perf_counter(), False
+    if step == 0 and (before := validate(0)):
+        record_validation(run, before, log_metrics)
     while step < config.total_steps and not out_of_time:
         step += 1
         step_started = time.perf_counter()
@@ -147,6 +161,7 @@ def train_native(
         run.model.eval()
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
         metrics = step_report(run, rollouts, adv, grpo, update, timing)
+        metrics.update(validate(step))
         record_step(run, step, metrics, rollouts, adv, log_metrics, log_artifact)
         out_of_time = config.max_seconds is not None and time.perf_counter() - run_started > config.max_seconds
         checkpoint(run, step, out_of_time)
@@ -290,6 +305,25 @@ def record_step(run: RunState, step: int, metrics: dict[str, float], rollouts: R
         config.total_steps, metrics["answer/recall"], metrics["answer/f1"], metrics["retrieval/recall"],
         metrics["perf/step_seconds"],
     )
+
+
+def _validate(run: RunState, samples: Sequence[Mapping[str, Any]], search: Any, prompt_template: str) -> dict[str, float]:
+    """Greedy validation of the current policy with the run's turn limits (timed as ``perf/validation_seconds``)."""
+    config, started = run.config, time.perf_counter()
+    metrics = validate_policy(run.model, run.tokenizer, samples, search, config.rollout, prompt_template,
+                              max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                              bf16=run.bf16)
+    return {**metrics, "perf/validation_seconds": time.perf_counter() - started}
+
+
+def record_validation(run: RunState, metrics: dict[str, float], log_metrics: MetricsLogger | None) -> None:
+    """Step 0: the starting policy's validation scores, a history row of their own (verl logs it so too)."""
+    run.history.append({"step": 0, **metrics})
+    append_history(run.run_dir, run.history[-1])
+    if log_metrics is not None:
+        log_metrics(metrics, 0)
+    logger.info("%s step 0 (before training): %s", run.config.method,
+                ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/")))
 
 
 def checkpoint(run: RunState, step: int, out_of_time: bool) -> None:

@@ -21,6 +21,10 @@ Also, on every generated batch:
   Rows beyond the first ``n`` of a ``uid`` (``n = rollout.n``, ``val_kwargs.n`` when validating)
   are those copies: they are left out of the group terms and keep verl's per-sample score (verl
   drops them after generation).
+* **validation**: on a validation batch (``meta_info["validate"]``) the greedy scores per data source
+  are logged as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` at the trainer's global
+  step, the native trainer's names (:mod:`spader_pipeline.evaluation.validation`); verl's own
+  ``val-core/…`` and ``val-aux/…`` metrics stay as they are.
 * **search health**: the retrieval service's failures (counted per trajectory by the agent loop)
   are reported as ``search/error_rate`` and ``search/calls`` in the batch's generation metrics (verl
   logs them as ``timing_s/search/...``); above ``max_error_rate`` of the search tool's config the run
@@ -44,6 +48,8 @@ from verl.experimental.agent_loop import AgentLoopManager
 from verl.trainer.ppo.reward import resolve_reward_manager_cls
 from verl.utils.ray_utils import auto_await
 
+from spader_pipeline.evaluation.validation import validation_metrics
+
 from .registration import check_workers_registered
 from .trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
@@ -54,6 +60,7 @@ __all__ = [
     "check_search_health",
     "original_rows",
     "search_health",
+    "validation_batch_metrics",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,12 +163,28 @@ class GroupRewardAgentLoopManager(AgentLoopManager):
         output = assemble_group_rewards(self.reward_cls, prompts, output, group_size, metrics)
         if metrics:
             log_step_metrics(metrics, prompts.meta_info.get("global_steps"))
+        if not training:
+            log_step_metrics(validation_batch_metrics(prompts, output, group_size), prompts.meta_info.get("global_steps"))
         uid = prompts.non_tensor_batch.get("uid")
         health = search_health(output, original_rows(uid, group_size) if uid is not None else None)
         if health:
             output.meta_info.setdefault("timing", {}).update(health)
             check_search_health(health, self.max_error_rate)
         return output
+
+
+def validation_batch_metrics(prompts: DataProto, output: DataProto, group_size: int) -> dict[str, float]:
+    """``val/<data_source>/{recall,f1,searches}`` of a validation batch, verl's padding copies left out
+    (the reward manager's per-sample ``recall``, ``f1`` and ``num_searches`` fields)."""
+    fields = output.non_tensor_batch
+    if not all(key in fields for key in ("recall", "f1", "num_searches")):
+        return {}
+    uid = prompts.non_tensor_batch.get("uid")
+    keep = original_rows(uid, group_size) if uid is not None else np.ones(len(output), dtype=bool)
+    sources = prompts.non_tensor_batch.get("data_source", np.array(["unknown"] * len(output), dtype=object))
+    rows = np.flatnonzero(keep)
+    return validation_metrics([str(sources[i]) for i in rows], [float(fields["recall"][i]) for i in rows],
+                              [float(fields["f1"][i]) for i in rows], [float(fields["num_searches"][i]) for i in rows])
 
 
 def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:

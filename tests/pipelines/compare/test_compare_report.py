@@ -38,7 +38,11 @@ COMPARE = {"long_tail_below": 5, "bootstrap": {"resamples": 300}}
 def test_a_clear_gain_is_reported_as_one():
     text, figure, metrics = build_report(DESIGN, _runs(), _samples(0.1), COMPARE, {"native": {"total_steps": 1}})
     assert metrics["diff/recall/low"] > 0 and metrics["diff/recall/mean"] > 0.05
-    assert "**recall**: spader is better by" in text and "excludes 0" in text
+    assert "spader − grpo: above 0" in text and "excludes 0" in text
+    assert "**f1**: spader is better by" in text
+    # each method learned from the warm start (hardness·0.5 → hardness·0.6): both intervals above 0
+    assert metrics["spader_vs_warm_start/recall/t_low"] > 0 and metrics["grpo_vs_warm_start/recall/boot_low"] > 0
+    assert "spader − warm start: above 0" in text
     assert "differ from GRPO's" in text  # the mechanism: corr 0.4 < 0.9
     assert figure.axes and metrics["spader/recall/low"] <= metrics["spader/recall/mean"] <= metrics["spader/recall/high"]
 
@@ -46,7 +50,12 @@ def test_a_clear_gain_is_reported_as_one():
 def test_no_difference_is_said_in_words_with_the_detectable_size():
     text, _, metrics = build_report(DESIGN, _runs(), _samples(0.0), COMPARE, {})
     assert metrics["diff/recall/low"] <= 0 <= metrics["diff/recall/high"]
-    assert "**recall**: no detectable difference" in text and "contains 0" in text
+    assert "spader − grpo: inside the noise" in text and "contains 0" in text
+    assert "**f1**: no detectable difference" in text
+    # three seeds: the paired t interval over seed means is the wider one, and the conclusion is drawn from it
+    assert metrics["diff/recall/t_high"] - metrics["diff/recall/t_low"] >= \
+        metrics["diff/recall/boot_high"] - metrics["diff/recall/boot_low"]
+    assert "conclusion from" in text and "Design: with 3 seeds × 60 questions" in text
     assert 0 < metrics["diff/recall/detectable"] < 0.05
 
 
@@ -60,3 +69,16 @@ def test_long_tail_counts_only_rare_entities_and_failures_score_zero():
     scores = question_scores(frame, long_tail_below=5)
     assert scores["tail_hits"].tolist() == [1.0, 0.0] and scores["tail_total"].tolist() == [2.0, 1.0]
     assert scores["recall"].tolist() == [1.0, 0.0]
+
+
+def test_the_figure_draws_validation_curves_and_the_warm_start_level():
+    runs = _runs()
+    for run in runs.values():
+        run["history"] = [{"step": 0, "val/embedded/recall": 0.2}, *run["history"],
+                          {"step": 2, "val/embedded/recall": 0.25}]
+    _, figure, _ = build_report(DESIGN, runs, _samples(0.0), COMPARE, {})
+    validation = figure.axes[0]
+    assert "validation recall" in validation.get_title()
+    assert any(np.allclose(line.get_ydata(), 0.2) and len(line.get_ydata()) == 2 for line in validation.get_lines())  # the warm start's level
+    held_out = [ax for ax in figure.axes if ax.get_title().startswith("held-out recall")][0]
+    assert any(line.get_label().startswith("warm start") for line in held_out.get_lines())

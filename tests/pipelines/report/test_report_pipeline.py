@@ -37,14 +37,14 @@ def test_build_report_compares_models_and_methods():
         _eval_table(), {"demonstrations": 100.0}, {"smoothing_window": 5, "models": ["warm_start", "grpo", "spader"]},
         history_grpo=_history(0.01), history_spader=_history(0.02),
     )
-    assert len(curves.axes) == 8 and final.axes
+    assert len(curves.axes) == 10 and final.axes
     assert "| spader | embedded_test | 50 | 0 | 0.090 |" in markdown and "–" in markdown
     assert metrics["spader/embedded_test/seen_recall"] == pytest.approx(0.36)
     assert "grpo/embedded_test/long_tail_recall/1" not in metrics  # NaN buckets are left out
     assert metrics["spader/method_reward/mean_last"] == pytest.approx(0.02 * 28) and metrics["spader/window"] == 5
     assert metrics["grpo/steps"] == 30
     # comparable metrics lead; the method's own return follows, labelled as such; then the mechanism
-    titles = [ax.get_title() for ax in curves.axes]
+    titles = [ax.get_title() for ax in curves.axes][2:]  # after the validation row
     assert titles[0] == "answer recall" and "not comparable" in titles[3]
     assert "correlation with GRPO" in titles[4] and "advantage 0" in titles[5] and "search sequences" in titles[6]
     # whether the updates differ: the mean agreement with GRPO per method
@@ -71,7 +71,7 @@ def test_an_undefined_correlation_is_said_in_its_panel():
     # GRPO's advantages all 0 on SPADER's batches (every group tied): the correlation is NaN there.
     spader = [{**row, "adv/corr_vs_grpo": math.nan} for row in _history(0.02)[:2]]
     curves, *_ = build_report(_eval_table(), {}, {}, history_grpo=_history(0.01)[:2], history_spader=spader)
-    panel = curves.axes[4]
+    panel = curves.axes[2 + 4]
     notes = " ".join(t.get_text() for t in panel.texts)
     assert "GRPO's advantages are all 0" in notes and "spader: steps 1, 2" in notes and "grpo" not in notes
     assert "lines join the steps" in curves._suptitle.get_text()
@@ -95,3 +95,26 @@ def test_report_session_run_writes_reporting_files_and_mlflow_artifacts(kedro_pr
     assert run.data.metrics["report/spader/embedded_test/recall"] == pytest.approx(0.09)
     names = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "report")}
     assert names == {"report/training_curves.png", "report/final_comparison.png", "report/report.md"}
+
+
+def test_validation_curves_lead_with_the_warm_start_as_reference_and_step_0_is_no_training_step():
+    def with_validation(history, values):
+        val = {0: values[0], 2: values[1]}
+        rows = [{"step": 0, "val/embedded/recall": values[0], "val/embedded/searches": 3.0}]
+        return rows + [{**h, **({"val/embedded/recall": val[h["step"]], "val/embedded/searches": 3.5}
+                                if h["step"] in val else {})} for h in history]
+
+    curves, _, markdown, metrics = build_report(
+        _eval_table(), {}, {"smoothing_window": 10},
+        history_grpo=with_validation(_history(0.01)[:2], (0.20, 0.21)),
+        history_spader=with_validation(_history(0.02)[:2], (0.20, 0.26)),
+    )
+    panel = curves.axes[0]
+    assert "validation answer recall" in panel.get_title() and "embedded" in panel.get_title()
+    reference = [line for line in panel.get_lines() if line.get_label().startswith("warm start (step 0)")]
+    assert len(reference) == 1 and reference[0].get_ydata()[0] == pytest.approx(0.20)
+    spader = next(line for line in panel.get_lines() if line.get_label() == "spader")
+    assert list(spader.get_xdata()) == [0, 2] and list(spader.get_ydata()) == pytest.approx([0.20, 0.26])
+    assert metrics["spader/steps"] == 2 and metrics["spader/window"] == 1  # step 0 is not a training step
+    assert metrics["spader/val/embedded/recall_step_2"] == pytest.approx(0.26)
+    assert metrics["grpo/val/embedded/recall_step_0"] == pytest.approx(0.20)

@@ -75,8 +75,8 @@ def _fingerprint(*parts: Any) -> str:
 
 
 def _train_once(init: Mapping[str, Any], verl_train: pd.DataFrame, index_manifest: Mapping[str, Any],
-                method: Mapping[str, Any], training: Mapping[str, Any], prompt: Mapping[str, Any]
-                ) -> tuple[dict[str, Any], list[dict[str, float]]]:
+                method: Mapping[str, Any], training: Mapping[str, Any], prompt: Mapping[str, Any],
+                verl_validation: pd.DataFrame | None = None) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """Train one method × seed, or return the finished one recorded in its run directory."""
     run_dir = Path(training["output_dir"]) / f"train_{method['method']}"
     marker = run_dir / RUN_DONE
@@ -86,7 +86,7 @@ def _train_once(init: Mapping[str, Any], verl_train: pd.DataFrame, index_manifes
         if done.get("fingerprint") == fingerprint:
             logger.info("compare: %s already trained with these settings; reused", run_dir)
             return done["manifest"], done["history"]
-    manifest, history, _ = train_policy(init, verl_train, index_manifest, method, training, prompt)
+    manifest, history, _ = train_policy(init, verl_train, index_manifest, method, training, prompt, verl_validation)
     if training.get("backend", "native") == "verl":
         from spader_pipeline.pipelines.merge.nodes import merge_policy
 
@@ -104,8 +104,10 @@ def train_and_evaluate(
     eval_sets: Mapping[str, Callable[[], pd.DataFrame]],
     corpus: pd.DataFrame,
     parameters: Mapping[str, Any],
+    verl_validation: pd.DataFrame | None = None,
 ) -> tuple[dict[str, Any], pd.DataFrame]:
-    """Every method × seed of ``design``: train from the shared warm start, evaluate greedy.
+    """Every method × seed of ``design``: train from the shared warm start (validated on
+    ``verl_validation`` during training), evaluate greedy on the test questions.
 
     Returns the runs (per method and seed: manifest and per-step history) and the per-question
     records of every evaluated model (columns ``model``, ``method``, ``seed`` added; the warm start
@@ -132,7 +134,8 @@ def train_and_evaluate(
             block = parameters.get(f"train_{name}", {}).get("method")
             if block is None:
                 raise ValueError(f"no train_{name}.method block in the parameters (methods: {design['methods']})")
-            manifest, history = _train_once(warm_start_manifest, verl_train, index_manifest, block, seeded, prompt)
+            manifest, history = _train_once(warm_start_manifest, verl_train, index_manifest, block, seeded, prompt,
+                                            verl_validation)
             runs[f"{name}_seed{seed}"] = {"method": name, "seed": seed, "manifest": manifest, "history": history}
             frames.append(evaluate_model(f"{name}_seed{seed}", manifest, trained_only).assign(method=name, seed=seed))
     return runs, pd.concat(frames, ignore_index=True)

@@ -24,7 +24,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             node(
                 nodes.train_and_evaluate,
                 ["compare_design", "warm_start_manifest", "verl_train", "index_manifest", "eval_sets", "corpus",
-                 "parameters"],
+                 "parameters", "verl_validation"],
                 ["compare_runs", "compare_eval_samples"],
                 name="train_and_evaluate",
             ),

@@ -4,13 +4,18 @@ candidate − baseline, the mechanism metrics over steps, and the curves (docs/r
 Scores are per held-out question and seed (failed samples score 0): recall and F1 are means over
 questions; long-tail recall is hits over the gold entities that occur in fewer than
 ``compare.long_tail_below`` corpus passages (a micro-average, like ``long_tail_recall/*`` of
-docs/metrics.md). Intervals: :mod:`spader_pipeline.evaluation.bootstrap` (seeds × questions).
+docs/metrics.md). Intervals (:mod:`spader_pipeline.evaluation.bootstrap`): the seeds × questions
+bootstrap and, beside it, a paired t interval over seed means (df = seeds − 1); every conclusion is
+taken from the wider of the two. Each method is also compared with the warm start it started from
+(did it learn?), and the design says how many seeds and questions a difference of
+``compare.target_difference`` would need.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -19,10 +24,15 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from spader_pipeline.evaluation.bootstrap import (
+    DesignNeeds,
     Interval,
     PairedDifference,
+    SeedInterval,
     bootstrap_interval,
+    design_needs,
     paired_difference,
+    paired_t_interval,
+    wider,
 )
 from spader_pipeline.pipelines.report.nodes import markdown_table
 
@@ -34,7 +44,8 @@ MECHANISM_KEYS = ("answer/recall", "method_reward/mean", "group/diverse_frac", "
                   "adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
                   "rollout/tool_calls")
 #: Curves drawn per method and seed over training steps.
-CURVES = (("answer/recall", "training answer recall"), ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"),
+CURVES = (("val/{source}/recall", "validation recall (greedy; dashed: warm start)"),
+          ("answer/recall", "training answer recall"), ("adv/corr_vs_grpo", "corr(advantages, GRPO's)"),
           ("adv/zero_frac", "share of tokens with advantage 0"), ("rollout/tool_calls", "searches per trajectory"),
           ("group/entity_recall_union", "gold entities retrieved by a group"))
 
@@ -96,6 +107,45 @@ def compare_statistics(design: Mapping[str, Any], scores: pd.DataFrame, stats: M
     return intervals, differences, per_seed
 
 
+@dataclass(frozen=True)
+class Contrast:
+    """``B − A`` with both intervals; ``conclusion`` is the wider one."""
+
+    bootstrap: PairedDifference
+    t: SeedInterval
+
+    @property
+    def conclusion(self) -> Interval:
+        return wider(self.bootstrap, self.t)
+
+
+def contrasts(design: Mapping[str, Any], scores: pd.DataFrame, stats: Mapping[str, Any]
+              ) -> tuple[dict[str, Contrast], dict[str, Contrast], DesignNeeds]:
+    """Held-out recall: each method − the warm start, and candidate − baseline, each with the seeds ×
+    questions bootstrap and the paired t interval over seed means; and what the design needs to
+    detect ``target_difference`` between the methods."""
+    seeds, ids = design["seeds"], design["question_ids"]
+    opts = {"resamples": int(stats.get("resamples", 2000)), "confidence": float(stats.get("confidence", 0.95)),
+            "seed": int(stats.get("seed", 0))}
+    grid = {m: score_grid(scores, m, seeds, ids, "recall") for m in design["methods"]}
+    warm = scores[scores["method"] == "warm_start"].set_index("id")["recall"]
+    missing = [q for q in ids if q not in warm.index]
+    if missing:
+        raise ValueError(f"warm_start: no held-out scores for {missing[:5]}")
+    warm_grid = np.broadcast_to(warm.loc[list(ids)].to_numpy(dtype=float), grid[design["methods"][0]].shape)
+
+    def contrast(a: np.ndarray, b: np.ndarray) -> Contrast:
+        return Contrast(paired_difference(a, b, **opts),
+                        paired_t_interval(a.mean(axis=1), b.mean(axis=1), confidence=opts["confidence"]))
+
+    learned = {m: contrast(warm_grid, g) for m, g in grid.items()}
+    baseline, candidate = design["methods"]
+    between = {"recall": contrast(grid[baseline], grid[candidate])}
+    needs = design_needs(grid[candidate] - grid[baseline], float(stats.get("target_difference", 0.03)),
+                         max_questions=int(stats.get("max_questions", len(ids))), confidence=opts["confidence"])
+    return learned, between, needs
+
+
 def mechanism_table(runs: Mapping[str, Any], methods: Sequence[str]) -> pd.DataFrame:
     """Per method: each :data:`MECHANISM_KEYS` metric averaged over all steps of all seeds."""
     rows = []
@@ -113,8 +163,51 @@ def _fmt(interval: Interval) -> str:
     return f"{interval.mean:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
 
 
+def _ci(interval: Interval) -> str:
+    return f"[{interval.low:+.3f}, {interval.high:+.3f}]" if math.isfinite(interval.low) else "–"
+
+
+def _verdict(c: Contrast, what: str) -> str:
+    wide = c.conclusion
+    which = "paired t over seed means" if wide is c.t else "seeds × questions bootstrap"
+    if not math.isfinite(wide.low):
+        return f"{what}: no interval."
+    if wide.low > 0:
+        return f"{what}: above 0 (the wider interval, {which}, {_ci(wide)}, excludes 0)."
+    if wide.high < 0:
+        return f"{what}: below 0 (the wider interval, {which}, {_ci(wide)}, excludes 0)."
+    return f"{what}: inside the noise (the wider interval, {which}, {_ci(wide)}, contains 0)."
+
+
+def contrasts_markdown(design: Mapping[str, Any], learned: Mapping[str, Contrast], between: Mapping[str, Contrast],
+                       needs: DesignNeeds) -> list[str]:
+    """Did each method learn (vs the warm start), and candidate − baseline, with both intervals."""
+    baseline, candidate = design["methods"]
+    head = ["| contrast (held-out recall) | difference | bootstrap CI | paired t CI (df) | conclusion from |",
+            "|---|---|---|---|---|"]
+
+    def row(label: str, c: Contrast) -> str:
+        source = "t" if c.conclusion is c.t else "bootstrap"
+        return f"| {label} | {c.t.mean:+.3f} | {_ci(c.bootstrap)} | {_ci(c.t)} ({c.t.df}) | {source} |"
+
+    lines = ["## Did the methods learn, and which is better", "", *head]
+    lines += [row(f"{m} − warm start", c) for m, c in learned.items()]
+    lines += [row(f"{candidate} − {baseline}", between["recall"]), ""]
+    lines += [f"- {_verdict(c, f'{m} − warm start')}" for m, c in learned.items()]
+    lines += [f"- {_verdict(between['recall'], f'{candidate} − {baseline}')}", ""]
+    seeds_now, seeds_max = needs.seeds_at_current_questions, needs.seeds_at_max_questions
+    lines.append(
+        f"Design: with {len(design['seeds'])} seeds × {len(design['question_ids'])} questions the paired t test detects "
+        f"{needs.detectable_now:.3f} (power 0.8). A difference of {needs.target:.3f} needs "
+        f"{seeds_now if seeds_now else 'more than 200'} seeds at {len(design['question_ids'])} questions, "
+        f"{seeds_max if seeds_max else 'more than 200'} at {needs.max_questions} questions "
+        "(from this run's seed-to-seed and question variance).")
+    return lines
+
+
 def report_markdown(design: Mapping[str, Any], intervals, differences, per_seed, mechanisms: pd.DataFrame,
-                    warm_start: Mapping[str, float], settings: Mapping[str, Any]) -> str:
+                    warm_start: Mapping[str, float], settings: Mapping[str, Any],
+                    contrast_lines: Sequence[str] = ()) -> str:
     """The report: design, scores with intervals, the paired difference in numbers and words, mechanisms."""
     baseline, candidate = design["methods"]
     confidence = next(iter(differences.values())).confidence
@@ -140,9 +233,12 @@ def report_markdown(design: Mapping[str, Any], intervals, differences, per_seed,
     for name, diff in differences.items():
         lines.append(f"| {name} | {diff.mean:+.3f} | [{diff.low:+.3f}, {diff.high:+.3f}] | {diff.p_not_better:.2f} | "
                      f"{diff.detectable:.3f} |")
-    lines += ["", *[_in_words(name, diff, candidate, baseline) for name, diff in differences.items()], "",
+    # recall's conclusion is the contrasts section's (the wider interval); the others' the bootstrap's
+    lines += ["", *[_in_words(name, diff, candidate, baseline) + (" (bootstrap)" if contrast_lines else "")
+                    for name, diff in differences.items() if not (contrast_lines and name == "recall")], "",
               "*detectable*: the smallest true difference this design finds with power 0.8 at the two-sided "
               f"{1 - confidence:.0%} level ((z₁₋α/₂ + z₀.₈) × bootstrap standard error).", "",
+              *contrast_lines, "",
               "## Mechanism (means over all training steps and seeds)", "",
               markdown_table(mechanisms), "",
               _mechanism_in_words(mechanisms, candidate)]
@@ -175,15 +271,24 @@ def _mechanism_in_words(mechanisms: pd.DataFrame, candidate: str) -> str:
             f"sequences: {row.get('group/diverse_frac', math.nan):.2f} of groups.")
 
 
-def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals, per_seed) -> plt.Figure:
-    """Per-seed training curves per method (one colour per method, one line per seed) and the
-    held-out recall per method with its interval and per-seed points."""
+def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals, per_seed,
+                  warm_start_recall: float = math.nan) -> plt.Figure:
+    """Per-seed validation and training curves per method (one colour per method, one line per seed)
+    and the held-out recall per method with its interval and per-seed points; the warm start's level
+    is the dashed line in the validation and held-out panels."""
+    source = next((k.split("/")[1] for run in runs.values() for h in run["history"] for k in h
+                   if k.startswith("val/") and k.endswith("/recall")), "embedded")
     panels = len(CURVES) + 1
     fig, grid = plt.subplots(2, (panels + 1) // 2, figsize=(4.4 * ((panels + 1) // 2), 7.2), constrained_layout=True)
     axes = list(grid.flat)
     colours = dict(zip(design["methods"], ("tab:blue", "tab:orange"), strict=True))
     styles = ("-", "--", ":", "-.")
     for ax, (key, title) in zip(axes, CURVES, strict=False):
+        key = key.format(source=source)
+        if key.startswith("val/"):
+            start = [h[key] for run in runs.values() for h in run["history"] if h.get("step") == 0 and key in h]
+            if start:
+                ax.axhline(float(np.mean(start)), color="0.4", linestyle=(0, (4, 3)), linewidth=1.2)
         for run in runs.values():
             points = [(h["step"], h[key]) for h in run["history"] if key in h and not math.isnan(float(h[key]))]
             if points:
@@ -196,7 +301,7 @@ def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals,
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    next((ax for ax in axes if ax.get_legend_handles_labels()[0]), axes[0]).legend(fontsize=7)
     for ax in axes[panels:]:
         ax.set_visible(False)
     ax = axes[panels - 1]
@@ -206,6 +311,10 @@ def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals,
                     fmt="s", color=colours[method], capsize=6, ms=8)
         ax.scatter([i + 0.15] * len(per_seed[method]["recall"]), per_seed[method]["recall"], color=colours[method],
                    s=14, alpha=0.7)
+    if math.isfinite(warm_start_recall):
+        ax.axhline(warm_start_recall, color="0.4", linestyle=(0, (4, 3)), linewidth=1.2,
+                   label=f"warm start {warm_start_recall:.3f}")
+        ax.legend(fontsize=7)
     ax.set_xticks(range(len(design["methods"])), design["methods"])
     ax.set_xlim(-0.5, len(design["methods"]) - 0.5)
     ax.set_title(f"held-out recall ({len(design['question_ids'])} q., CI; dots: seeds)", fontsize=10)
@@ -225,10 +334,19 @@ def build_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd
     native = training.get("native") or {}
     settings = {"steps": native.get("total_steps"), "prompts_per_step": native.get("prompts_per_step"),
                 "group_size": native.get("group_size")}
-    text = report_markdown(design, intervals, differences, per_seed, mechanisms, warm_start, settings)
+    learned, between, needs = contrasts(design, scores, {**compare.get("bootstrap", {}),
+                                                         "target_difference": compare.get("target_difference", 0.03),
+                                                         "max_questions": compare.get("max_design_questions", 240)})
+    text = report_markdown(design, intervals, differences, per_seed, mechanisms, warm_start, settings,
+                           contrasts_markdown(design, learned, between, needs))
     metrics = {f"{m}/{k}/{part}": float(getattr(iv, part)) for m, d in intervals.items() for k, iv in d.items()
                for part in ("mean", "low", "high")}
     metrics.update({f"diff/{k}/{part}": float(getattr(d, part)) for k, d in differences.items()
                     for part in ("mean", "low", "high", "detectable", "p_not_better")})
     metrics.update({f"warm_start/{k}": float(v) for k, v in warm_start.items()})
-    return text, curves_figure(runs, design, intervals, per_seed), metrics
+    for label, c in [*((f"{m}_vs_warm_start", c) for m, c in learned.items()), ("diff", between["recall"])]:
+        metrics.update({f"{label}/recall/t_{part}": float(getattr(c.t, part)) for part in ("mean", "low", "high")})
+        metrics.update({f"{label}/recall/boot_{part}": float(getattr(c.bootstrap, part)) for part in ("low", "high")})
+    metrics["design/detectable_t"] = float(needs.detectable_now)
+    metrics["design/seeds_needed"] = float(needs.seeds_at_current_questions or math.nan)
+    return text, curves_figure(runs, design, intervals, per_seed, float(warm_start["recall"])), metrics

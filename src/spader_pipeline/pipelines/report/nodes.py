@@ -36,6 +36,9 @@ CURVES = (
     ("group/distinct_query_seqs", "distinct search sequences per group of 8"),
     ("group/entity_recall_union", "gold entities retrieved by a group (union)"),
 )
+#: Validation curves (greedy on the fixed validation subset, step 0 = the starting policy), drawn
+#: first: whether a method learns is read here, not on the training questions it samples.
+VAL_CURVES = (("recall", "validation answer recall (greedy)"), ("searches", "validation searches per question (greedy)"))
 #: Mechanism metrics summarised as means over all steps (whether and why the methods' updates differ).
 MECHANISM = ("adv/zero_groups", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
              "group/diverse_frac", "group/entity_recall_union", "group/entity_recall_mean")
@@ -58,11 +61,47 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
 _LINE_STYLES = ("-", "--", "-.", ":")
 
 
+def training_rows(history: Sequence[dict]) -> list[dict]:
+    """The RL steps of a history (step 0 is the starting policy's validation, not a training step)."""
+    return [h for h in history if h.get("step", 0) >= 1]
+
+
+def validation_sources(histories: Mapping[str, Sequence[dict]]) -> list[str]:
+    """Data sources with ``val/<source>/recall`` in any history, sorted."""
+    keys = {k for rows in histories.values() for h in rows for k in h}
+    return sorted(k.split("/")[1] for k in keys if k.startswith("val/") and k.endswith("/recall"))
+
+
+def draw_validation_panel(ax, histories: Mapping[str, Sequence[dict]], key: str, title: str) -> None:
+    """One validation metric per method over RL steps, with the starting policy's level (step 0) as a
+    dashed reference line: a curve above it learned, one on it did not move."""
+    start = [h[key] for rows in histories.values() for h in rows if h.get("step") == 0 and key in h]
+    if start:
+        ax.axhline(float(np.mean(start)), color="0.4", linestyle=(0, (4, 3)), linewidth=1.2,
+                   label=f"warm start (step 0): {np.mean(start):.3f}")
+    for i, (method, rows) in enumerate(histories.items()):
+        points = [(h["step"], h[key]) for h in rows if key in h and math.isfinite(h[key])]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", color=f"C{i}",
+                    linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], label=method)
+    if not start and not any(key in h for rows in histories.values() for h in rows):
+        ax.text(0.5, 0.5, "no validation (training.validation)", transform=ax.transAxes, ha="center", color="0.4")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def _curves_figure(histories: Mapping[str, list[dict]], window: int):
+    sources = validation_sources(histories)
+    source = sources[0] if sources else "embedded"
+    validation = dict(histories)
+    histories = {m: training_rows(rows) for m, rows in histories.items()}
     # A short run is drawn as it is: a moving average wider than a third of the run hides its steps.
     window = min(window, max(1, max((len(rows) for rows in histories.values()), default=0) // 3))
-    fig, axes = plt.subplots(4, 2, figsize=(11, 12.5), sharex=True)
-    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+    fig, axes = plt.subplots(5, 2, figsize=(11, 15.5), sharex=True)
+    for ax, (name, title) in zip(axes[0], VAL_CURVES, strict=True):
+        draw_validation_panel(ax, validation, f"val/{source}/{name}", f"{title}: {source}")
+    for ax, (key, title) in zip(axes[1:].flat, CURVES, strict=True):
         undefined = []
         for i, (method, rows) in enumerate(histories.items()):
             missing = [r["step"] for r in rows if isinstance(r.get(key), float) and math.isnan(r[key])]
@@ -88,7 +127,8 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0, 0].legend()
     lines = f"lines: moving average over {window} steps" if window > 1 else "lines join the steps"
-    fig.suptitle(f"Training curves on the training questions (points: steps; {lines})\nrecall, F1 and retrieval recall compare the methods; the return includes each "
+    fig.suptitle(f"Top row: validation (greedy, fixed validation questions; step 0 = the warm start). Below: training "
+                 f"questions (points: steps; {lines})\nrecall, F1 and retrieval recall compare the methods; the return includes each "
                  "method's own terms.\nSame sampling seed: step 1 samples the same trajectories for every method and "
                  "the advantage panels show how each scores them;\nlater steps sample from each method's own policy",
                  fontsize=10)
@@ -155,7 +195,8 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 def _training_summary(histories: Mapping[str, list[dict]], window: int) -> pd.DataFrame:
     rows = []
-    for method, history in histories.items():
+    for method, full in histories.items():
+        history = training_rows(full)
         if not history:
             continue
         # First and last `window` steps; a run shorter than two windows is split in halves, so the
@@ -170,6 +211,10 @@ def _training_summary(histories: Mapping[str, list[dict]], window: int) -> pd.Da
         for key in MECHANISM:
             values = [h[key] for h in history if isinstance(h.get(key), int | float) and math.isfinite(h[key])]
             row[f"{key} mean"] = float(np.mean(values)) if values else math.nan
+        for source in validation_sources({method: full}):
+            curve = [(h["step"], h[f"val/{source}/recall"]) for h in full if f"val/{source}/recall" in h]
+            row[f"val/{source}/recall step {curve[0][0]}"] = curve[0][1]
+            row[f"val/{source}/recall step {curve[-1][0]}"] = curve[-1][1]
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -17,6 +17,7 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.schema import SampleRecord, sample_record
+from spader_pipeline.evaluation.validation import ValidationSettings
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.tracking_buffer import active_run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
@@ -185,9 +186,13 @@ def train_policy(
     method: Mapping[str, Any],
     training: Mapping[str, Any],
     prompt: Mapping[str, Any],
+    verl_validation: pd.DataFrame | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
     """Train one method from ``init_manifest``; return the policy manifest, the per-step history
     and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
+
+    With ``verl_validation`` the policy is validated on its fixed subset on ``training.validation``'s
+    schedule (:mod:`spader_pipeline.evaluation.validation`): ``val/<source>/…`` per step, step 0 first.
 
     The training is one MLflow run of its own (:func:`spader_pipeline.tracking.method_run`) with the
     same metric keys for every method; VERL joins it through ``MLFLOW_RUN_ID``. The manifest
@@ -198,7 +203,8 @@ def train_policy(
         raise ValueError(f"training.backend={backend!r}: use native or verl")
     run_name, tags, params = method_run_identity(init_manifest, method, training)
     with tracking.method_run(run_name, tags, params) as run_id:
-        manifest, history = _train(init_manifest, verl_train, index_manifest, method, training, prompt)
+        manifest, history = _train(init_manifest, verl_train, index_manifest, method, training, prompt,
+                                   verl_validation)
         manifest["mlflow_run_id"] = run_id
         if manifest.get("path"):
             manifest["mlflow_model_id"] = tracking.register_checkpoint(manifest["path"], name=method["method"],
@@ -208,7 +214,7 @@ def train_policy(
     return manifest, history, summary
 
 
-def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
+def _train(init_manifest, verl_train, index_manifest, method, training, prompt, verl_validation=None):
     """The training itself: (manifest, per-step history); metrics go to the active (method) run."""
     name = method["method"]
     run_dir = Path(training.get("output_dir", "data/06_models")) / f"train_{name}"
@@ -222,6 +228,7 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
 
     config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
+    validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []
     # metrics and samples go through a buffered writer: no step waits on, or fails with, the server
     with (search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search,
           active_run_writer() as writer):
@@ -234,11 +241,18 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt):
             prompt_template=template,
             log_metrics=(lambda m, step: writer.log_metrics(tracking.comparable_first(m), step)) if writer else None,
             log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
+            validation=validation,
+            validation_settings=validation_settings(training),
         )
     manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
                 "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
                 "resumed_from": result.resumed_from}
     return manifest, result.history
+
+
+def validation_settings(training: Mapping[str, Any]) -> ValidationSettings:
+    """``training.validation`` (shared by both backends) as :class:`ValidationSettings`."""
+    return from_mapping(ValidationSettings, training.get("validation"), where="training.validation")
 
 
 def _summary(history: list[dict[str, float]], window: int = 10) -> dict[str, float]:

@@ -16,7 +16,7 @@ from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from .nodes import train_policy, warm_start
 
-SHARED_INPUTS = {"warm_start_manifest", "verl_train", "index_manifest"}
+SHARED_INPUTS = {"warm_start_manifest", "verl_train", "verl_validation", "index_manifest"}
 SHARED_PARAMS = {"params:training", "params:prompt"}
 DEFAULT_METHODS = ("grpo", "spader")
 
@@ -43,7 +43,7 @@ def method_pipeline(method: str) -> Pipeline:
             node(
                 train_policy,
                 inputs=["warm_start_manifest", "verl_train", "index_manifest", "params:method",
-                        "params:training", "params:prompt"],
+                        "params:training", "params:prompt", "verl_validation"],
                 outputs=["policy_manifest", "training_history", "training_metrics"],
                 name="train_policy",
                 tags=[METHOD_RUN_TAG],  # one MLflow run per method's training (spader_pipeline.hooks)

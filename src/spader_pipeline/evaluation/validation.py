@@ -1,0 +1,78 @@
+"""Validation during training: greedy scores on a fixed subset of the validation split.
+
+Both trainers validate on the same schedule and log the same names (docs/metrics.md):
+
+- at step 0 (before the first update) when ``before_train``, then every ``every`` steps and at the
+  last step — verl's ``trainer.val_before_train`` / ``trainer.test_freq``;
+- on the first ``max_questions`` questions of ``verl_validation`` (a fixed subset, so every point of
+  a curve scores the same questions; verl's ``data.val_max_samples`` without shuffling);
+- greedy (temperature 0, one trajectory per question: verl's ``val_kwargs``);
+- as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` (means over questions).
+
+The test split is never scored during training: hyperparameters and stopping steps are chosen on these
+curves, and ``evaluate`` scores the test split once, at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["VAL_PREFIX", "ValidationSettings", "validation_metrics", "validation_subset"]
+
+VAL_PREFIX = "val"
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """``training.validation``: when and on what the policy is validated (both backends)."""
+
+    every: int = 1
+    """validate after every this-many RL steps and at the last step (verl ``trainer.test_freq``); 0: never"""
+    before_train: bool = True
+    """validate the starting policy as step 0 (verl ``trainer.val_before_train``)"""
+    max_questions: int | None = 24
+    """the first this-many validation questions (verl ``data.val_max_samples``); ``None``: all"""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"validation.every={self.every}: use 0 (never) or a positive step interval")
+        if self.max_questions is not None and self.max_questions < 1:
+            raise ValueError(f"validation.max_questions={self.max_questions}: use null (all) or at least 1")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether step ``step`` (0 = before training) is validated."""
+        if step == 0:
+            return self.before_train
+        return self.every > 0 and (step % self.every == 0 or step == total_steps)
+
+
+def validation_subset(samples: Sequence[Mapping[str, Any]], max_questions: int | None) -> list[Mapping[str, Any]]:
+    """The fixed validation subset: the first ``max_questions`` samples in file order."""
+    return list(samples if max_questions is None else samples[:max_questions])
+
+
+def validation_metrics(
+    data_sources: Sequence[str], recall: Sequence[float], f1: Sequence[float], searches: Sequence[float]
+) -> dict[str, float]:
+    """``val/<data_source>/{recall,f1,searches}``: means over the questions of each data source.
+
+    Args:
+        data_sources: ``[Q]`` data source of each validation question (e.g. ``embedded``).
+        recall, f1: ``[Q]`` answer recall and F1 of each question's greedy trajectory.
+        searches: ``[Q]`` search turns of each trajectory.
+    """
+    sources = np.asarray(list(data_sources), dtype=object)
+    values = {"recall": np.asarray(recall, float), "f1": np.asarray(f1, float),
+              "searches": np.asarray(searches, float)}
+    if any(len(v) != len(sources) for v in values.values()):
+        raise ValueError("data_sources, recall, f1 and searches must have one entry per question")
+    out: dict[str, float] = {}
+    for source in sorted(set(sources.tolist())):
+        rows = sources == source
+        for name, column in values.items():
+            out[f"{VAL_PREFIX}/{source}/{name}"] = float(column[rows].mean())
+    return out

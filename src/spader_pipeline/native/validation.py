@@ -1,0 +1,35 @@
+"""The native trainer's validation pass: the current policy, greedy, on the fixed validation subset.
+
+Settings, schedule and metric names are shared with the verl backend
+(:mod:`spader_pipeline.evaluation.validation`, docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.algorithms import score_answers
+from spader_pipeline.evaluation.validation import validation_metrics
+
+__all__ = ["validate_policy"]
+
+
+def validate_policy(
+    model: Any, tokenizer: Any, samples: Sequence[Mapping[str, Any]], search: Any, rollout: RolloutConfig,
+    prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int, bf16: bool | str = False,
+) -> dict[str, float]:
+    """Greedy trajectories of ``model`` on ``samples`` (one batch), scored as ``val/<source>/…``."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=max_prompt_tokens,
+                            micro_batch_size=len(samples), bf16=bf16)
+    trajectories = run_rollouts_sync(list(samples), generator, search, rollout, prompt_template)
+    scores = [score_answers(list(t.predicted or ()), s["ground_truth"]) for t, s in zip(trajectories, samples, strict=True)]
+    return validation_metrics(
+        [str(s.get("data_source") or "unknown") for s in samples],
+        [x.recall for x in scores],
+        [x.f1 for x in scores],
+        [sum(step.kind == "search" for step in t.steps) for t in trajectories],
+    )
