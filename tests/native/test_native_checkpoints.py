@@ -80,7 +80,9 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_moves_it_aside(two_checkpo
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "step_000002" in warning and name in warning
     assert load_trainer_state(path)["step"] == 1
+    (newest.parent / "step_000003.tmp").mkdir()  # a save killed half-way
     assert select_checkpoint(two_checkpoints)[0] == 1  # the one moved aside is never picked again
+    assert not (newest.parent / "step_000003.tmp").exists()
 
 
 def test_every_checkpoint_damaged_stops_with_one_error_naming_each(two_checkpoints):

@@ -132,6 +132,9 @@ def select_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     :class:`CheckpointError` naming each one and why: starting afresh silently would throw away the
     run's progress, so the decision is left to the user.
     """
+    for unfinished in (Path(run_dir) / "checkpoints").glob("step_*.tmp"):  # a save that was killed
+        logger.info("removing the unfinished checkpoint %s", unfinished)
+        shutil.rmtree(unfinished, ignore_errors=True)
     failures = []
     for step, path in reversed(list_checkpoints(run_dir)):
         problem = verify_checkpoint(path)
@@ -223,21 +226,21 @@ def save_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(final.parent)
-    prune_checkpoints(run_dir, keep)
+    prune_checkpoints(run_dir, keep, known_good=final)  # its manifest was just made from the synced files
     return final
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+def prune_checkpoints(run_dir: str | Path, keep: int, *, known_good: Path | None = None) -> list[Path]:
     """Delete all but the ``keep`` newest checkpoints; return what was deleted.
 
     Never deletes the newest checkpoint that verifies while every newer one fails: the oldest
-    candidates go only once a kept checkpoint has verified.
+    candidates go only once a kept checkpoint has verified (``known_good``: one that needs no check).
     """
     found, keep = list_checkpoints(run_dir), max(keep, 1)
     kept, older = found[-keep:], found[:-keep]
     if not older:
         return []
-    if not any(verify_checkpoint(path) is None for _, path in reversed(kept)):
+    if not any(path == known_good or verify_checkpoint(path) is None for _, path in reversed(kept)):
         good = next((i for i in range(len(older) - 1, -1, -1) if verify_checkpoint(older[i][1]) is None), None)
         if good is None:
             return []
