@@ -81,6 +81,7 @@ class BufferedMetricsWriter:
         self._pending: deque[_Item] = deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._closed: bool | None = None
         self._down_since: float | None = None
         self.outage_seconds = 0.0
         """total time the server did not answer (closed outages, plus an open one at close)"""
@@ -130,10 +131,12 @@ class BufferedMetricsWriter:
     def close(self, timeout: float | None = 600.0) -> bool:
         """Deliver the backlog (waiting up to ``timeout`` seconds), stop the thread, report outages.
 
-        Returns whether everything was delivered (none left, none refused); what was not is named in a
-        warning (the run's
-        ``metrics.jsonl`` still holds it: :func:`backfill` sends it later).
+        Returns whether everything was delivered (none left, none refused); what was not is named in
+        a warning (the run's ``metrics.jsonl`` still holds it: :func:`backfill` sends it later).
+        Closing again only returns the first answer.
         """
+        if self._closed is not None:
+            return self._closed
         delivered = self.flush(timeout)
         with self._cond:
             self._closing = True
@@ -149,7 +152,8 @@ class BufferedMetricsWriter:
         elif self.outages:
             logger.warning("MLflow tracking of run %s was down for %.1f s in total (%d outage(s)); every buffered "
                            "metric was delivered", self.run_id, self.outage_seconds, self.outages)
-        return delivered and not left and not self.dropped
+        self._closed = delivered and not left and not self.dropped
+        return self._closed
 
     def __enter__(self) -> BufferedMetricsWriter:
         return self
@@ -259,8 +263,10 @@ def active_run_writer(**kwargs: Any) -> Iterator[BufferedMetricsWriter | None]:
     writer = BufferedMetricsWriter(run.info.run_id, mlflow.get_tracking_uri(), **kwargs)
     try:
         yield writer
-    finally:
-        writer.close()
+    except BaseException:
+        writer.close(timeout=60)  # the body failed: deliver what the server takes soon, then let it raise
+        raise
+    writer.close()
 
 
 # ----------------------------------------------------------------------------------------------
