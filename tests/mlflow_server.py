@@ -2,7 +2,8 @@
 
 Shared by the tracking-outage tests (a uniquely named helper module, not conftest). The outage lasts
 at least ``SPADER_TEST_OUTAGE_SECONDS`` (default 4 s): longer than the MLflow client's own retry budget,
-which :func:`short_client_retries` sets low, so the outage is one the client alone would not survive.
+which :func:`short_client_retries` cuts to one attempt, so the outage is one the client alone would not
+survive.
 The writer under test does not depend on the duration (docs/reliability.md); a longer value, e.g. 300,
 reproduces issue 34's five-minute redeploy.
 """
@@ -20,10 +21,17 @@ from spader_pipeline.local_servers import free_port
 OUTAGE_SECONDS = float(os.environ.get("SPADER_TEST_OUTAGE_SECONDS", "4"))
 
 
-def short_client_retries(monkeypatch) -> None:
-    """The MLflow client gives up after one attempt of at most 2 s (its defaults retry for minutes)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+@contextlib.contextmanager
+def short_client_retries():
+    """Inside: the MLflow client gives up after one attempt (its defaults retry for minutes), so a
+    stopped server fails every request at once. Setup and checks outside run with the defaults."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
 class StoppableServer:

@@ -28,7 +28,6 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
 
     from spader_pipeline.verl_plugin.batch_reward import log_step_metrics
 
-    short_client_retries(monkeypatch)
     monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
     params = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="base")["parameters"]
     (tmp_path / "warm").mkdir()
@@ -43,7 +42,7 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
         for key in ("VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV, "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
             monkeypatch.setenv(key, launch.env[key])  # verl's process, here in this one
         writer = BufferedMetricsWriter(run_id, server.url, first_backoff=0.2, max_backoff=1.0)
-        with caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
+        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
             with follow_jsonl(launch.extra["metrics_files"], writer, poll_seconds=0.1):
                 tracker = Tracking("spader", "train_spader", default_backend=launch.extra["params"]["logger"])
                 for step in range(1, STEPS + 1):

@@ -27,7 +27,8 @@ def _spec(tmp_path, model_dir, index_dir):
     samples.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     config = dict(method="spader", total_steps=TOTAL, prompts_per_step=2, group_size=2, micro_batch_size=2,
                   rollout={"max_turns": 2, "max_response_tokens": 600}, max_new_tokens=8, checkpoint_every=2,
-                  keep_checkpoints=2, log_samples_every=0, options={"gamma": 0.9})
+                  keep_checkpoints=2, log_samples_every=0, options={"gamma": 0.9},
+                  bf16=False)  # "auto" times a probe on CPUs: processes under load could differ
     spec = {"config": config, "model_path": str(model_dir), "samples": str(samples), "index_dir": str(index_dir),
             "run_dir": str(tmp_path / "run"), "prompt_template": TEMPLATE}
     path = tmp_path / "spec.json"

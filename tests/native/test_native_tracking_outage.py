@@ -25,8 +25,7 @@ STEPS, DOWN_AT, UP_AT = 4, 1, 3
 
 @pytest.mark.slow
 def test_training_goes_on_while_mlflow_is_down_and_every_step_reaches_the_store(
-        tmp_path, native_model_dir, toy_index_dir, tiny_config, monkeypatch, caplog):
-    short_client_retries(monkeypatch)
+        tmp_path, native_model_dir, toy_index_dir, tiny_config, caplog):
     with StoppableServer(tmp_path / "mlflow") as server:
         client = mlflow.MlflowClient(server.url)
         run_id = client.create_run(client.create_experiment("outage")).info.run_id
@@ -42,7 +41,7 @@ def test_training_goes_on_while_mlflow_is_down_and_every_step_reaches_the_store(
             elif step == UP_AT:
                 server.start()
 
-        with caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
+        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
             result = train_native(tiny_config(total_steps=STEPS), model_path=native_model_dir, samples=QUESTIONS,
                                   search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path / "run",
                                   prompt_template=TEMPLATE, log_metrics=log_metrics,
