@@ -178,3 +178,32 @@ def test_validation_metrics_are_means_per_data_source():
     assert [s for s in range(0, 8) if settings.due(s, total_steps=7)] == [3, 6, 7]
     with pytest.raises(ValueError, match="max_questions"):
         ValidationSettings(max_questions=0)
+
+
+def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(tmp_path, native_model_dir,
+                                                                               toy_index_dir, tiny_config):
+    """Both methods start from one warm start: its validation is computed once (validate_warm_start)
+    and reused as step 0 when model, questions and limits match; otherwise the trainer scores it."""
+    from spader_pipeline.evaluation.validation import ValidationSettings
+    from spader_pipeline.native.validation import validation_identity
+    from spader_pipeline.retrieval import load_retriever
+
+    config = tiny_config(method="grpo", total_steps=1, options={}, bf16=False)  # no timing probe: a fixed identity
+    validation = [{**q, "id": f"v{i}", "data_source": "embedded"} for i, q in enumerate(QUESTIONS)]
+    settings = ValidationSettings(every=0, before_train=True, max_questions=2)
+    identity = validation_identity(native_model_dir, validation[:2], config.rollout, TEMPLATE,
+                                   max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                   bf16=False)
+    planted = {"val/embedded/recall": 0.123, "val/embedded/f1": 0.1, "val/embedded/searches": 1.0}
+
+    def step0(run_dir, shared):
+        logged = []
+        train_native(config, model_path=native_model_dir, samples=QUESTIONS,
+                     search=LocalSearch(load_retriever(toy_index_dir)), run_dir=run_dir, prompt_template=TEMPLATE,
+                     log_metrics=lambda m, s: logged.append((s, dict(m))), validation=validation,
+                     validation_settings=settings, start_validation=shared)
+        return logged[0][1]
+
+    assert step0(tmp_path / "shared", {"identity": identity, "metrics": planted}) == planted
+    other = {"identity": {**identity, "questions": ["v0"]}, "metrics": planted}
+    assert step0(tmp_path / "other", other)["val/embedded/recall"] != 0.123  # scored by the trainer itself

@@ -56,7 +56,7 @@ from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.metrics import mechanism_metrics, step_metrics
 from spader_pipeline.native.records import append_history, read_history, write_history, write_samples
 from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
-from spader_pipeline.native.validation import validate_policy
+from spader_pipeline.native.validation import validate_policy, validation_identity
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ def train_native(
     stop_after: int | None = None,
     validation: Sequence[Mapping[str, Any]] = (),
     validation_settings: ValidationSettings | None = None,
+    start_validation: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Train the model at ``model_path`` with ``config.method``; write checkpoints and the final model.
 
@@ -136,6 +137,8 @@ def train_native(
         validation: validation questions (same shape as ``samples``); with ``validation_settings``
             the policy is scored greedy on their fixed subset at step 0 and on its schedule
             (``val/<source>/…`` in the step's metrics; step 0 is a history row of its own).
+        start_validation: ``{"identity", "metrics"}`` of the start model's validation computed once for
+            every method (the ``validate_warm_start`` node); used as step 0 when its identity matches.
     """
     if not samples:
         raise ValueError("no training samples")
@@ -145,8 +148,12 @@ def train_native(
     validate = (lambda step: _validate(run, val_set, search, prompt_template)
                 if val_set and settings.due(step, config.total_steps) else {})
     step, run_started, out_of_time = run.start_step, time.perf_counter(), False
-    if step == 0 and (before := validate(0)):
-        record_validation(run, before, log_metrics)
+    if step == 0 and val_set and settings.due(0, config.total_steps):
+        identity = validation_identity(model_path, val_set, config.rollout, prompt_template,
+                                       max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                       bf16=run.bf16)
+        shared = start_validation if start_validation and start_validation.get("identity") == identity else None
+        record_validation(run, dict(shared["metrics"]) if shared else validate(0), log_metrics)
     while step < config.total_steps and not out_of_time:
         step += 1
         step_started = time.perf_counter()

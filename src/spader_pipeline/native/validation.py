@@ -6,7 +6,11 @@ Settings, schedule and metric names are shared with the verl backend
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.hf_backend import HFGenerator
@@ -14,7 +18,7 @@ from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rol
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.evaluation.validation import validation_metrics
 
-__all__ = ["validate_policy"]
+__all__ = ["validate_policy", "validation_identity"]
 
 
 def validate_policy(
@@ -33,3 +37,22 @@ def validate_policy(
         [x.f1 for x in scores],
         [sum(step.kind == "search" for step in t.steps) for t in trajectories],
     )
+
+
+def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, Any]], rollout: RolloutConfig,
+                        prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int,
+                        bf16: bool | str) -> dict[str, Any]:
+    """What determines a greedy validation of the model at ``model_path``: its weights (name, size,
+    mtime), the questions, the turn limits, the prompt and the precision. Two methods starting from
+    the same warm start share their step-0 validation when these are equal."""
+    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
+    return json.loads(json.dumps({  # as stored in the catalog's JSON (tuples become lists)
+        "model": str(Path(model_path).resolve()),
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "questions": [str(s.get("id")) for s in samples],
+        "rollout": {k: v for k, v in asdict(rollout).items()},
+        "prompt_sha256": hashlib.sha256(prompt_template.encode()).hexdigest(),
+        "max_new_tokens": int(max_new_tokens),
+        "max_prompt_tokens": int(max_prompt_tokens),
+        "bf16": bool(bf16),
+    }, default=str))

@@ -16,7 +16,7 @@ from spader_pipeline.pipelines import training
 def test_method_pipelines_differ_only_in_their_namespaced_method_block():
     grpo, spader = training.method_pipeline("grpo"), training.method_pipeline("spader")
     assert [n.name for n in grpo.nodes] == ["train_grpo.train_policy"]
-    assert grpo.inputs() == {"warm_start_manifest", "verl_train", "verl_validation", "index_manifest", "params:train_grpo.method",
+    assert grpo.inputs() == {"warm_start_manifest", "warm_start_validation", "verl_train", "verl_validation", "index_manifest", "params:train_grpo.method",
                              "params:training", "params:prompt"}
     assert {i.replace("spader", "grpo") for i in spader.inputs()} == grpo.inputs()
     assert training.create_pipeline().outputs() >= {"train_grpo.policy_manifest", "train_spader.policy_manifest"}

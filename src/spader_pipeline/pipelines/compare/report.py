@@ -150,7 +150,8 @@ def mechanism_table(runs: Mapping[str, Any], methods: Sequence[str]) -> pd.DataF
     """Per method: each :data:`MECHANISM_KEYS` metric averaged over all steps of all seeds."""
     rows = []
     for method in methods:
-        history = [h for run in runs.values() if run["method"] == method for h in run["history"]]
+        # step 0 is the starting policy's validation, not a training step
+        history = [h for run in runs.values() if run["method"] == method for h in run["history"] if h.get("step", 1) >= 1]
         row = {"method": method, "steps": len(history)}
         for key in MECHANISM_KEYS:
             values = [float(h[key]) for h in history if key in h and not math.isnan(float(h[key]))]

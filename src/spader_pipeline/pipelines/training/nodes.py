@@ -17,7 +17,7 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.schema import SampleRecord, sample_record
-from spader_pipeline.evaluation.validation import ValidationSettings
+from spader_pipeline.evaluation.validation import ValidationSettings, validation_subset
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.tracking_buffer import active_run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
@@ -187,12 +187,14 @@ def train_policy(
     training: Mapping[str, Any],
     prompt: Mapping[str, Any],
     verl_validation: pd.DataFrame | None = None,
+    warm_start_validation: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
     """Train one method from ``init_manifest``; return the policy manifest, the per-step history
     and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
 
     With ``verl_validation`` the policy is validated on its fixed subset on ``training.validation``'s
-    schedule (:mod:`spader_pipeline.evaluation.validation`): ``val/<source>/…`` per step, step 0 first.
+    schedule (:mod:`spader_pipeline.evaluation.validation`): ``val/<source>/…`` per step, step 0 first
+    (``warm_start_validation``'s, computed once for every method, when it scored the same start model).
 
     The training is one MLflow run of its own (:func:`spader_pipeline.tracking.method_run`) with the
     same metric keys for every method; VERL joins it through ``MLFLOW_RUN_ID``. The manifest
@@ -204,7 +206,7 @@ def train_policy(
     run_name, tags, params = method_run_identity(init_manifest, method, training)
     with tracking.method_run(run_name, tags, params) as run_id:
         manifest, history = _train(init_manifest, verl_train, index_manifest, method, training, prompt,
-                                   verl_validation)
+                                   verl_validation, warm_start_validation)
         manifest["mlflow_run_id"] = run_id
         if manifest.get("path"):
             manifest["mlflow_model_id"] = tracking.register_checkpoint(manifest["path"], name=method["method"],
@@ -214,7 +216,8 @@ def train_policy(
     return manifest, history, summary
 
 
-def _train(init_manifest, verl_train, index_manifest, method, training, prompt, verl_validation=None):
+def _train(init_manifest, verl_train, index_manifest, method, training, prompt, verl_validation=None,
+           warm_start_validation=None):
     """The training itself: (manifest, per-step history); metrics go to the active (method) run."""
     name = method["method"]
     run_dir = Path(training.get("output_dir", "data/06_models")) / f"train_{name}"
@@ -243,11 +246,48 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
             log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
             validation=validation,
             validation_settings=validation_settings(training),
+            start_validation=warm_start_validation,
         )
     manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
                 "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
                 "resumed_from": result.resumed_from}
     return manifest, result.history
+
+
+def validate_warm_start(
+    warm_start_manifest: Mapping[str, Any],
+    verl_validation: pd.DataFrame,
+    index_manifest: Mapping[str, Any],
+    training: Mapping[str, Any],
+    prompt: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Step 0 of every method's validation curve, computed once: the start model, greedy, on the
+    validation subset with the native trainer's turn limits (``{"identity", "metrics"}``; empty when
+    the schedule has no step 0 or the backend is VERL, whose loop validates on its own)."""
+    from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.modeling.device import resolve_device
+    from spader_pipeline.modeling.precision import resolve_bf16
+    from spader_pipeline.native import NativeTrainerConfig
+    from spader_pipeline.native.validation import validate_policy, validation_identity
+
+    settings = validation_settings(training)
+    samples = validation_subset(samples_from_verl(verl_validation), settings.max_questions)
+    if training.get("backend", "native") != "native" or not settings.before_train or not samples:
+        return {}
+    config = NativeTrainerConfig.from_mapping(dict(training.get("native") or {}))
+    template = _template(prompt, training.get("prompt_template"))
+    model, tokenizer = load_model_and_tokenizer(warm_start_manifest["path"], device=resolve_device(config.device))
+    bf16 = resolve_bf16(config.bf16, resolve_device(config.device), model)
+    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
+        metrics = validate_policy(model, tokenizer, samples, search, config.rollout, template,
+                                  max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                  bf16=bf16)
+    identity = validation_identity(warm_start_manifest["path"], samples, config.rollout, template,
+                                   max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                   bf16=bf16)
+    logger.info("warm start validation (step 0 of every method): %s",
+                ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    return {"identity": identity, "metrics": metrics}
 
 
 def validation_settings(training: Mapping[str, Any]) -> ValidationSettings:

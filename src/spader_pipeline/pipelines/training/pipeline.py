@@ -14,9 +14,9 @@ from kedro.pipeline import Pipeline, node, pipeline
 
 from spader_pipeline.tracking import METHOD_RUN_TAG
 
-from .nodes import train_policy, warm_start
+from .nodes import train_policy, validate_warm_start, warm_start
 
-SHARED_INPUTS = {"warm_start_manifest", "verl_train", "verl_validation", "index_manifest"}
+SHARED_INPUTS = {"warm_start_manifest", "warm_start_validation", "verl_train", "verl_validation", "index_manifest"}
 SHARED_PARAMS = {"params:training", "params:prompt"}
 DEFAULT_METHODS = ("grpo", "spader")
 
@@ -30,7 +30,13 @@ def warm_start_pipeline() -> Pipeline:
                         "params:warm_start", "params:prompt"],
                 outputs=["warm_start_manifest", "warm_start_metrics"],
                 name="warm_start",
-            )
+            ),
+            node(
+                validate_warm_start,
+                inputs=["warm_start_manifest", "verl_validation", "index_manifest", "params:training", "params:prompt"],
+                outputs="warm_start_validation",
+                name="validate_warm_start",
+            ),
         ],
         tags="training",
     )
@@ -43,7 +49,7 @@ def method_pipeline(method: str) -> Pipeline:
             node(
                 train_policy,
                 inputs=["warm_start_manifest", "verl_train", "index_manifest", "params:method",
-                        "params:training", "params:prompt", "verl_validation"],
+                        "params:training", "params:prompt", "verl_validation", "warm_start_validation"],
                 outputs=["policy_manifest", "training_history", "training_metrics"],
                 name="train_policy",
                 tags=[METHOD_RUN_TAG],  # one MLflow run per method's training (spader_pipeline.hooks)
