@@ -348,8 +348,9 @@ def launch_verl_training(
         )
         logger.info("launching VERL: %s", " ".join(launch.argv))
         files = launch.extra["metrics_files"]
-        for path in files:  # a previous launch's lines were shipped then
-            path.unlink(missing_ok=True)
+        for path in files:  # a previous launch's lines: kept aside (backfill), not sent again
+            if path.exists():
+                path.replace(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
         with active_run_writer() as writer, follow_jsonl(files, writer):
             run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=verl.log_tail_lines,
                           timeout=verl.timeout)
