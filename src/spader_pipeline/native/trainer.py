@@ -47,9 +47,9 @@ from spader_pipeline.native.batch import (
     reward_inputs,
 )
 from spader_pipeline.native.checkpoint import (
-    latest_checkpoint,
     load_trainer_state,
     save_checkpoint,
+    select_checkpoint,
     set_rng_state,
 )
 from spader_pipeline.native.config import NativeTrainerConfig
@@ -194,7 +194,7 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     fingerprint = _fingerprint(config, model_path)
-    resume = latest_checkpoint(run_dir) if config.resume else None
+    resume = select_checkpoint(run_dir) if config.resume else None  # newest that verifies; docs/reliability.md
     if resume and load_trainer_state(resume[1])["extra"].get("fingerprint") != fingerprint:
         logger.warning("checkpoints in %s belong to another configuration or start model; starting afresh", run_dir)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

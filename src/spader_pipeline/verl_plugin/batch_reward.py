@@ -192,9 +192,16 @@ def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
     names (docs/metrics.md): the run verl's own MLflow logger writes into (``MLFLOW_RUN_ID`` and
     ``MLFLOW_TRACKING_URI``, which the launcher hands to verl, else the active run). verl's trainer only forwards a generation
     batch's ``timing`` to its logger, which would file them as ``timing_s/…``; without an MLflow run
-    they are logged at debug level only."""
+    they are logged at debug level only. Under the launcher they are appended to the file
+    ``SPADER_METRICS_PATH`` names, which it sends on without ever blocking this process
+    (:mod:`spader_pipeline.tracking_buffer`)."""
     import mlflow
 
+    from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, append_metrics_line
+
+    if os.environ.get(METRICS_PATH_ENV):  # the launcher ships this file through a buffered writer
+        append_metrics_line(os.environ[METRICS_PATH_ENV], metrics, step)
+        return
     run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
     if not run_id and mlflow.active_run() is not None:
         run_id, uri = mlflow.active_run().info.run_id, None

@@ -19,6 +19,7 @@ from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.data.schema import SampleRecord, sample_record
 from spader_pipeline.retrieval.settings import search_backend
+from spader_pipeline.tracking_buffer import active_run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,9 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
     config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
     validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []
-    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
+    # metrics and samples go through a buffered writer: no step waits on, or fails with, the server
+    with (search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search,
+          active_run_writer() as writer):
         result = train_native(
             config,
             model_path=init_manifest["path"],
@@ -239,8 +242,8 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
             search=search,
             run_dir=run_dir,
             prompt_template=template,
-            log_metrics=lambda m, step: tracking.log_metrics(m, step=step),
-            log_artifact=lambda p: tracking.log_artifact(p, artifact_path="samples"),
+            log_metrics=(lambda m, step: writer.log_metrics(tracking.comparable_first(m), step)) if writer else None,
+            log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
             validation=validation,
             validation_settings=validation_settings(training),
             start_validation=warm_start_validation,
