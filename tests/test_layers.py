@@ -3,8 +3,9 @@ a lower layer, never from a higher one (nor from a sibling of its own layer).
 
 The order below is the one place it is written. Why each layer sits where it does:
 
-* leaves: the package root (``__version__``), strict typed settings and local-server helpers
-  (ports, processes); standard library and third-party code only;
+* leaves: the package root (``__version__``), strict typed settings, local-server helpers
+  (ports, processes), the buffered MLflow writer and the data-root lock; standard library and
+  third-party code only;
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
@@ -30,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers"),
+    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock"),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),

@@ -13,6 +13,9 @@
   metrics of the ``kedro run`` run under the node's namespace.
 - ``after_pipeline_run`` ends the run as FINISHED; ``on_pipeline_error`` ends it as FAILED.
 
+:class:`DataRootLockHooks` holds ``<data_root>/.kedro-run.lock`` for the run's life
+(:mod:`spader_pipeline.run_lock`): a second run on the same data root stops before anything starts.
+
 Training and evaluation nodes open their own runs through :mod:`spader_pipeline.tracking` (one per
 method, one per model × dataset): top-level runs linked to the chain run by tags, so the runs
 table shows them at first sight; all other nodes hold no MLflow code.
@@ -30,7 +33,7 @@ from typing import Any
 import mlflow
 from kedro.framework.hooks import hook_impl
 
-from spader_pipeline import tracking
+from spader_pipeline import run_lock, tracking
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,62 @@ def lone_method_node(pipeline) -> Any | None:
     if len(nodes) == 1 and tracking.METHOD_RUN_TAG in nodes[0].tags:
         return nodes[0]
     return None
+
+
+def pipeline_label(run_params: dict[str, Any]) -> str:
+    """The pipeline(s) a run names (``__default__`` for the whole chain)."""
+    names = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
+    return ",".join(name for name in names if name) or "__default__"
+
+
+class DataRootLockHooks:
+    """One ``kedro run`` per data root (``globals:data_root``), for the run's whole life.
+
+    The lock is taken before the other hooks run (a hook wrapper), so a busy root stops the run
+    before its MLflow run opens, and released last. One instance serves every session of a
+    process, so locks are kept per session.
+    """
+
+    def __init__(self) -> None:
+        self._roots: dict[tuple[str, str], Path] = {}
+        self._held: dict[str, tuple[Path, run_lock.LockInfo]] = {}
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        try:
+            root = (context.config_loader["globals"] or {}).get("data_root")
+        except KeyError:
+            root = None
+        project = Path(context.project_path)
+        self._roots[(project.as_posix(), context.env or "local")] = project / (root or "data")
+
+    @hook_impl(wrapper=True)
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog):
+        """Take the lock around the other hooks (the MLflow run opens inside it); give it back when
+        one of them fails, since Kedro then calls no ``on_pipeline_error``."""
+        env = run_params.get("env") or "local"
+        root = self._roots.get((str(run_params.get("project_path")), env))
+        if root is not None:
+            info = run_lock.acquire(root, pipeline_label(run_params), env)
+            self._held[str(run_params.get("run_id"))] = (root, info)
+        try:
+            return (yield)
+        except BaseException:
+            self._release(run_params)
+            raise
+
+    @hook_impl(trylast=True)
+    def after_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        self._release(run_params)
+
+    @hook_impl(trylast=True)
+    def on_pipeline_error(self, error, run_params, pipeline, catalog) -> None:
+        self._release(run_params)
+
+    def _release(self, run_params: dict[str, Any]) -> None:
+        held = self._held.pop(str(run_params.get("run_id")), None)
+        if held is not None:
+            run_lock.release(*held)
 
 
 class MlflowTrackingHooks:
@@ -73,8 +132,7 @@ class MlflowTrackingHooks:
         experiment = self._config.get("experiment", "spader-pipeline")
         artifacts = self._project_path / self._config.get("artifact_dir", tracking.DEFAULT_ARTIFACT_DIR)
         mlflow.set_experiment(experiment_id=tracking.ensure_experiment(experiment, artifacts))
-        names = run_params.get("pipeline_names") or [run_params.get("pipeline_name")]
-        pipeline_name = ",".join(name for name in names if name) or "__default__"
+        pipeline_name = pipeline_label(run_params)
         tags = {
             "kedro.pipeline": pipeline_name,
             "kedro.env": self._env,

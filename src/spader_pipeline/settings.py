@@ -2,9 +2,9 @@
 
 from kedro.config import OmegaConfigLoader
 
-from spader_pipeline.hooks import MlflowTrackingHooks
+from spader_pipeline.hooks import DataRootLockHooks, MlflowTrackingHooks
 
-HOOKS = (MlflowTrackingHooks(),)
+HOOKS = (MlflowTrackingHooks(), DataRootLockHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -146,7 +146,7 @@ def test_trainable_layers_update_only_the_top_blocks(tmp_path, native_model_dir,
 def test_validation_runs_before_training_and_on_its_schedule_with_the_shared_names(tmp_path, native_model_dir,
                                                                                    toy_index_dir, tiny_config):
     """Step 0 scores the starting policy, then every ``every`` steps and the last one; the subset is fixed."""
-    from spader_pipeline.evaluation.validation import ValidationSettings
+    from spader_pipeline.algorithms.validation import ValidationSettings
     from spader_pipeline.retrieval import load_retriever
 
     logged = []
@@ -169,7 +169,7 @@ def test_validation_runs_before_training_and_on_its_schedule_with_the_shared_nam
 
 
 def test_validation_metrics_are_means_per_data_source():
-    from spader_pipeline.evaluation.validation import ValidationSettings, validation_metrics
+    from spader_pipeline.algorithms.validation import ValidationSettings, validation_metrics
 
     out = validation_metrics(["a", "b", "a"], [1.0, 0.5, 0.0], [0.5, 0.5, 0.0], [2, 4, 0])
     assert out == {"val/a/recall": 0.5, "val/a/f1": 0.25, "val/a/searches": 1.0,
@@ -184,7 +184,7 @@ def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(t
                                                                                toy_index_dir, tiny_config):
     """Both methods start from one warm start: its validation is computed once (validate_warm_start)
     and reused as step 0 when model, questions and limits match; otherwise the trainer scores it."""
-    from spader_pipeline.evaluation.validation import ValidationSettings
+    from spader_pipeline.algorithms.validation import ValidationSettings
     from spader_pipeline.native.validation import validation_identity
     from spader_pipeline.retrieval import load_retriever
 

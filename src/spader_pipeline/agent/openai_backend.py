@@ -193,7 +193,13 @@ def server_command(
                  "sglang": ["python", "-m", "sglang.launch_server", "--model-path", str(model_path)]}
     if engine not in launchers:
         raise ValueError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
-    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    if any(a.startswith("--trust-remote-code") for a in extra_args):
+        raise ValueError("--trust-remote-code is refused: a served checkpoint must not run its own code")
+    from spader_pipeline.modeling.base_model import check_safe_weights
+
+    check_safe_weights(model_path)
+    common = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+              "--load-format", "safetensors"]
     return launchers[engine] + common + list(extra_args)
 
 

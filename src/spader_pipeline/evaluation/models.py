@@ -37,7 +37,7 @@ CLIENT_OPTIONS = ("max_retries", "backoff", "timeout", "api_key", "extra_body")
 #: options a model entry may add, by kind: what :func:`open_generator` hands to its generator
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "scripted": ("follow_up", "min_overlap", "query_style", "seed", "max_searches"),
-    "hf": ("device", "max_prompt_tokens", "chat_template_kwargs"),
+    "hf": ("device", "max_prompt_tokens", "chat_template_kwargs", "kv_cache_budget_mb"),
     "openai": CLIENT_OPTIONS,
     "served": (*CLIENT_OPTIONS, "server_args"),
 }
@@ -159,7 +159,7 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
         from spader_pipeline.modeling.device import resolve_device
 
         model, tokenizer = load_model_and_tokenizer(spec.path, device=resolve_device(spec.options.get("device")))
-        kwargs = {k: v for k, v in spec.options.items() if k != "device"}
+        kwargs = {k: v for k, v in spec.options.items() if k not in ("device", "kv_cache_budget_mb")}
         yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
     elif spec.kind == "openai":
         from spader_pipeline.agent.openai_backend import OpenAIChatGenerator

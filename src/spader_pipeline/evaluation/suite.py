@@ -133,7 +133,7 @@ async def _one(config, model, generator, samples, frequencies, url, rollout, tem
         try:
             return await evaluate_dataset(
                 samples, generator, client, rollout, template,
-                batch_size=model.batch_size if in_process else 1,
+                batch_size=_batch_size(model, generator, rollout) if in_process else 1,
                 concurrency=1 if in_process else model.concurrency,
                 max_attempts=config.runner.max_attempts,
                 retry_on_search_error=config.runner.retry_on_search_error,
@@ -188,3 +188,19 @@ def _log_summary(result: EvaluationResult) -> None:
                        result.model.name, result.dataset, failed, len(result.records))
     logger.info("evaluate %s/%s: P=%.3f R=%.3f F1=%.3f (%d samples, %d failed)", result.model.name, result.dataset,
                 *(m.get(k, math.nan) for k in ("precision", "recall", "f1")), len(result.records) - failed, failed)
+
+
+def _batch_size(model, generator, rollout) -> int:
+    """``batch_size``, cut so that a batch's KV caches fit ``kv_cache_budget_mb`` when it is set
+    (:func:`spader_pipeline.modeling.memory_budget.rows_within_budget`; the same records)."""
+    budget = model.options.get("kv_cache_budget_mb")
+    if not budget:
+        return model.batch_size
+    from spader_pipeline.modeling.memory_budget import rows_within_budget
+
+    tokens = (generator.layout.max_prompt_tokens or 0) + rollout.max_response_tokens
+    rows = rows_within_budget(generator.model.config, tokens, budget, limit=model.batch_size)
+    if rows < model.batch_size:
+        logger.info("%s: batches of %d rows (of %d) keep the KV caches within %s MiB", model.name, rows,
+                    model.batch_size, budget)
+    return rows

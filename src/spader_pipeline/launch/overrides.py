@@ -18,7 +18,7 @@ Parameter dict (all keys optional except ``method``)::
     tool_config_path, agent_loop_config_path
     reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
     options: {...}            # the method's options dataclass → algorithm[.<estimator>] (estimators.verl_options_path)
-    validation: {every, before_train, max_questions}  # evaluation.validation.ValidationSettings →
+    validation: {every, before_train, max_questions}  # algorithms.validation.ValidationSettings →
                               # trainer.test_freq / val_before_train, data.val_max_samples, greedy val_kwargs
     overrides: ["key=value"]  # appended last, verbatim
 
@@ -180,8 +180,8 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
 
 def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
     """verl's validation schedule for ``training.validation``: the same steps, questions and greedy
-    decoding as the native trainer (:class:`~spader_pipeline.evaluation.validation.ValidationSettings`)."""
-    from spader_pipeline.evaluation.validation import ValidationSettings
+    decoding as the native trainer (:class:`~spader_pipeline.algorithms.validation.ValidationSettings`)."""
+    from spader_pipeline.algorithms.validation import ValidationSettings
     from spader_pipeline.typed_config import from_mapping
 
     settings = validation if isinstance(validation, ValidationSettings) else from_mapping(

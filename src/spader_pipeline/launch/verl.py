@@ -45,6 +45,7 @@ import yaml
 
 from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
+from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, active_run_writer, follow_jsonl
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ DEFAULT_CONFIG_DIR = Path("conf/base/verl")
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
 #: environment variables of the launch that every Ray worker needs too
 FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_HUB_OFFLINE",
-                 "TOKENIZERS_PARALLELISM")
+                 "TOKENIZERS_PARALLELISM", "VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV)
 
 
 class VerlLaunchError(RuntimeError):
@@ -248,9 +249,23 @@ def build_launch(
     if ray_address:
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
     env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address)
+    metrics_files = _metrics_to_files(params, env, run_dir) if run_id else []
     params["overrides"] = [*params["overrides"], *ray_env_overrides(env)]
     argv = main_ppo_argv(params, config_dir, python=python)
-    return Launch(argv, env, run_dir / "verl.log", run_dir, extra={"params": params})
+    return Launch(argv, env, run_dir / "verl.log", run_dir, extra={"params": params, "metrics_files": metrics_files})
+
+
+def _metrics_to_files(params: dict[str, Any], env: dict[str, str], run_dir: Path) -> list[Path]:
+    """verl's MLflow tracker logs each step synchronously (a down server blocks it, then drops the
+    step): with a run to log into, verl's ``file`` tracker and our plugin's step metrics write local
+    JSON lines instead, which :func:`launch_verl_training` ships through a buffered writer
+    (docs/reliability.md). ``run_dir`` must be visible from the trainer's node, as for checkpoints."""
+    if "mlflow" not in params["logger"]:
+        return []
+    params["logger"] = list(dict.fromkeys("file" if b == "mlflow" else b for b in params["logger"]))
+    files = [(run_dir / "verl_metrics.jsonl").resolve(), (run_dir / "step_metrics.jsonl").resolve()]
+    env["VERL_FILE_LOGGER_PATH"], env[METRICS_PATH_ENV] = str(files[0]), str(files[1])
+    return files
 
 
 def run_streaming(
@@ -332,7 +347,13 @@ def launch_verl_training(
             run_id=active.info.run_id if active else None,
         )
         logger.info("launching VERL: %s", " ".join(launch.argv))
-        run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=verl.log_tail_lines, timeout=verl.timeout)
+        files = launch.extra["metrics_files"]
+        for path in files:  # a previous launch's lines: kept aside (backfill), not sent again
+            if path.exists():
+                path.replace(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
+        with active_run_writer() as writer, follow_jsonl(files, writer):
+            run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=verl.log_tail_lines,
+                          timeout=verl.timeout)
     checkpoints = Path(run_dir) / "checkpoints"
     steps = sorted(checkpoints.glob("global_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[-1]))
     if not steps:

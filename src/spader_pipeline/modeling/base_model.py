@@ -99,6 +99,28 @@ def build_base_model(
     return output_dir
 
 
+#: Weight formats that are pickles: loading one can run code, so they are refused (docs/reliability.md).
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def check_safe_weights(path: str | Path) -> None:
+    """Refuse a model folder whose weights are not all safetensors (pickled weights can run code).
+
+    Every model the project loads from a path (``base_model.path``, merged checkpoints, evaluated or
+    served folders) goes through here; configs and tokenizers load with ``trust_remote_code=False``.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return  # a missing folder gets its own error from the loader
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLED_WEIGHTS and p.is_file())
+    if pickled and not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"{path} holds pickled weights ({', '.join(pickled)}), which can run code when loaded; "
+            "convert them to safetensors (model.save_pretrained(out, safe_serialization=True) where "
+            "you trust the files) and point the configuration at the converted folder"
+        )
+
+
 def validate_model_dir(path: str | Path) -> dict[str, object]:
     """Check that ``path`` is a usable HF causal-LM directory; return a short description.
 
@@ -108,8 +130,9 @@ def validate_model_dir(path: str | Path) -> dict[str, object]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"base_model.path={path} is not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    check_safe_weights(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer in {path} has no chat template; the agent needs one")
     return {
@@ -121,12 +144,15 @@ def validate_model_dir(path: str | Path) -> dict[str, object]:
 
 def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load an HF causal LM and its tokenizer (left padding, pad token set; on CPU grouped-query
-    models use :mod:`spader_pipeline.modeling.attention`)."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    models use :mod:`spader_pipeline.modeling.attention`). Safetensors weights only, no remote code
+    (:func:`check_safe_weights`)."""
+    check_safe_weights(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=False).to(device)
     if torch.device(device).type == "cpu":
         from spader_pipeline.modeling.attention import use_gqa_attention
 

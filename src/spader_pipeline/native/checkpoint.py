@@ -1,17 +1,26 @@
-"""Checkpoints of the native trainer: an HF model directory plus the trainer state.
+"""Checkpoints of the native trainer: an HF model directory, the trainer state and a manifest.
 
 Layout of ``<run_dir>/checkpoints/step_000050/``::
 
     config.json, model.safetensors, tokenizer files   # loadable with AutoModelForCausalLM
     trainer_state.pt                                   # optimizer, scheduler, RNG states, step
+    manifest.json                                      # every other file: size and sha256
 
-A checkpoint is written to ``step_XXXXXX.tmp`` and renamed when complete, so a process killed
-while saving (SIGKILL, OOM) never leaves a half-written checkpoint that resume would pick up.
+A checkpoint is written to ``step_XXXXXX.tmp``; its files and manifest are fsynced, the folder is
+renamed into place and the parent folder fsynced, so neither a killed process nor a host crash
+leaves a half-written checkpoint that looks complete. Resume takes the newest checkpoint whose
+files match its manifest (:func:`select_checkpoint`); damaged ones are moved aside as
+``step_XXXXXX.corrupt``. The trainer state loads with ``weights_only=True``: no code runs when a
+checkpoint is read, wherever it came from (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -21,46 +30,169 @@ from typing import Any
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or a checkpoint that cannot be loaded safely."""
+
+
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """``<run_dir>/checkpoints/step_XXXXXX`` for ``step``."""
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoint folders of a run (renamed into place, so written to the end), oldest first.
+
+    Whether their files are intact is :func:`verify_checkpoint`'s question.
+    """
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / STATE_FILE).is_file():
-            found.append((int(match.group(1)), path))
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
     return sorted(found)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
-    """``(step, path)`` of the newest complete checkpoint, or ``None``."""
+    """``(step, path)`` of the newest checkpoint folder (verified or not), or ``None``."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
 
 
+# ----------------------------------------------------------------------------------------------
+# Manifest: sizes and checksums of a checkpoint's files
+# ----------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to the disk (folders: their entries, i.e. renames)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path) -> dict[str, Any]:
+    """fsync every file under ``folder``, then write and fsync ``manifest.json`` listing them."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        _fsync(path)
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"version": 1, "files": files}
+    target = folder / MANIFEST_FILE
+    target.write_text(json.dumps(manifest, indent=1))
+    _fsync(target)
+    _fsync(folder)
+    return manifest
+
+
+def verify_checkpoint(folder: str | Path) -> str | None:
+    """Why the checkpoint at ``folder`` is not intact (naming the file), or ``None`` when it is."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST_FILE} is missing (an unfinished write, or a checkpoint of an older version)"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({exc})"
+    if STATE_FILE not in files:
+        return f"{MANIFEST_FILE} does not list {STATE_FILE}"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, the manifest says {expected['size']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def select_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """The newest checkpoint of ``run_dir`` that verifies; ``None`` when the run has none.
+
+    Each newer one that fails is renamed ``step_XXXXXX.corrupt`` (kept for inspection, never picked
+    again) with a warning naming the failing file. When checkpoints exist and none verifies, raises
+    :class:`CheckpointError` naming each one and why: starting afresh silently would throw away the
+    run's progress, so the decision is left to the user.
+    """
+    for unfinished in (Path(run_dir) / "checkpoints").glob("step_*.tmp"):  # a save that was killed
+        logger.info("removing the unfinished checkpoint %s", unfinished)
+        shutil.rmtree(unfinished, ignore_errors=True)
+    failures = []
+    for step, path in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return step, path
+        aside = _move_aside(path)
+        logger.warning("checkpoint %s is damaged: %s; moved to %s, trying the previous one", path, problem, aside.name)
+        failures.append(f"{path.name} (now {aside.name}): {problem}")
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint under {Path(run_dir) / 'checkpoints'} verifies, so the run cannot resume:\n  "
+            + "\n  ".join(failures)
+            + "\nDelete that folder (or set resume: false) to start the run afresh."
+        )
+    return None
+
+
+def _move_aside(path: Path) -> Path:
+    aside = path.with_name(path.name + ".corrupt")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
+    os.replace(path, aside)
+    return aside
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG states as tensors and plain types (loadable with weights_only=True)
+# ----------------------------------------------------------------------------------------------
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy, torch (and CUDA) generator states, as tuples, ints, floats and tensors."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore the generator states saved by :func:`rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Save and load
+# ----------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(
@@ -74,12 +206,12 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically; delete all but the ``keep`` newest."""
+    """Write the checkpoint of ``step`` durably and atomically, then prune to the ``keep`` newest."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     state = {
         "step": step,
@@ -89,14 +221,46 @@ def save_checkpoint(
         "extra": extra or {},
     }
     torch.save(state, tmp / STATE_FILE)
+    write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _fsync(final.parent)
+    prune_checkpoints(run_dir, keep, known_good=final)  # its manifest was just made from the synced files
     return final
 
 
+def prune_checkpoints(run_dir: str | Path, keep: int, *, known_good: Path | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints; return what was deleted.
+
+    Never deletes the newest checkpoint that verifies while every newer one fails: the oldest
+    candidates go only once a kept checkpoint has verified (``known_good``: one that needs no check).
+    """
+    found, keep = list_checkpoints(run_dir), max(keep, 1)
+    kept, older = found[-keep:], found[:-keep]
+    if not older:
+        return []
+    if not any(path == known_good or verify_checkpoint(path) is None for _, path in reversed(kept)):
+        good = next((i for i in range(len(older) - 1, -1, -1) if verify_checkpoint(older[i][1]) is None), None)
+        if good is None:
+            return []
+        logger.warning("kept checkpoint %s: no newer checkpoint verifies", older[good][1].name)
+        older = older[:good]
+    for _, path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    return [path for _, path in older]
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.pt`` of a checkpoint directory."""
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The ``trainer_state.pt`` of a checkpoint directory, loaded without running any code.
+
+    ``weights_only=True``: tensors, containers and plain values only. A file that needs anything
+    else (a pickle that would call a function when loaded) is refused with :class:`CheckpointError`.
+    """
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{file} cannot be loaded safely (weights_only=True refused it or it is damaged): {exc}"
+        ) from exc

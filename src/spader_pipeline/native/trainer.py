@@ -34,7 +34,7 @@ import torch
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
-from spader_pipeline.evaluation.validation import ValidationSettings, validation_subset
+from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
@@ -46,9 +46,9 @@ from spader_pipeline.native.batch import (
     compute_advantages,
 )
 from spader_pipeline.native.checkpoint import (
-    latest_checkpoint,
     load_trainer_state,
     save_checkpoint,
+    select_checkpoint,
     set_rng_state,
 )
 from spader_pipeline.native.config import NativeTrainerConfig
@@ -144,8 +144,11 @@ def train_native(
     run = start_run(config, model_path, Path(run_dir))
     settings = validation_settings or ValidationSettings(every=0, before_train=False)
     val_set = validation_subset(validation, settings.max_questions)
-    validate = (lambda step: _validate(run, val_set, search, prompt_template)
-                if val_set and settings.due(step, config.total_steps) else {})
+
+    def validate(step: int) -> dict[str, float]:
+        due = val_set and settings.due(step, config.total_steps)
+        return _validate(run, val_set, search, prompt_template) if due else {}
+
     step, run_started, out_of_time = run.start_step, time.perf_counter(), False
     if step == 0 and val_set and settings.due(0, config.total_steps):
         identity = validation_identity(model_path, val_set, config.rollout, prompt_template,
@@ -190,7 +193,7 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     fingerprint = _fingerprint(config, model_path)
-    resume = latest_checkpoint(run_dir) if config.resume else None
+    resume = select_checkpoint(run_dir) if config.resume else None  # newest that verifies; docs/reliability.md
     if resume and load_trainer_state(resume[1])["extra"].get("fingerprint") != fingerprint:
         logger.warning("checkpoints in %s belong to another configuration or start model; starting afresh", run_dir)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

@@ -1,7 +1,7 @@
 """The native trainer's validation pass: the current policy, greedy, on the fixed validation subset.
 
 Settings, schedule and metric names are shared with the verl backend
-(:mod:`spader_pipeline.evaluation.validation`, docs/metrics.md).
+(:mod:`spader_pipeline.algorithms.validation`, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms import score_answers
-from spader_pipeline.evaluation.validation import validation_metrics
+from spader_pipeline.algorithms.validation import validation_metrics
 
 __all__ = ["validate_policy", "validation_identity"]
 

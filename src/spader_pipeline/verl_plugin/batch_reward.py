@@ -23,7 +23,7 @@ Also, on every generated batch:
   drops them after generation).
 * **validation**: on a validation batch (``meta_info["validate"]``) the greedy scores per data source
   are logged as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` at the trainer's global
-  step, the native trainer's names (:mod:`spader_pipeline.evaluation.validation`); verl's own
+  step, the native trainer's names (:mod:`spader_pipeline.algorithms.validation`); verl's own
   ``val-core/…`` and ``val-aux/…`` metrics stay as they are.
 * **search health**: the retrieval service's failures (counted per trajectory by the agent loop)
   are reported as ``search/error_rate`` and ``search/calls`` in the batch's generation metrics (verl
@@ -48,7 +48,7 @@ from verl.experimental.agent_loop import AgentLoopManager
 from verl.trainer.ppo.reward import resolve_reward_manager_cls
 from verl.utils.ray_utils import auto_await
 
-from spader_pipeline.evaluation.validation import validation_metrics
+from spader_pipeline.algorithms.validation import validation_metrics
 
 from .registration import check_workers_registered
 from .trajectory import SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
@@ -192,9 +192,16 @@ def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
     names (docs/metrics.md): the run verl's own MLflow logger writes into (``MLFLOW_RUN_ID`` and
     ``MLFLOW_TRACKING_URI``, which the launcher hands to verl, else the active run). verl's trainer only forwards a generation
     batch's ``timing`` to its logger, which would file them as ``timing_s/…``; without an MLflow run
-    they are logged at debug level only."""
+    they are logged at debug level only. Under the launcher they are appended to the file
+    ``SPADER_METRICS_PATH`` names, which it sends on without ever blocking this process
+    (:mod:`spader_pipeline.tracking_buffer`)."""
     import mlflow
 
+    from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, append_metrics_line
+
+    if os.environ.get(METRICS_PATH_ENV):  # the launcher ships this file through a buffered writer
+        append_metrics_line(os.environ[METRICS_PATH_ENV], metrics, step)
+        return
     run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
     if not run_id and mlflow.active_run() is not None:
         run_id, uri = mlflow.active_run().info.run_id, None

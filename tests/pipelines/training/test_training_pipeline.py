@@ -38,7 +38,10 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
         ckpt = kedro_project / f"data/06_models/train_{method}/checkpoints/step_000002"
         AutoModelForCausalLM.from_pretrained(ckpt)
         history = json.loads((kedro_project / f"data/07_model_output/train_{method}/training_history.json").read_text())
-        assert [h["step"] for h in history] == [1, 2]
+        # step 0: the warm start's validation (conf/test: every 2 steps), then the two RL steps
+        assert [h["step"] for h in history] == [0, 1, 2]
+        assert set(history[0]) == {"step", "val/embedded/recall", "val/embedded/f1", "val/embedded/searches"}
+        assert "val/embedded/recall" in history[2] and "val/embedded/recall" not in history[1]
 
     # MLflow: one top-level run per method's training, linked to the kedro run by tags, with the same
     # metric keys for every method and the method block as parameters that differ between them.
@@ -60,6 +63,8 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
                     "adv/std", "loss/kl", "perf/step_seconds"):
             steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert steps == [1, 2], (method, key)
+        val_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/embedded/recall")]
+        assert val_steps == [0, 2], (method, val_steps)
         assert run.data.metrics["steps"] == 2
         manifest = json.loads((kedro_project / f"data/06_models/train_{method}/policy_manifest.json").read_text())
         assert manifest["mlflow_run_id"] == run.info.run_id

@@ -13,9 +13,10 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
+from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.data.formats import samples_from_verl
-from spader_pipeline.evaluation.validation import ValidationSettings, validation_subset
 from spader_pipeline.retrieval.settings import search_backend
+from spader_pipeline.tracking_buffer import active_run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def train_policy(
     and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
 
     With ``verl_validation`` the policy is validated on its fixed subset on ``training.validation``'s
-    schedule (:mod:`spader_pipeline.evaluation.validation`): ``val/<source>/…`` per step, step 0 first
+    schedule (:mod:`spader_pipeline.algorithms.validation`): ``val/<source>/…`` per step, step 0 first
     (``warm_start_validation``'s, computed once for every method, when it scored the same start model).
 
     The training is one MLflow run of its own (:func:`spader_pipeline.tracking.method_run`) with the
@@ -139,7 +140,9 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
     config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
     validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []
-    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
+    # metrics and samples go through a buffered writer: no step waits on, or fails with, the server
+    with (search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search,
+          active_run_writer() as writer):
         result = train_native(
             config,
             model_path=init_manifest["path"],
@@ -147,8 +150,8 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
             search=search,
             run_dir=run_dir,
             prompt_template=template,
-            log_metrics=lambda m, step: tracking.log_metrics(m, step=step),
-            log_artifact=lambda p: tracking.log_artifact(p, artifact_path="samples"),
+            log_metrics=(lambda m, step: writer.log_metrics(tracking.comparable_first(m), step)) if writer else None,
+            log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
             validation=validation,
             validation_settings=validation_settings(training),
             start_validation=warm_start_validation,
