@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import mlflow
@@ -131,6 +132,7 @@ def _records(root: Path) -> pd.DataFrame:
 def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch):
     """Two runs of the same design: one stopped right after its first cell and resumed by Kedro
     (sequential), one uninterrupted on ParallelRunner; same records, same report."""
+    since = f"attributes.start_time >= {int(time.time() * 1000)}"  # this test's MLflow runs only
     # 1. stopped right after the first cell's records are saved, then resumed
     resumed = _project(tmp_path / "resumed", project_root, monkeypatch)
     with pytest.raises(RuntimeError, match="stopped after"):
@@ -156,13 +158,13 @@ def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root,
     assert {"grpo/recall/mean", "spader/f1/low", "diff/recall/high"} <= set(metrics)
     # MLflow: one run per cell, named and tagged compare, with the cell's held-out scores
     cells = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                               filter_string="tags.chain_kind = 'compare'")
+                               filter_string=f"tags.chain_kind = 'compare' and {since}")
     assert sorted(r.info.run_name for r in cells) == sorted(f"compare {c.replace('_seed', ' seed')}" for c in CELLS)
     assert all("heldout/embedded_test/recall" in r.data.metrics for r in cells)
     assert not mlflow.search_runs(search_all_experiments=True, output_format="list",
-                                  filter_string="attributes.run_name LIKE 'evaluate:%'")
+                                  filter_string=f"attributes.run_name LIKE 'evaluate:%' and {since}")
     (chain,) = mlflow.search_runs(search_all_experiments=True, output_format="list",  # the rerun's chain run
-                                  filter_string="tags.`kedro.pipeline` = 'compare' and attributes.status = 'FINISHED'")
+                                  filter_string=f"tags.`kedro.pipeline` = 'compare' and attributes.status = 'FINISHED' and {since}")
     assert "compare/diff/recall/mean" in chain.data.metrics
 
     # 2. uninterrupted on ParallelRunner: the cells are independent, the records and report the same
