@@ -40,8 +40,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-#: The comparable per-step curves (same meaning for every method, docs/metrics.md).
-CURVES = ["answer/recall", "retrieval/recall", "adv/zero_frac"]
+#: The comparable per-step curves (same meaning for every method, docs/metrics.md): validation first
+#: (greedy, fixed validation questions, step 0 = the warm start), then the training questions.
+CURVES = ["val/embedded/recall", "answer/recall", "adv/zero_frac"]
 SHOTS = ("mlflow_runs_table.png", "mlflow_runs_selected.png", "mlflow_compare_params.png",
          "mlflow_compare_metrics.png", "mlflow_compare_curves.png")
 
@@ -101,8 +102,9 @@ def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[s
 
 
 SEED_SHOTS = ("mlflow_seeds_table.png", "mlflow_seeds_metrics.png", "mlflow_seeds_curves.png")
-#: The per-step curve of the seeded comparison: how far each run's advantages are from GRPO's.
-SEED_CURVES = ["adv/corr_vs_grpo"]
+#: The per-step curves of the seeded comparison: validation recall (did it learn?) and how far each
+#: run's advantages are from GRPO's.
+SEED_CURVES = ["val/embedded/recall", "adv/corr_vs_grpo"]
 
 
 def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]:
