@@ -132,7 +132,7 @@ def _curves_figure(histories: Mapping[str, list[dict]], window: int):
                  "method's own terms.\nSame sampling seed: step 1 samples the same trajectories for every method and "
                  "the advantage panels show how each scores them;\nlater steps sample from each method's own policy",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # room for the four-line title
     return fig
 
 
