@@ -55,7 +55,7 @@ from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.metrics import mechanism_metrics, step_metrics
 from spader_pipeline.native.records import append_history, read_history, write_history, write_samples
 from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
-from spader_pipeline.native.validation import validate_policy, validation_identity
+from spader_pipeline.native.validation import validate_policy, validation_identity, weights_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -364,9 +364,8 @@ def _fingerprint(config: NativeTrainerConfig, model_path: str | Path) -> str:
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
                              "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
-    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
-    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
-    blob = json.dumps([settings, str(Path(model_path).resolve()), stamp], sort_keys=True, default=str)
+    blob = json.dumps([settings, str(Path(model_path).resolve()), weights_stamp(model_path)], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -18,7 +18,14 @@ from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rol
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.validation import validation_metrics
 
-__all__ = ["validate_policy", "validation_identity"]
+__all__ = ["validate_policy", "validation_identity", "weights_stamp"]
+
+
+def weights_stamp(model_path: str | Path) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of each weights file of a model folder (safetensors, else .bin):
+    which weights a run or a validation started from."""
+    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
 
 
 def validate_policy(
@@ -45,10 +52,9 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
     """What determines a greedy validation of the model at ``model_path``: its weights (name, size,
     mtime), the questions, the turn limits, the prompt and the precision. Two methods starting from
     the same warm start share their step-0 validation when these are equal."""
-    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
     return json.loads(json.dumps({  # as stored in the catalog's JSON (tuples become lists)
         "model": str(Path(model_path).resolve()),
-        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "weights": weights_stamp(model_path),
         "questions": [str(s.get("id")) for s in samples],
         "rollout": {k: v for k, v in asdict(rollout).items()},
         "prompt_sha256": hashlib.sha256(prompt_template.encode()).hexdigest(),
