@@ -58,7 +58,7 @@ def main() -> None:
     with args.out.open("w", encoding="utf-8") as handle:
         for row in kept:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    print(f"wrote {len(kept)} questions to {args.out}")  # noqa: T201
+    print(f"wrote {len(kept)} questions to {args.out}")
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def main() -> None:
             paths = seed_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
         else:
             paths = screenshots(url.rstrip("/"), args.experiment, args.methods, args.out, args.chromium)
-    print("wrote", *paths)  # noqa: T201
+    print("wrote", *paths)
 
 
 if __name__ == "__main__":

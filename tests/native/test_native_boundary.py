@@ -196,3 +196,36 @@ def test_seeded_runs_with_and_without_reuse_give_the_same_history(tmp_path, nati
         assert new["optim/grad_norm"] > 1e-3
         for key in ("loss/policy", "loss/kl", "loss/total", "optim/grad_norm", "policy/entropy"):
             assert new[key] == pytest.approx(old[key], rel=rel, abs=1e-7), key
+
+
+def test_a_rollout_kv_budget_decodes_whole_groups_per_pass_and_keeps_the_boundary_states(
+        tmp_path, native_deep_model_dir, toy_index_dir, tiny_config, monkeypatch):
+    from transformers import AutoConfig
+
+    from spader_pipeline.modeling.memory_budget import GROWTH, kv_bytes_per_token
+    from spader_pipeline.native import train_native, trainer
+    from spader_pipeline.retrieval import load_retriever
+
+    passes: list[int] = []
+    rollouts = trainer.run_rollouts_sync
+
+    def counted(group, *args, **kwargs):
+        passes.append(len(group))
+        return rollouts(group, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "run_rollouts_sync", counted)
+    model_config = AutoConfig.from_pretrained(native_deep_model_dir)
+    config = tiny_config(method="grpo", options={}, total_steps=1, trainable_layers=1, log_samples_every=0)
+    row_mb = kv_bytes_per_token(model_config) * (config.max_prompt_tokens + config.rollout.max_response_tokens) \
+        * GROWTH / 2**20
+    budgeted = dataclasses.replace(config, rollout_kv_cache_budget_mb=3.5 * row_mb)  # 3 rows fit: one group of 2
+    assert config.rollout_rows(model_config) == 4 and budgeted.rollout_rows(model_config) == 2
+    assert dataclasses.replace(config, rollout_kv_cache_budget_mb=0.5 * row_mb).rollout_rows(model_config) == 1
+
+    result = train_native(budgeted, model_path=native_deep_model_dir, samples=QUESTIONS,
+                          search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path, prompt_template=TEMPLATE)
+    assert passes == [2, 2]  # two passes of one whole group each, every trajectory rolled out once
+    step = result.history[-1]
+    assert step["perf/reused_rollout_states"] == 1.0  # the captures of both passes reach the update
+    with pytest.raises(ValueError, match="rollout_kv_cache_budget_mb"):
+        dataclasses.replace(config, rollout_kv_cache_budget_mb=0)

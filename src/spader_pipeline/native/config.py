@@ -58,6 +58,11 @@ class NativeTrainerConfig:
     verl's counterpart is ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``"""
     ppo_epochs: int = 1
     """passes over each rollout batch (1 = on-policy, the SPADER setting)"""
+    rollout_kv_cache_budget_mb: float | None = None
+    """MiB the rollout's KV caches may take at their longest (``max_prompt_tokens`` +
+    ``rollout.max_response_tokens`` per row, :mod:`spader_pipeline.modeling.memory_budget`): the
+    step's groups are then decoded in several passes of whole groups, each pass keeping its cache
+    between turns. ``None`` = the whole step in one pass (fastest on a CPU, largest footprint)"""
 
     # ---- optimisation ------------------------------------------------------------------------
     learning_rate: float = 1e-5
@@ -149,6 +154,8 @@ class NativeTrainerConfig:
             )
         if self.micro_batch_max_tokens is not None and self.micro_batch_max_tokens < 1:
             raise ValueError("micro_batch_max_tokens must be >= 1 or null")
+        if self.rollout_kv_cache_budget_mb is not None and self.rollout_kv_cache_budget_mb <= 0:
+            raise ValueError("rollout_kv_cache_budget_mb must be > 0 or null")
         if self.ppo_epochs < 1:
             raise ValueError("ppo_epochs must be >= 1")
         if not 0 <= self.warmup_ratio < 1:
@@ -179,6 +186,18 @@ class NativeTrainerConfig:
     def batch_size(self) -> int:
         """Trajectories per step (``prompts_per_step × group_size``)."""
         return self.prompts_per_step * self.group_size
+
+    def rollout_rows(self, model_config: Any, dtype_bytes: int = 4) -> int:
+        """Trajectories decoded together: the whole step, or as many whole groups as the KV budget
+        holds (fewer rows than a group only when one group does not fit)."""
+        if self.rollout_kv_cache_budget_mb is None:
+            return self.batch_size
+        from spader_pipeline.modeling.memory_budget import rows_within_budget
+
+        tokens = self.max_prompt_tokens + self.rollout.max_response_tokens
+        rows = rows_within_budget(model_config, tokens, self.rollout_kv_cache_budget_mb, limit=self.batch_size,
+                                  dtype_bytes=dtype_bytes)
+        return rows if rows < self.group_size else rows - rows % self.group_size
 
     @property
     def warmup_steps(self) -> int:

@@ -254,11 +254,16 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
         temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
     )
     block = run.boundary_block
+    # One decoding pass per `rows` trajectories (whole groups), each pass keeping its KV cache
+    # between turns; the generator's captures stay in start order across passes.
+    rows = config.rollout_rows(run.model.config)
     generator = HFGenerator(run.model, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
-                            micro_batch_size=config.batch_size, bf16=run.bf16,
+                            micro_batch_size=rows, bf16=run.bf16,
                             capture_states_from_layer=block - 1 if block else None)
     started = time.perf_counter()
-    trajectories = run_rollouts_sync(group, generator, search, config.rollout, prompt_template)
+    trajectories = [trajectory for first in range(0, len(group), rows)
+                    for trajectory in run_rollouts_sync(group[first : first + rows], generator, search,
+                                                        config.rollout, prompt_template)]
     seconds = time.perf_counter() - started
     captured = generator.captured_states() if block else None
     batch = build_batch(trajectories, group, run.tokenizer.pad_token_id, captured=captured, boundary_block=block)

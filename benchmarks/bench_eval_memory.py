@@ -1,0 +1,99 @@
+"""Evaluation under a KV-cache budget: peak memory and throughput against one batch of every question.
+
+    .venv/bin/python benchmarks/bench_eval_memory.py [--env compare] [--questions 100] [--budgets none,6144]
+
+The straightforward evaluation (``kv_cache_budget_mb: null``) decodes all ``--questions`` greedy
+trajectories in one batch, each with its KV cache through all its turns; with a budget the same rows
+run in batches whose longest possible caches fit it (:mod:`spader_pipeline.modeling.memory_budget`).
+Each setting runs in its own process (so its peak RSS is its own, from ``getrusage``) on the warm
+start of ``--env`` (``make compare`` builds it) and the first ``--questions`` *training* questions
+(no held-out question is scored), with the environment's evaluation settings for trained models.
+Prints per setting: rows per batch, wall seconds, questions per second, peak RSS, throughput relative
+to the first setting, and whether the records equal the first setting's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one(env: str, questions: int, budget: float | None, out: Path, threads: int) -> None:
+    """Evaluate once (this process) and write ``{seconds, records, rows}`` to ``out``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from measure_warm_start_diversity import _context
+
+    from spader_pipeline.data.formats import samples_from_verl
+    from spader_pipeline.evaluation.config import EvaluationConfig
+    from spader_pipeline.evaluation.suite import evaluate_models, select_models
+
+    torch.set_num_threads(threads)
+    context = _context(env)
+    params, catalog = context.params, context.catalog
+    settings = dict(params["evaluate"]["trained_models"])
+    settings.update((params.get("compare", {}).get("evaluation") or {}).get("trained_models") or {})
+    entry = {**settings, "name": "warm_start", "path": catalog.load("warm_start_manifest")["path"],
+             "batch_size": questions, "kv_cache_budget_mb": budget}
+    samples = samples_from_verl(catalog.load("verl_train"))[:questions]
+    config = EvaluationConfig.from_mapping({
+        "models": [entry], "retrieval": {"mode": "local"},
+        "runner": {"work_dir": str(out.parent / f"work-{out.stem}"), "progress": False, "resume": False},
+        "long_tail": {"enabled": False},
+    })
+    started = time.perf_counter()
+    (result,) = evaluate_models(config, select_models(config), {"train": samples}, {},
+                                index_manifest=catalog.load("index_manifest"), prompt=params["prompt"])
+    seconds = time.perf_counter() - started
+    records = [{k: v for k, v in r.items() if "second" not in k and "time" not in k} for r in result.records]
+    out.write_text(json.dumps({"seconds": seconds, "records": records,
+                               "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, default=str))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", default="compare")
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--budgets", default="none,6144", help="MiB per setting, 'none' = one batch")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        budget = None if args.budget in (None, "none") else float(args.budget)
+        one(args.env, args.questions, budget, args.one, args.threads)
+        return
+
+    rows, first = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for budget in args.budgets.split(","):
+            out = Path(tmp) / f"{budget}.json"
+            subprocess.run([sys.executable, __file__, "--env", args.env, "--questions", str(args.questions),
+                            "--threads", str(args.threads), "--one", str(out), "--budget", budget],
+                           check=True, cwd=ROOT)
+            result = json.loads(out.read_text())
+            first = first or result
+            rows.append({
+                "kv_cache_budget_mb": budget, "wall_s": round(result["seconds"], 1),
+                "questions_per_s": round(args.questions / result["seconds"], 3),
+                "throughput_vs_first": round(first["seconds"] / result["seconds"], 3),
+                "peak_rss_gb": round(result["peak_rss_kb"] / 2**20, 2),
+                "same_records": result["records"] == first["records"],
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
