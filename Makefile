@@ -16,6 +16,10 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
+# glibc keeps freed blocks of up to 32 MB (KV caches and activations, whose shapes change every step)
+# in its heap, so a long run's RSS creeps up; from 4 MB they are mapped and returned to the OS
+# (peak RSS: docs/reliability.md).
+export MALLOC_MMAP_THRESHOLD_ ?= 4194304
 
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141

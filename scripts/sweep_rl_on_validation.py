@@ -5,8 +5,9 @@ between configurations, ``,`` between ``key=value`` settings of ``training.nativ
 ``learning_rate=3e-4,group_size=16``), each for ``--steps`` RL steps with the environment's other
 settings, then scores the final policy greedy on the first ``--val-questions`` questions of the
 validation split (RL's turn limits), with a 95% bootstrap interval over questions. Prints one row per
-configuration: validation recall [CI], F1, searches, step-1 ``adv/zero_frac`` (groups without an
-outcome signal) and the mean step time and time per trajectory.
+configuration, after a first row for the warm start itself: validation recall [CI], F1, searches,
+step-1 ``adv/zero_frac`` (groups without an outcome signal), the last step's training recall and the
+mean step time and time per trajectory (``total_steps=N`` in a configuration overrides ``--steps``).
 
 Run after ``make compare`` has built the warm start (or ``kedro run --env compare --pipeline
 compare --to-nodes validate_warm_start``)::
@@ -83,8 +84,15 @@ def main() -> None:
     base = method_settings(training, params[f"train_{args.method}"]["method"], "native")
 
     rows = []
+    with search_backend({"mode": "local"}, index_dir, where="sweep") as search, torch.no_grad():
+        model, tokenizer = load_model_and_tokenizer(start)
+        scores = greedy_validation(model.eval(), tokenizer, validation, search, base, template)
+    rows.append({"config": "warm start (no RL)", "val_recall": scores["val_recall"], "val_low": scores["val_recall_low"],
+                 "val_high": scores["val_recall_high"], "val_f1": scores["val_f1"],
+                 "val_searches": scores["val_searches"]})
+    print(json.dumps(rows[-1]), flush=True)
     for k, overrides in enumerate(parse_configs(args.configs)):
-        settings = {**base, **overrides, "total_steps": args.steps, "max_seconds": None, "checkpoint_every": 0,
+        settings = {**base, "total_steps": args.steps, **overrides, "max_seconds": None, "checkpoint_every": 0,
                     "log_samples_every": 0, "resume": False}
         config = NativeTrainerConfig.from_mapping(settings)
         samples = samples_from_verl(train, training.get("max_train_questions"), config.seed)
