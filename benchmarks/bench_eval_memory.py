@@ -8,8 +8,8 @@ run in batches whose longest possible caches fit it (:mod:`spader_pipeline.model
 Each setting runs in its own process (so its peak RSS is its own, from ``getrusage``) on the warm
 start of ``--env`` (``make compare`` builds it) and the first ``--questions`` *training* questions
 (no held-out question is scored), with the environment's evaluation settings for trained models.
-Prints per setting: rows per batch, wall seconds, questions per second, peak RSS, throughput relative
-to the first setting, and whether the records equal the first setting's.
+Prints per setting: wall seconds, questions per second, throughput relative to the first setting,
+peak RSS, and whether the records equal the first setting's (the rows per batch are in the log).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def one(env: str, questions: int, budget: float | None, out: Path, threads: int) -> None:
-    """Evaluate once (this process) and write ``{seconds, records, rows}`` to ``out``."""
+    """Evaluate once (this process) and write ``{seconds, records, peak_rss_kb}`` to ``out``."""
     import torch
 
     sys.path.insert(0, str(ROOT / "scripts"))

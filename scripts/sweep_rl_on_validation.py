@@ -84,41 +84,40 @@ def main() -> None:
     base = method_settings(training, params[f"train_{args.method}"]["method"], "native")
 
     rows = []
-    with search_backend({"mode": "local"}, index_dir, where="sweep") as search, torch.no_grad():
-        model, tokenizer = load_model_and_tokenizer(start)
-        scores = greedy_validation(model.eval(), tokenizer, validation, search, base, template)
-    rows.append({"config": "warm start (no RL)", "val_recall": scores["val_recall"], "val_low": scores["val_recall_low"],
-                 "val_high": scores["val_recall_high"], "val_f1": scores["val_f1"],
-                 "val_searches": scores["val_searches"]})
-    print(json.dumps(rows[-1]), flush=True)
-    for k, overrides in enumerate(parse_configs(args.configs)):
-        settings = {**base, "total_steps": args.steps, **overrides, "max_seconds": None, "checkpoint_every": 0,
-                    "log_samples_every": 0, "resume": False}
-        config = NativeTrainerConfig.from_mapping(settings)
-        samples = samples_from_verl(train, training.get("max_train_questions"), config.seed)
-        run_dir = Path(args.out) / f"config{k}"
-        started = time.perf_counter()
-        with search_backend({"mode": "local"}, index_dir, where="sweep") as search:
-            result = train_native(config, model_path=start, samples=samples, search=search, run_dir=run_dir,
-                                  prompt_template=template)
-            seconds = time.perf_counter() - started
-            model, tokenizer = load_model_and_tokenizer(result.final_model_dir)
-            model.eval()
+    with search_backend({"mode": "local"}, index_dir, where="sweep") as search:
+
+        def validate(model_dir, native: dict) -> dict[str, float]:
+            """The policy at ``model_dir`` greedy on the validation questions: the table's score columns."""
+            model, tokenizer = load_model_and_tokenizer(model_dir)
             with torch.no_grad():
-                scores = greedy_validation(model, tokenizer, validation, search, settings, template)
-        history = [h for h in result.history if h.get("step", 0) >= 1]
-        rows.append({
-            "config": ", ".join(f"{key}={value}" for key, value in overrides.items()) or "(environment's)",
-            "val_recall": scores["val_recall"], "val_low": scores["val_recall_low"],
-            "val_high": scores["val_recall_high"], "val_f1": scores["val_f1"], "val_searches": scores["val_searches"],
-            "step1_zero_frac": history[0].get("adv/zero_frac", np.nan) if history else np.nan,
-            "train_recall_last": history[-1].get("answer/recall", np.nan) if history else np.nan,
-            "step_seconds": statistics.mean(h["perf/step_seconds"] for h in history) if history else np.nan,
-            "seconds_per_trajectory": statistics.mean(h["perf/step_seconds"] for h in history) / config.batch_size
-            if history else np.nan,
-            "run_seconds": seconds,
-        })
+                scores = greedy_validation(model.eval(), tokenizer, validation, search, native, template)
+            return {"val_recall": scores["val_recall"], "val_low": scores["val_recall_low"],
+                    "val_high": scores["val_recall_high"], "val_f1": scores["val_f1"],
+                    "val_searches": scores["val_searches"]}
+
+        rows.append({"config": "warm start (no RL)", **validate(start, base)})
         print(json.dumps(rows[-1]), flush=True)
+        for k, overrides in enumerate(parse_configs(args.configs)):
+            settings = {**base, "total_steps": args.steps, **overrides, "max_seconds": None, "checkpoint_every": 0,
+                        "log_samples_every": 0, "resume": False}
+            config = NativeTrainerConfig.from_mapping(settings)
+            samples = samples_from_verl(train, training.get("max_train_questions"), config.seed)
+            started = time.perf_counter()
+            result = train_native(config, model_path=start, samples=samples, search=search,
+                                  run_dir=Path(args.out) / f"config{k}", prompt_template=template)
+            seconds = time.perf_counter() - started
+            history = [h for h in result.history if h.get("step", 0) >= 1]
+            step_seconds = statistics.mean(h["perf/step_seconds"] for h in history) if history else np.nan
+            rows.append({
+                "config": ", ".join(f"{key}={value}" for key, value in overrides.items()) or "(environment's)",
+                **validate(result.final_model_dir, settings),
+                "step1_zero_frac": history[0].get("adv/zero_frac", np.nan) if history else np.nan,
+                "train_recall_last": history[-1].get("answer/recall", np.nan) if history else np.nan,
+                "step_seconds": step_seconds,
+                "seconds_per_trajectory": step_seconds / config.batch_size,
+                "run_seconds": seconds,
+            })
+            print(json.dumps(rows[-1]), flush=True)
     print(markdown_table(pd.DataFrame(rows).round(3)))
 
 

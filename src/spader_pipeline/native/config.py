@@ -187,7 +187,7 @@ class NativeTrainerConfig:
         """Trajectories per step (``prompts_per_step × group_size``)."""
         return self.prompts_per_step * self.group_size
 
-    def rollout_rows(self, model_config: Any, dtype_bytes: int = 4) -> int:
+    def rollout_rows(self, model_config: Any) -> int:
         """Trajectories decoded together: the whole step, or as many whole groups as the KV budget
         holds (fewer rows than a group only when one group does not fit)."""
         if self.rollout_kv_cache_budget_mb is None:
@@ -195,8 +195,7 @@ class NativeTrainerConfig:
         from spader_pipeline.modeling.memory_budget import rows_within_budget
 
         tokens = self.max_prompt_tokens + self.rollout.max_response_tokens
-        rows = rows_within_budget(model_config, tokens, self.rollout_kv_cache_budget_mb, limit=self.batch_size,
-                                  dtype_bytes=dtype_bytes)
+        rows = rows_within_budget(model_config, tokens, self.rollout_kv_cache_budget_mb, limit=self.batch_size)
         return rows if rows < self.group_size else rows - rows % self.group_size
 
     @property
