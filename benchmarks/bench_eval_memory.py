@@ -1,10 +1,13 @@
 """Evaluation under a KV-cache budget: peak memory and throughput against one batch of every question.
 
-    .venv/bin/python benchmarks/bench_eval_memory.py [--env compare] [--questions 100] [--budgets none,6144]
+    .venv/bin/python benchmarks/bench_eval_memory.py [--env compare] [--questions 100] \
+        [--settings none:glibc,6144:4194304]
 
 The straightforward evaluation (``kv_cache_budget_mb: null``) decodes all ``--questions`` greedy
 trajectories in one batch, each with its KV cache through all its turns; with a budget the same rows
 run in batches whose longest possible caches fit it (:mod:`spader_pipeline.modeling.memory_budget`).
+A setting is ``BUDGET_MIB[:MMAP_THRESHOLD]``: the second part sets glibc's ``MALLOC_MMAP_THRESHOLD_``
+for that process (bytes; ``glibc`` = unset, glibc's own sliding threshold), as the Makefile does.
 Each setting runs in its own process (so its peak RSS is its own, from ``getrusage``) on the warm
 start of ``--env`` (``make compare`` builds it) and the first ``--questions`` *training* questions
 (no held-out question is scored), with the environment's evaluation settings for trained models.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -46,7 +50,7 @@ def one(env: str, questions: int, budget: float | None, out: Path, threads: int)
              "batch_size": questions, "kv_cache_budget_mb": budget}
     samples = samples_from_verl(catalog.load("verl_train"))[:questions]
     config = EvaluationConfig.from_mapping({
-        "models": [entry], "retrieval": {"mode": "local"},
+        "models": [entry], "retrieval": {"mode": "service"},
         "runner": {"work_dir": str(out.parent / f"work-{out.stem}"), "progress": False, "resume": False},
         "long_tail": {"enabled": False},
     })
@@ -63,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="compare")
     parser.add_argument("--questions", type=int, default=100)
-    parser.add_argument("--budgets", default="none,6144", help="MiB per setting, 'none' = one batch")
+    parser.add_argument("--settings", default="none:glibc,6144:4194304",
+                        help="BUDGET_MIB[:MMAP_THRESHOLD] per setting; 'none' = one batch, 'glibc' = unset")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--budget", help=argparse.SUPPRESS)
@@ -75,15 +80,20 @@ def main() -> None:
 
     rows, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for budget in args.budgets.split(","):
-            out = Path(tmp) / f"{budget}.json"
+        for index, setting in enumerate(args.settings.split(",")):
+            budget, _, threshold = setting.partition(":")
+            env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+            if threshold not in ("", "glibc"):
+                env["MALLOC_MMAP_THRESHOLD_"] = str(int(threshold))
+            out = Path(tmp) / f"setting{index}.json"
             subprocess.run([sys.executable, __file__, "--env", args.env, "--questions", str(args.questions),
                             "--threads", str(args.threads), "--one", str(out), "--budget", budget],
-                           check=True, cwd=ROOT)
+                           check=True, cwd=ROOT, env=env)
             result = json.loads(out.read_text())
             first = first or result
             rows.append({
-                "kv_cache_budget_mb": budget, "wall_s": round(result["seconds"], 1),
+                "kv_cache_budget_mb": budget, "malloc_mmap_threshold": env.get("MALLOC_MMAP_THRESHOLD_", "glibc"),
+                "wall_s": round(result["seconds"], 1),
                 "questions_per_s": round(args.questions / result["seconds"], 3),
                 "throughput_vs_first": round(first["seconds"] / result["seconds"], 3),
                 "peak_rss_gb": round(result["peak_rss_kb"] / 2**20, 2),

@@ -5,7 +5,7 @@ between configurations, ``,`` between ``key=value`` settings of ``training.nativ
 ``learning_rate=3e-4,group_size=16``), each for ``--steps`` RL steps with the environment's other
 settings, then scores the final policy greedy on the first ``--val-questions`` questions of the
 validation split (RL's turn limits), with a 95% bootstrap interval over questions. Prints one row per
-configuration, after a first row for the warm start itself: validation recall [CI], F1, searches,
+configuration, after a first row for the warm start itself (unless ``--skip-warm-start``): validation recall [CI], F1, searches,
 step-1 ``adv/zero_frac`` (groups without an outcome signal), the last step's training recall and the
 mean step time and time per trajectory (``total_steps=N`` in a configuration overrides ``--steps``).
 
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--val-questions", type=int, default=49)
     parser.add_argument("--out", default="/tmp/rl_sweep")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-warm-start", action="store_true",
+                        help="no warm-start row (it is the same for every sweep of one environment)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     context = _context(args.env)
@@ -95,8 +97,9 @@ def main() -> None:
                     "val_high": scores["val_recall_high"], "val_f1": scores["val_f1"],
                     "val_searches": scores["val_searches"]}
 
-        rows.append({"config": "warm start (no RL)", **validate(start, base)})
-        print(json.dumps(rows[-1]), flush=True)
+        if not args.skip_warm_start:
+            rows.append({"config": "warm start (no RL)", **validate(start, base)})
+            print(json.dumps(rows[-1]), flush=True)
         for k, overrides in enumerate(parse_configs(args.configs)):
             settings = {**base, "total_steps": args.steps, **overrides, "max_seconds": None, "checkpoint_every": 0,
                         "log_samples_every": 0, "resume": False}
