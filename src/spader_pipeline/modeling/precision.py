@@ -1,30 +1,35 @@
-"""Should the matrix multiplications run under bf16 autocast? Measured, not assumed.
+"""Should the matrix multiplications run under bf16 autocast? Decided per machine, not per hour.
 
 On CUDA bf16 autocast is always faster. On CPUs it depends on the hardware: with native bf16
 instructions (AVX-512 BF16 / AMX) it can be 2–3× faster than fp32, without them it has been
-measured many times *slower* (docs/results.md). ``bf16: auto`` therefore runs a short probe —
-forward + backward of a SwiGLU MLP block of the model's width, fp32 vs bf16 autocast, median of a
-few repeats — once per process and width, and enables autocast only where it wins clearly.
-Weights and optimizer state stay fp32 either way.
+measured many times *slower* (docs/results.md). ``bf16: auto`` therefore reads the CPU's flags
+(``/proc/cpuinfo``): without a bf16 unit it is off, with one it is on. Where the flags cannot be read,
+a short probe decides — forward + backward of a SwiGLU MLP block of the model's width, fp32 vs bf16
+autocast, the minimum of interleaved repeats after a warm-up — once per process and width.
+The flags come first because a timing probe follows the machine's load: a probe beside another
+process once turned bf16 off for one stage of a chain and on for the next, so their numbers differed
+from an idle run's. Weights and optimizer state stay fp32 either way.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
+from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# bf16 must beat fp32 by this factor to be chosen (probe noise on a loaded machine).
+# bf16 must beat fp32 by this factor to be chosen by the probe.
 MARGIN = 0.9
+# CPU flags of a native bf16 unit (Linux /proc/cpuinfo names).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_bf16(setting: bool | str, device: torch.device | str, model: torch.nn.Module | None = None) -> bool:
-    """``True``/``False`` as given; ``"auto"``: CUDA → on, CPU → the probe's verdict."""
+    """``True``/``False`` as given; ``"auto"``: CUDA → on, CPU → :func:`cpu_has_bf16`, else the probe's verdict."""
     if setting != "auto":
         return bool(setting)
     device = torch.device(device)
@@ -32,16 +37,39 @@ def resolve_bf16(setting: bool | str, device: torch.device | str, model: torch.n
         return True
     if device.type != "cpu":
         return False
+    native = cpu_has_bf16()
+    if native is not None:
+        return native
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 512) or 512)
     inner = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     return bf16_faster_on_cpu(hidden, inner)
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
+    """Whether the CPU has a native bf16 unit (:data:`BF16_FLAGS`); ``None`` where ``cpuinfo`` is
+    missing or lists no ``flags`` (not Linux, or not x86): the probe decides there."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    found = bool(BF16_FLAGS.intersection(flags))
+    logger.info("bf16 autocast %s: the CPU %s", "on" if found else "off",
+                "has a bf16 unit" if found else "has no bf16 unit (avx512_bf16 / amx_bf16)")
+    return found
+
+
 @functools.lru_cache(maxsize=8)
-def bf16_faster_on_cpu(hidden: int, inner: int, rows: int = 64, repeats: int = 3) -> bool:
+def bf16_faster_on_cpu(hidden: int, inner: int, rows: int = 64, repeats: int = 5) -> bool:
     """Probe: is a forward+backward of a ``hidden → inner → hidden`` SwiGLU block on ``rows``
-    tokens faster under bf16 autocast than in fp32 on this CPU? (~0.1–1 s, once per size.)"""
+    tokens faster under bf16 autocast than in fp32 on this CPU? (~0.1–1 s, once per size.)
+
+    One warm-up of each first (bf16's first call builds its kernels), then ``repeats`` interleaved
+    runs of each; the minimum of each is compared, since load only ever adds time."""
     gen = torch.Generator().manual_seed(0)
     w_gate = (torch.randn(hidden, inner, generator=gen) / hidden**0.5).requires_grad_()
     w_up = (torch.randn(hidden, inner, generator=gen) / hidden**0.5).requires_grad_()
@@ -57,17 +85,14 @@ def bf16_faster_on_cpu(hidden: int, inner: int, rows: int = 64, repeats: int = 3
             w.grad = None
         return time.perf_counter() - start
 
-    times = {False: [], True: []}
-    warm = {enabled: run(enabled) for enabled in (False, True)}
-    if warm[True] > 2 * warm[False]:  # clearly slower (no bf16 units): do not spend more time
-        logger.info("bf16 probe (hidden %d, inner %d): fp32 %.1f ms, bf16 autocast %.1f ms → bf16 off",
-                    hidden, inner, warm[False] * 1e3, warm[True] * 1e3)
-        return False
-    for _ in range(repeats):  # interleaved, so a load spike hits both
+    for enabled in (False, True):
+        run(enabled)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
         for enabled in (False, True):
             times[enabled].append(run(enabled))
-    fp32, bf16 = statistics.median(times[False]), statistics.median(times[True])
+    fp32, bf16 = min(times[False]), min(times[True])
     faster = bf16 < MARGIN * fp32
-    logger.info("bf16 probe (hidden %d, inner %d): fp32 %.1f ms, bf16 autocast %.1f ms → bf16 %s",
-                hidden, inner, fp32 * 1e3, bf16 * 1e3, "on" if faster else "off")
+    logger.info("bf16 probe (hidden %d, inner %d): fp32 %.1f ms, bf16 autocast %.1f ms (minimum of %d) → bf16 %s",
+                hidden, inner, fp32 * 1e3, bf16 * 1e3, repeats, "on" if faster else "off")
     return faster

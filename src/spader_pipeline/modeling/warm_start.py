@@ -79,8 +79,8 @@ class WarmStartConfig:
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     bf16: bool | str = "auto"
-    """bf16 autocast for the forward pass: ``"auto"`` = on for CUDA; on a CPU decided by a short
-    probe (:mod:`spader_pipeline.modeling.precision`: CPUs without native bf16 units, such as
+    """bf16 autocast for the forward pass: ``"auto"`` = on for CUDA; on a CPU by its flags
+    (:mod:`spader_pipeline.modeling.precision`: CPUs without native bf16 units, such as
     AVX2-only machines, run bf16 autocast several times slower than fp32)"""
     trainable_layers: int | None = None
     """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model
@@ -202,7 +202,7 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
 
 def autocast(device: torch.device, bf16: bool | str):
     """A bf16 autocast context for ``device`` (``bf16="auto"``: on for CUDA only; resolve it first
-    with :func:`spader_pipeline.modeling.precision.resolve_bf16` to probe a CPU)."""
+    with :func:`spader_pipeline.modeling.precision.resolve_bf16` to decide for a CPU)."""
     enabled = device.type == "cuda" if bf16 == "auto" else bool(bf16)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 

@@ -91,7 +91,7 @@ class NativeTrainerConfig:
     """sampling temperature; log-probabilities are computed at the same temperature"""
     bf16: bool | str = "auto"
     """bf16 autocast for rollouts and the training forward pass (``auto``: on for CUDA; on a CPU
-    decided by a short probe, :mod:`spader_pipeline.modeling.precision`)"""
+    decided by its flags, :mod:`spader_pipeline.modeling.precision`)"""
     trainable_layers: int | None = None
     """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model.
     Lower blocks and embeddings stay frozen, so the backward pass stops early (CPU speed)"""
