@@ -87,11 +87,12 @@ def _project_setup(model_dir: str, n: int, max_turns: int | None = None):
 VARIANTS = ("growing", "one_prefill", "generate", "dynamic", "no_cache", "single")
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
-    """fp32 FLOP/s of ``torch.mm`` on ``size x size`` matrices, best of ``repeats`` (current threads)."""
+def matmul_peak_flops(size: int = 2048, repeats: int = 10, dtype=None) -> float:
+    """FLOP/s of ``torch.mm`` on ``size x size`` matrices of ``dtype`` (default fp32), best of
+    ``repeats`` (current threads)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):

@@ -201,7 +201,7 @@ def bench_logprobs(model, examples, repeats: int) -> dict[str, float]:
     return out
 
 
-def _project_settings(conf_dir: Path, prompts_per_step: int = 4) -> dict:
+def _project_settings(conf_dir: Path, prompts_per_step: int = 4, group_size: int = 8) -> dict:
     """The GRPO run's native settings from conf/base (as the train_grpo node merges them)."""
     import yaml
 
@@ -209,7 +209,7 @@ def _project_settings(conf_dir: Path, prompts_per_step: int = 4) -> dict:
 
     params = yaml.safe_load((conf_dir / "parameters_training.yml").read_text())
     settings = method_settings(params["training"], params["train_grpo"]["method"], "native")
-    return {**settings, "prompts_per_step": prompts_per_step, "group_size": 8}  # 4 x 8: the benchmarked step shape
+    return {**settings, "prompts_per_step": prompts_per_step, "group_size": group_size}  # the benchmarked step shape
 
 
 def _straightforward_settings(project: dict) -> dict:
@@ -245,12 +245,12 @@ def _rl_inputs(args) -> dict | None:
     if manifest.is_dir():  # a versioned dataset: the newest version
         manifest = sorted(manifest.glob("*/index_manifest.json"))[-1]
     index = json.loads(manifest.read_text())["index_dir"]
-    if not Path(index).is_absolute():
-        index = str(data.parent / index)
+    if not Path(index).is_absolute():  # relative to the project root holding --data (data/, data/compare/…)
+        index = str(next((root / index for root in data.resolve().parents if (root / index).is_dir()), index))
     warm = data / "06_models/warm_start"
     smollm2 = warm if (warm / "config.json").is_file() else data / "06_models/base_model"
     return {
-        "project": _project_settings(Path(args.conf), args.prompts_per_step),
+        "project": _project_settings(Path(args.conf), args.prompts_per_step, args.group_size),
         "samples": samples_from_verl(pd.read_parquet(data / "05_model_input/verl/train.parquet"), None, 0),
         "index": index,
         "template": resolve_template(yaml_prompt(Path(args.conf))),
@@ -337,6 +337,8 @@ def _prefill_blocks(enabled: bool):
 def bench_rl_step(args) -> None:
     from bench_agent_rollout import matmul_peak_flops
 
+    from spader_pipeline.modeling.device import resolve_device
+    from spader_pipeline.modeling.precision import resolve_bf16
     from spader_pipeline.native import NativeTrainerConfig, train_native
     from spader_pipeline.retrieval import load_retriever
     from spader_pipeline.retrieval.service import LocalSearch
@@ -354,7 +356,11 @@ def bench_rl_step(args) -> None:
                 **configs[label], "method": "grpo", "total_steps": args.rl_steps, "max_seconds": None,
                 "resume": False, "checkpoint_every": 0, "log_samples_every": 0, "seed": 0})
             load = os.getloadavg()[0]
-            peak = matmul_peak_flops()
+            # the rollout's matrix products run in the precision the trainer resolves (bf16 autocast
+            # where the CPU has bf16 instructions), so its share is of that precision's peak
+            bf16 = resolve_bf16(config.bf16, resolve_device(config.device))
+            peak = matmul_peak_flops(dtype=torch.bfloat16 if bf16 else torch.float32)
+            fp32_peak = matmul_peak_flops() if bf16 else peak
             with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work, _prefill_blocks(label != "one-prefill"):
                 result = train_native(config, model_path=path, samples=inputs["samples"],
                                       search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
@@ -365,7 +371,8 @@ def bench_rl_step(args) -> None:
                   f"{work.decode} decoding positions, "
                   f"{work.flops / 1e12:.2f} TFLOP in {rollout_seconds:.1f} s = {work.flops / rollout_seconds / 1e9:.0f} "
                   f"GFLOP/s, {100 * work.flops / rollout_seconds / peak:.0f}% of the measured matmul peak "
-                  f"({peak / 1e9:.0f} GFLOP/s, torch.mm 2048² fp32 on {torch.get_num_threads()} threads)", flush=True)
+                  f"({peak / 1e9:.0f} GFLOP/s, torch.mm 2048² {'bf16' if bf16 else 'fp32'} on "
+                  f"{torch.get_num_threads()} threads; fp32 {fp32_peak / 1e9:.0f} GFLOP/s)", flush=True)
             for h in hist:
                 print(f"  step {h['step']}: rollout {h['perf/rollout_seconds']:.1f} s (state capture "
                       f"{h['perf/capture_seconds']:.2f} s), update {h['perf/update_seconds']:.1f} s, update from "
@@ -373,7 +380,9 @@ def bench_rl_step(args) -> None:
             med = {k: statistics.median(h[k] for h in hist)
                    for k in ("perf/step_seconds", "perf/rollout_seconds", "perf/update_seconds")}
             tokens = statistics.median(h["rollout/response_tokens"] for h in hist)
-            print(f"RL step {name:8s} {label:15s} {med['perf/step_seconds']:7.1f} s/step (rollout "
+            rows = config.prompts_per_step * config.group_size
+            print(f"RL step {name:8s} {label:15s} {config.prompts_per_step} x {config.group_size}: "
+                  f"{med['perf/step_seconds']:7.1f} s/step, {med['perf/step_seconds'] / rows:.2f} s/trajectory (rollout "
                   f"{med['perf/rollout_seconds']:.1f} s, update {med['perf/update_seconds']:.1f} s; "
                   f"{tokens:.0f} response tokens/trajectory; median of {len(hist)} steps; load {load:.1f} "
                   f"→ {os.getloadavg()[0]:.1f})", flush=True)
@@ -520,7 +529,8 @@ def main() -> None:
     parser.add_argument("--data", default="data")
     parser.add_argument("--conf", default="conf/base",
                         help="a folder with parameters.yml and parameters_training.yml (an environment merged over base)")
-    parser.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step (x 8 trajectories)")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="questions per RL step")
+    parser.add_argument("--group-size", type=int, default=8, help="trajectories per question")
     parser.add_argument("--model-dir", default=None, help="a HF model folder instead of the tiny model (SFT/log-prob)")
     parser.add_argument("--trainable-layers", type=int, default=8, help="with --model-dir: top blocks trained")
     args = parser.parse_args()

@@ -12,6 +12,8 @@ per loaded model; it is a runtime setting, never written to a saved ``config.jso
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 NAME = "sdpa_gqa"
@@ -23,11 +25,27 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
     query ``[B, H, T, D]``, key/value ``[B, H_kv, S, D]``; returns ``[B, T, H, D]``, ``None``)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    decoding_in_fp32 = _cpu_autocast_decoding(query)
+    with torch.autocast("cpu", enabled=False) if decoding_in_fp32 else contextlib.nullcontext():
+        if decoding_in_fp32:
+            query, key, value = query.float(), key.float(), value.float()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _cpu_autocast_decoding(query: torch.Tensor) -> bool:
+    """Whether this is a decoding step (one query position) on CPU under autocast: its attention then
+    runs in fp32.
+
+    Under CPU bf16 autocast, SDPA casts the queries and the whole KV cache to bf16 and runs its bf16
+    CPU kernel, which is slow for one query position: 7.3 ms per SmolLM2 layer for 16 rows over 700
+    cached positions, against 0.55 ms in fp32 (docs/performance.md). Prefill and the update (many
+    query positions) run at the same speed in both, so they keep autocast.
+    """
+    return query.device.type == "cpu" and query.shape[2] == 1 and torch.is_autocast_enabled("cpu")
 
 
 def use_gqa_attention(model) -> bool:
