@@ -254,13 +254,27 @@ def _next_batch(pending: deque[_Item]) -> list[_Item]:
 @contextlib.contextmanager
 def active_run_writer(**kwargs: Any) -> Iterator[BufferedMetricsWriter | None]:
     """A writer for the active MLflow run (``None`` without one), closed (flushed) on exit."""
+    with run_writer(*active_run_target(), **kwargs) as writer:
+        yield writer
+
+
+def active_run_target() -> tuple[str | None, str | None]:
+    """``(run id, tracking URI)`` of the active MLflow run, ``(None, None)`` without one: what a
+    child process needs to log to it (:func:`run_writer`)."""
     import mlflow
 
     run = mlflow.active_run()
-    if run is None:
+    return (run.info.run_id, mlflow.get_tracking_uri()) if run is not None else (None, None)
+
+
+@contextlib.contextmanager
+def run_writer(run_id: str | None, tracking_uri: str | None = None,
+               **kwargs: Any) -> Iterator[BufferedMetricsWriter | None]:
+    """A writer for the run ``run_id`` (``None`` when it is ``None``), closed (flushed) on exit."""
+    if run_id is None:
         yield None
         return
-    writer = BufferedMetricsWriter(run.info.run_id, mlflow.get_tracking_uri(), **kwargs)
+    writer = BufferedMetricsWriter(run_id, tracking_uri, **kwargs)
     try:
         yield writer
     except BaseException:

@@ -30,6 +30,9 @@ class RunnerSettings:
     """where the work files live"""
     progress: bool = True
     """tqdm progress bars"""
+    subprocess: bool = True
+    """each in-process (``hf``) model is evaluated in a child process, which returns its memory to
+    the operating system when it ends (:mod:`spader_pipeline.child_process`)"""
 
 
 @dataclass(frozen=True)

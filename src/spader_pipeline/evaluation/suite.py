@@ -2,10 +2,11 @@
 
 :func:`evaluate_models` owns the lifetimes: one retrieval service for the whole suite (started on
 the index unless a URL is configured, always stopped), one generator per model (an in-process
-checkpoint is loaded once for all datasets; a served one is started and stopped), one retrieval
-client per dataset. Each model × dataset is :func:`spader_pipeline.evaluation.runner.evaluate_dataset`
-with a work file named by :func:`resume_key`, and yields an :class:`EvaluationResult` — handed to
-``on_result`` as soon as it exists (the Kedro node logs it to MLflow there).
+checkpoint is loaded once for all datasets, in a child process with ``runner.subprocess``; a served
+one is started and stopped), one retrieval client per dataset. Each model × dataset is
+:func:`spader_pipeline.evaluation.runner.evaluate_dataset` with a work file named by
+:func:`resume_key`, and yields an :class:`EvaluationResult` — handed to ``on_result`` as soon as its
+model is done (the Kedro node logs it to MLflow there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.rollout import RolloutConfig
+from spader_pipeline.child_process import in_child_process
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import aggregate
 from spader_pipeline.evaluation.models import ModelSpec, open_generator
@@ -104,24 +106,37 @@ def evaluate_models(
         return results
     with service_url(config.retrieval, index_manifest["index_dir"]) as url:
         for model in models:
-            template_name, template = prompt_for(model, config, prompt)
-            rollout = RolloutConfig.from_mapping({**config.rollout, **model.rollout})
-            with open_generator(model) as generator:
-                for dataset, samples in datasets.items():
-                    work_file = None
-                    if config.runner.resume:
-                        key = resume_key(model, rollout, template, dataset, samples, index_manifest, config.retrieval.url)
-                        work_file = Path(config.runner.work_dir) / f"{model.name}__{dataset}__{key}.jsonl"
-                        work_file.parent.mkdir(parents=True, exist_ok=True)
-                    records = asyncio.run(_one(config, model, generator, samples, frequencies.get(dataset), url,
-                                               rollout, template, work_file, f"{model.name}/{dataset}"))
-                    ok = [r for r in records if r["status"] == "ok"]
-                    metrics = aggregate(ok, num_failed=len(records) - len(ok), long_tail_edges=config.long_tail.edges)
-                    result = EvaluationResult(model, dataset, records, metrics, template_name, rollout)
-                    _log_summary(result)
-                    results.append(result)
-                    if on_result is not None:
-                        on_result(result)
+            # an in-process checkpoint in a child process (runner.subprocess): its memory returns
+            # when it ends; a served model's generator is only an HTTP client
+            evaluate = in_child_process(_evaluate_model, enabled=config.runner.subprocess and model.kind == "hf",
+                                        name=f"evaluate_{model.name}")
+            for result in evaluate(config, model, datasets, frequencies, url, index_manifest, prompt):
+                _log_summary(result)
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+    return results
+
+
+def _evaluate_model(config: EvaluationConfig, model: ModelSpec, datasets: Mapping[str, list[dict[str, Any]]],
+                    frequencies: Mapping[str, Mapping[str, list[int]]], url: str,
+                    index_manifest: Mapping[str, Any], prompt: Mapping[str, Any]) -> list[EvaluationResult]:
+    """One model on every dataset, searching the service at ``url``."""
+    template_name, template = prompt_for(model, config, prompt)
+    rollout = RolloutConfig.from_mapping({**config.rollout, **model.rollout})
+    results = []
+    with open_generator(model) as generator:
+        for dataset, samples in datasets.items():
+            work_file = None
+            if config.runner.resume:
+                key = resume_key(model, rollout, template, dataset, samples, index_manifest, config.retrieval.url)
+                work_file = Path(config.runner.work_dir) / f"{model.name}__{dataset}__{key}.jsonl"
+                work_file.parent.mkdir(parents=True, exist_ok=True)
+            records = asyncio.run(_one(config, model, generator, samples, frequencies.get(dataset), url,
+                                       rollout, template, work_file, f"{model.name}/{dataset}"))
+            ok = [r for r in records if r["status"] == "ok"]
+            metrics = aggregate(ok, num_failed=len(records) - len(ok), long_tail_edges=config.long_tail.edges)
+            results.append(EvaluationResult(model, dataset, records, metrics, template_name, rollout))
     return results
 
 

@@ -14,9 +14,10 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
+from spader_pipeline.child_process import in_child_process
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.retrieval.settings import search_backend
-from spader_pipeline.tracking_buffer import active_run_writer
+from spader_pipeline.tracking_buffer import active_run_target, run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
@@ -47,17 +48,24 @@ def warm_start(
     prompt: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Supervised warm start of the base model (:func:`spader_pipeline.native.warm_start.warm_start`);
-    its manifest and summary metrics. ``enabled: false`` passes the base model through unchanged."""
-    from spader_pipeline.native.warm_start import warm_start as run_warm_start
-
+    its manifest and summary metrics. ``enabled: false`` passes the base model through unchanged.
+    With ``subprocess`` (default) it runs in a child process, which returns its memory when it ends."""
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")
         return {**base_model_manifest, "warm_start": False}, {}
-    return run_warm_start(
-        base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], params,
-        _template(prompt, params.get("prompt_template")),
-        on_log=lambda step, m: tracking.log_metrics(m, step=step, prefix="warm_start/train"),
-    )
+    run = in_child_process(_warm_start, enabled=params.get("subprocess", True), name="warm_start")
+    return run(base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], params,
+               _template(prompt, params.get("prompt_template")), active_run_target())
+
+
+def _warm_start(model_path, verl_train, verl_validation, index_dir, params, template, run_target):
+    """:func:`spader_pipeline.native.warm_start.warm_start`, its curve logged to the MLflow run
+    ``run_target`` (id, tracking URI) as ``warm_start/train/…``."""
+    from spader_pipeline.native.warm_start import warm_start as run_warm_start
+
+    with run_writer(*run_target) as writer:
+        on_log = (lambda step, m: writer.log_metrics(tracking.numeric_items(m, "warm_start/train"), step)) if writer else None
+        return run_warm_start(model_path, verl_train, verl_validation, index_dir, params, template, on_log=on_log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,14 +143,24 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
 
         return launch_verl_training(init_manifest, index_manifest, method, training, run_dir), []
 
+    train = in_child_process(_train_native, enabled=training.get("subprocess", True), name=f"train_{name}")
+    return train(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
+                 verl_validation, warm_start_validation, active_run_target())
+
+
+def _train_native(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
+                  verl_validation, warm_start_validation, run_target):
+    """The native trainer's run (in a child process with ``training.subprocess``); its metrics and
+    samples go to the MLflow run ``run_target`` (id, tracking URI)."""
     from spader_pipeline.native import NativeTrainerConfig, train_native
 
+    name = method["method"]
     config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
     samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
     validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []
     # metrics and samples go through a buffered writer: no step waits on, or fails with, the server
     with (search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search,
-          active_run_writer() as writer):
+          run_writer(*run_target) as writer):
         result = train_native(
             config,
             model_path=init_manifest["path"],
@@ -171,31 +189,40 @@ def validate_warm_start(
 ) -> dict[str, Any]:
     """Step 0 of every method's validation curve, computed once: the start model, greedy, on the
     validation subset with the native trainer's turn limits (``{"identity", "metrics"}``; empty when
-    the schedule has no step 0 or the backend is VERL, whose loop validates on its own)."""
+    the schedule has no step 0 or the backend is VERL, whose loop validates on its own). It runs in a
+    child process with ``training.subprocess``, as training does."""
+    settings = validation_settings(training)
+    samples = validation_subset(samples_from_verl(verl_validation), settings.max_questions)
+    if training.get("backend", "native") != "native" or not settings.before_train or not samples:
+        return {}
+    validate = in_child_process(_validate_start_model, enabled=training.get("subprocess", True),
+                                name="validate_warm_start")
+    metrics, identity = validate(warm_start_manifest["path"], samples, index_manifest, training,
+                                 _template(prompt, training.get("prompt_template")))
+    logger.info("warm start validation (step 0 of every method): %s",
+                ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    return {"identity": identity, "metrics": metrics}
+
+
+def _validate_start_model(model_path, samples, index_manifest, training, template):
+    """(metrics, identity) of the model at ``model_path`` on the validation ``samples``."""
     from spader_pipeline.modeling import load_model_and_tokenizer
     from spader_pipeline.modeling.device import resolve_device
     from spader_pipeline.modeling.precision import resolve_bf16
     from spader_pipeline.native import NativeTrainerConfig
     from spader_pipeline.native.validation import validate_policy, validation_identity
 
-    settings = validation_settings(training)
-    samples = validation_subset(samples_from_verl(verl_validation), settings.max_questions)
-    if training.get("backend", "native") != "native" or not settings.before_train or not samples:
-        return {}
     config = NativeTrainerConfig.from_mapping(dict(training.get("native") or {}))
-    template = _template(prompt, training.get("prompt_template"))
-    model, tokenizer = load_model_and_tokenizer(warm_start_manifest["path"], device=resolve_device(config.device))
+    model, tokenizer = load_model_and_tokenizer(model_path, device=resolve_device(config.device))
     bf16 = resolve_bf16(config.bf16, resolve_device(config.device), model)
     with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
         metrics = validate_policy(model, tokenizer, samples, search, config.rollout, template,
                                   max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
                                   bf16=bf16)
-    identity = validation_identity(warm_start_manifest["path"], samples, config.rollout, template,
+    identity = validation_identity(model_path, samples, config.rollout, template,
                                    max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
                                    bf16=bf16)
-    logger.info("warm start validation (step 0 of every method): %s",
-                ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    return {"identity": identity, "metrics": metrics}
+    return metrics, identity
 
 
 def validation_settings(training: Mapping[str, Any]) -> ValidationSettings:

@@ -1,0 +1,166 @@
+"""Run a memory-heavy call (a training run, one model's evaluation) in a fresh child process.
+
+Why: a long Kedro run (``make compare``: a warm start, then 6 training runs and 7 evaluations in
+one process) keeps what each stage allocated. Freed tensors go back to the allocator, not always to
+the operating system (small blocks fragment the heap; caches and imports stay), so the process's
+resident memory grows from one stage to the next (docs/reliability.md). A child process returns all
+of it when it ends, whatever kept it.
+
+How: ``multiprocessing``'s *spawn* start method (a new interpreter, no copy of the parent's heap or
+threads), the function and its arguments pickled to it, the result or the exception pickled back.
+The child:
+
+* dies with the parent (Linux ``PR_SET_PDEATHSIG``), and is terminated if the parent is interrupted;
+* logs through the parent: its records go back over a queue to the parent's loggers (Kedro's
+  handlers, a test's ``caplog``), filtered by the parent's logger levels; it runs with the parent's torch
+  thread count;
+* re-raises in the parent as the child's own exception, its traceback attached as a note; a child
+  that ends without a result (killed: ``-9`` is SIGKILL, often the out-of-memory killer) raises
+  :class:`ChildProcessDied`.
+
+The price is the child's imports (~5–10 s of a CPU) and pickling the arguments: worth it for calls
+of minutes. MLflow's active run is not inherited: a function that logs takes the run's id
+(:func:`spader_pipeline.tracking_buffer.run_writer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import logging.handlers
+import multiprocessing
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+class ChildProcessDied(RuntimeError):
+    """The child ended without sending a result or an exception (killed, or it crashed)."""
+
+
+def in_child_process(fn: Callable[..., T], *, enabled: bool = True, name: str | None = None) -> Callable[..., T]:
+    """``fn`` wrapped so that a call runs it in a fresh child process (or in this one when not
+    ``enabled``). ``fn`` must be importable (a module-level function) and its arguments and
+    result picklable; ``name`` labels the child in logs and errors (default: ``fn``'s name)."""
+    if not enabled:
+        return fn
+    label = name or fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> T:
+        return _run(label, fn, args, kwargs)
+
+    return call
+
+
+class _ToParentLoggers(logging.Handler):
+    """Hands a child's log record to the parent's logger of the same name."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(record.name).handle(record)
+
+
+def _run(label: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    records = context.Queue()
+    listener = logging.handlers.QueueListener(records, _ToParentLoggers())
+    settings = {"log_levels": _log_levels(), "torch_threads": _torch_threads(), "log_queue": records}
+    child = context.Process(target=_child_main, args=(send, fn, args, kwargs, settings), name=label)
+    listener.start()
+    child.start()
+    send.close()  # only the child writes; the parent's recv then sees EOF if the child dies
+    logger.info("%s: running in child process %d", label, child.pid)
+    try:
+        try:
+            status, payload = receive.recv()
+        except EOFError:
+            child.join()
+            raise ChildProcessDied(
+                f"{label}: the child process {child.pid} ended without a result (exit code {child.exitcode}; "
+                "a negative code is the signal that ended it: -9 is SIGKILL, often the out-of-memory killer)"
+            ) from None
+        child.join()
+    except BaseException:
+        if child.is_alive():  # interrupted (Ctrl-C) or failed while the child runs: stop it
+            child.terminate()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+        raise
+    finally:
+        receive.close()
+        listener.stop()  # after the child's last record
+        records.close()
+    if status == "error":
+        raise payload
+    return payload
+
+
+def _log_levels() -> dict[str, int]:
+    """The levels set on the parent's loggers (root as ``""``): the child filters as the parent does."""
+    levels = {"": logging.getLogger().level}
+    for name, item in logging.root.manager.loggerDict.items():
+        if isinstance(item, logging.Logger) and item.level != logging.NOTSET:
+            levels[name] = item.level
+    return levels
+
+
+def _torch_threads() -> int | None:
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
+
+
+def _child_main(send, fn: Callable[..., Any], args: tuple, kwargs: dict, settings: dict[str, Any]) -> None:
+    _die_with_parent()
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.addHandler(logging.handlers.QueueHandler(settings["log_queue"]))
+    for name, level in settings["log_levels"].items():
+        logging.getLogger(name or None).setLevel(level)
+    if settings.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(settings["torch_threads"])
+    try:
+        message: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        message = ("error", _portable(exc))
+    try:
+        send.send(message)
+    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
+        send.send(("error", RuntimeError(f"{fn.__name__}: its result could not be sent back: {exc!r}")))
+    finally:
+        send.close()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` with the child's traceback as a note, or a ``RuntimeError`` carrying its text when
+    ``exc`` does not survive pickling."""
+    import pickle
+
+    text = "".join(traceback.format_exception(exc))
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"in the child process:\n{text}")
+    copy.add_note(f"in the child process:\n{text}")
+    return copy
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process when its parent dies (a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
