@@ -359,8 +359,8 @@ def bench_rl_step(args) -> None:
             # the rollout's matrix products run in the precision the trainer resolves (bf16 autocast
             # where the CPU has bf16 instructions), so its share is of that precision's peak
             bf16 = resolve_bf16(config.bf16, resolve_device(config.device))
-            peak = matmul_peak_flops(dtype=torch.bfloat16 if bf16 else torch.float32)
-            fp32_peak = matmul_peak_flops() if bf16 else peak
+            peak = matmul_peak_flops(repeats=30, dtype=torch.bfloat16 if bf16 else torch.float32)
+            fp32_peak = matmul_peak_flops(repeats=30) if bf16 else peak
             with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work, _prefill_blocks(label != "one-prefill"):
                 result = train_native(config, model_path=path, samples=inputs["samples"],
                                       search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
