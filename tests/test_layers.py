@@ -31,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock"),
+    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "child_process"),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),
