@@ -75,5 +75,7 @@ def test_training_session_run_two_native_steps_per_method(kedro_project):
     assert grpo["reward.cost_free_steps"] == spader["reward.cost_free_steps"]  # shared settings: equal
     assert not any(k.startswith("train_") for k in parent.data.metrics)  # no method-prefixed metric names
     assert "warm_start/demonstrations" in parent.data.metrics
+    # the warm start ran in a child process: its loss curve reached the chain run by id
+    assert client.get_metric_history(parent.info.run_id, "warm_start/train/loss")
     samples = client.list_artifacts(children["spader"].info.run_id, "samples")
     assert [a.path.rsplit("/", 1)[-1] for a in samples] == ["step_000001.json", "step_000002.json"]
