@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 class ChildProcessDied(RuntimeError):
     """The child ended without sending a result or an exception (killed, or it crashed)."""
 
