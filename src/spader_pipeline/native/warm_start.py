@@ -69,13 +69,15 @@ def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.Dat
                params: Mapping[str, Any], template: str,
                on_log: Callable[[int, Mapping[str, float]], None] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Fine-tune the model at ``base_path`` on demonstrations into ``params.output_dir``; returns its
-    manifest and summary metrics (SFT summary, demonstration count, protocol check, seconds)."""
+    manifest and summary metrics (SFT summary, demonstration count, protocol check, seconds).
+    ``params.device`` places the model (``auto``, the default: CUDA when present, else the CPU)."""
     from spader_pipeline.agent.tokens import examples_from_dialogues
     from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.modeling.device import resolve_device
     from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
 
     started = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(base_path)
+    model, tokenizer = load_model_and_tokenizer(base_path, device=resolve_device(params.get("device")))
     conversations, source = demonstrations(verl_train, params, index_dir, template)
     examples = examples_from_dialogues(tokenizer, conversations, model_type=model.config.model_type,
                                        max_length=params.get("max_length"))
@@ -89,5 +91,5 @@ def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.Dat
     metrics.update(protocol_check(model, tokenizer, verl_validation, index_dir, params, template))
     metrics["total_seconds"] = time.perf_counter() - started
     manifest = {"path": str(out.resolve()), "source": "warm_start", "base": base_path, "demonstrations": source,
-                "warm_start": True}
+                "warm_start": True, "device": str(next(model.parameters()).device)}
     return manifest, metrics

@@ -1,0 +1,115 @@
+"""The portable run (a bundle, no Kedro or MLflow): warm start → RL per method → held-out records and
+summary, on the tiny model and the toy index. The CPU variant runs in CI; the ``gpu`` variant is the
+same run on CUDA (the GPU check machine, docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from native_toy import QUESTIONS, TEMPLATE
+
+from spader_pipeline.portable.bundle import export_bundle, read_settings
+from spader_pipeline.portable.run import run_bundle, summarise, with_overrides
+
+ROLLOUT = {"max_turns": 2, "max_response_tokens": 600, "topk": 2}
+
+
+def _settings() -> dict:
+    """Tiny settings in the bundle's layout (the Kedro blocks, as conf/test sizes them)."""
+    return {
+        "warm_start": {"enabled": True, "seed": 0, "max_demonstrations": None, "check_questions": 0,
+                       "scripted": {"query_style": "fixed", "max_searches": 1}, "rollout": ROLLOUT, "max_length": 512,
+                       "sft": {"max_steps": 2, "schedule_steps": None, "batch_tokens": 1024, "warmup_steps": 1,
+                               "log_every": 1, "bf16": False}},
+        "training": {"max_train_questions": None, "rollout": ROLLOUT,
+                     "reward": {"cost_free_steps": 0},
+                     "validation": {"every": 2, "before_train": True, "max_questions": 2},
+                     "native": {"total_steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 2,
+                                "max_new_tokens": 10, "rollout": ROLLOUT, "checkpoint_every": 1,
+                                "log_samples_every": 0, "bf16": False}},
+        "methods": {"grpo": {"method": "grpo", "reward": {"tool_round_cost": 0.0}, "options": {}},
+                    "spader": {"method": "spader", "reward": {"tool_round_cost": 0.01}, "options": {"gamma": 0.9}}},
+        "evaluation": {"sampling": {"temperature": 0.0, "max_new_tokens": 10}, "rollout": ROLLOUT, "batch_size": 3,
+                       "max_prompt_tokens": None},
+        "bootstrap": {"resamples": 100, "confidence": 0.95, "seed": 0},
+        "base_model": {"path": "base_model"},
+        "heldout": "toy_test",
+        "prompt_template": TEMPLATE,
+    }
+
+
+def _verl_frame() -> pd.DataFrame:
+    return pd.DataFrame([
+        {"prompt": [], "data_source": "embedded", "agent_name": "spader_search", "ability": "multi_answer_search",
+         "reward_model": {"style": "rule", "ground_truth": [list(e) for e in q["ground_truth"]]},
+         "extra_info": {"index": i, "id": q["id"], "split": "train", "question": q["question"]}}
+        for i, q in enumerate(QUESTIONS)
+    ])
+
+
+@pytest.fixture
+def bundle(tmp_path, native_model_dir, toy_index_dir):
+    heldout = pd.DataFrame([{**q, "data_source": "embedded", "split": "test"} for q in QUESTIONS])
+    return export_bundle(tmp_path / "bundle", _settings(), verl_train=_verl_frame(), verl_validation=_verl_frame(),
+                         heldout=heldout, index_dir=toy_index_dir, base_model_dir=native_model_dir)
+
+
+def _check_run(bundle, out, device: str) -> dict:
+    summary = run_bundle(bundle, out, device=device)
+    assert summary["failed_methods"] == {}
+    assert set(summary["models"]) == {"warm_start", "grpo", "spader"}
+    assert summary["steps"] == {"grpo": 2, "spader": 2} and summary["questions"] == len(QUESTIONS)
+    assert summary["environment"]["device"] == device
+    for method in ("grpo", "spader"):
+        entry = summary["models"][method]
+        assert entry["failed"] == 0 and set(entry["recall_minus_warm_start"]) >= {"mean", "low", "high"}
+        assert (out / f"train_{method}" / "final" / "config.json").is_file()
+    records = [json.loads(line) for line in (out / "heldout_records.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * len(QUESTIONS) and {r["model"] for r in records} == {"warm_start", "grpo", "spader"}
+    curves = json.loads((out / "curves.json").read_text())
+    # step 0 (the warm start's validation, shared), then steps 1 and 2, validated at step 2
+    assert [h["step"] for h in curves["grpo"]] == [0, 1, 2] and "val/embedded/recall" in curves["grpo"][2]
+    assert (out / "summary.md").read_text().startswith("| model |") and (out / "curves.png").stat().st_size > 0
+    return summary
+
+
+@pytest.mark.slow
+def test_a_bundle_runs_end_to_end_on_the_cpu(bundle, tmp_path):
+    assert read_settings(bundle)["base_model"] == {"path": "base_model"}
+    _check_run(bundle, tmp_path / "out", "cpu")
+
+
+@pytest.mark.gpu
+def test_a_bundle_runs_end_to_end_on_cuda(bundle, tmp_path):  # pragma: no cover - needs a GPU
+    assert torch.cuda.is_available()
+    _check_run(bundle, tmp_path / "out", "cuda")
+    log = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert log["environment"]["device_name"] == torch.cuda.get_device_name(0)
+
+
+def test_overrides_set_dotted_keys_and_reject_unknown_blocks():
+    settings = with_overrides(_settings(), {"training.native.total_steps": 5, "evaluation.batch_size": 1})
+    assert settings["training"]["native"]["total_steps"] == 5 and settings["evaluation"]["batch_size"] == 1
+    assert _settings()["training"]["native"]["total_steps"] == 2  # a copy
+    with pytest.raises(KeyError, match="no block 'nope'"):
+        with_overrides(_settings(), {"nope.x": 1})
+
+
+def test_summary_pairs_each_model_with_the_reference_question_by_question():
+    def rows(model, recalls, status="ok"):
+        return [{"model": model, "id": f"q{i}", "status": status, "recall": r, "f1": r, "num_searches": 1}
+                for i, r in enumerate(recalls)]
+
+    records = rows("warm_start", [0.0, 0.5, 1.0]) + rows("grpo", [0.5, 0.5, 1.0]) + rows("broken", [1.0, 1.0, 1.0], "failed")
+    summary = summarise(records, {"resamples": 200}, reference="warm_start")
+    grpo = summary["models"]["grpo"]
+    assert grpo["recall"]["mean"] == pytest.approx(2.0 / 3)
+    assert grpo["recall_minus_warm_start"]["mean"] == pytest.approx(0.5 / 3)
+    assert np.isclose(grpo["recall_minus_warm_start"]["low"], 0.0) or grpo["recall_minus_warm_start"]["low"] > 0
+    broken = summary["models"]["broken"]
+    assert broken["failed"] == 3 and broken["recall"]["mean"] == 0.0  # a failed question scores 0
+    assert "recall_minus_warm_start" not in summary["models"]["warm_start"]
