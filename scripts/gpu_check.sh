@@ -15,7 +15,7 @@
 set -uo pipefail
 STAGE=${1:?usage: gpu_check.sh STAGE [OUT]}
 OUT=${2:-${OUT:-/tmp/gpu_out}}
-RL_SECONDS=${RL_SECONDS:-110}
+RL_SECONDS=${RL_SECONDS:-100}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
 status=0
@@ -38,7 +38,7 @@ CUDA_TESTS="tests/modeling/test_modeling_attention.py tests/modeling/test_modeli
 # shellcheck disable=SC2086
 step gpu_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" $CUDA_TESTS 2>&1 | tee "$OUT/gpu_tests.log"
 
-step one_gpu timeout "${RUN_TIMEOUT:-480}" python3 -m spader_pipeline.portable run --bundle "$STAGE/bundle" \
+step one_gpu timeout "${RUN_TIMEOUT:-440}" python3 -m spader_pipeline.portable run --bundle "$STAGE/bundle" \
   --out /tmp/one_gpu --device cuda --rl-seconds "$RL_SECONDS" > "$OUT/one_gpu.log" 2>&1
 grep -v "Loading weights\|shards\|Continuous Token\|GGUF" "$OUT/one_gpu.log" | tail -n 40
 (cd /tmp/one_gpu 2>/dev/null && tar czf "$OUT/one_gpu.tar.gz" --ignore-failed-read summary.json summary.md curves.json \

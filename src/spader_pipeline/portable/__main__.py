@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                         stream=sys.stdout)
     if args.command == "export":
         path = export(args.env, args.out, args.methods.split(","), args.heldout, args.prepare, args.project)
-        print(f"bundle written to {path}")
+        print(f"bundle written to {path}")  # noqa: T201 - the command's output
         return
     from spader_pipeline.portable.run import run_bundle
 
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key] = yaml.safe_load(value)
     summary = run_bundle(args.bundle, args.out, device=args.device, methods=methods, rl_seconds=args.rl_seconds,
                          overrides=overrides, max_heldout=args.max_heldout)
-    print(json.dumps({k: summary[k] for k in ("models", "steps", "failed_methods", "seconds", "environment")},
-                     indent=1, default=float))
+    shown = {k: summary[k] for k in ("models", "steps", "failed_methods", "seconds", "environment")}
+    print(json.dumps(shown, indent=1, default=float))  # noqa: T201 - the command's output
     if summary["failed_methods"]:
         raise SystemExit(f"failed: {summary['failed_methods']}")
 

@@ -52,7 +52,6 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
             ``{"training.native.total_steps": 2}``), recorded in the summary.
         max_heldout: score only the first N held-out questions (smoke runs; ``None``: all).
     """
-    from spader_pipeline.data.formats import samples_from_verl
     from spader_pipeline.data.schema import frame_records
     from spader_pipeline.modeling.device import resolve_device
     from spader_pipeline.retrieval.settings import search_backend
