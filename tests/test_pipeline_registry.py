@@ -38,3 +38,18 @@ def test_evaluation_and_merge_use_no_dotted_names_outside_their_namespace(projec
             for dataset in [*node.inputs, *node.outputs]:
                 if "." in dataset and not dataset.startswith("params:"):
                     assert node.namespace and dataset.startswith(node.namespace + "."), (node.name, dataset)
+
+
+def test_a_train_method_pipeline_can_be_requested_by_name(project_root):
+    """``kedro run --pipeline train_spader`` and ``kedro registry describe train_spader`` ask Kedro
+    for that pipeline alone (``pipelines.set_requested``); it has no package of its own under
+    pipelines/, and is still found, with the packages it is combined with."""
+    bootstrap_project(project_root)
+    from kedro.framework.project import pipelines
+
+    try:
+        pipelines.set_requested(["train_spader", "merge"])
+        assert [n.name for n in pipelines["train_spader"].nodes] == ["train_spader.train_policy"]
+        assert "train_spader.merge_policy" in {n.name for n in pipelines["merge"].nodes}
+    finally:
+        pipelines.set_requested(None)

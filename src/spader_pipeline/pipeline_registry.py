@@ -2,9 +2,12 @@
 registered RL method gets its own ``train_<method>`` pipeline (the modular training pipeline under
 the method's namespace; its settings are the ``train_<method>`` block of parameters_training.yml)."""
 
-from kedro.framework.project import find_pipelines
+import importlib
+import pkgutil
+
 from kedro.pipeline import Pipeline
 
+from spader_pipeline import pipelines as pipeline_packages
 from spader_pipeline.algorithms.methods import method_names
 from spader_pipeline.pipelines.training import method_pipeline
 
@@ -14,8 +17,20 @@ from spader_pipeline.pipelines.training import method_pipeline
 DEFAULT_CHAIN = ("data_prep", "index_build", "base_model", "training", "merge", "evaluate", "report")
 
 
+def package_pipelines() -> dict[str, Pipeline]:
+    """``create_pipeline()`` of every package under ``pipelines/``, always all of them (an import
+    error raises). Kedro's ``find_pipelines`` imports only the packages named on the command line
+    (``kedro run --pipeline X``, ``kedro registry describe X``) and raises for a name without a
+    package, which every ``train_<method>`` pipeline is."""
+    return {
+        info.name: importlib.import_module(f"{pipeline_packages.__name__}.{info.name}").create_pipeline()
+        for info in pkgutil.iter_modules(pipeline_packages.__path__)
+        if info.ispkg
+    }
+
+
 def register_pipelines() -> dict[str, Pipeline]:
-    pipelines = find_pipelines(raise_errors=True)
+    pipelines = package_pipelines()
     for method in method_names():
         pipelines.setdefault(f"train_{method}", method_pipeline(method))
     pipelines["__default__"] = sum((pipelines[name] for name in DEFAULT_CHAIN if name in pipelines), Pipeline([]))

@@ -1,4 +1,6 @@
-"""VERL's FSDP merger on a real (single-rank) FSDP-format actor checkpoint of the tiny model."""
+"""VERL's FSDP merger on real FSDP actor checkpoints of the tiny model: one rank laid out by hand, and
+two ranks saved by verl's own checkpoint manager (what a node writes), merged by a real Kedro run of
+the ``merge`` pipeline."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import json
 
 import pytest
 import torch
+from fsdp_ranks import save_sharded_actor
+from kedro.framework.session import KedroSession
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spader_pipeline.launch.merge import merge_command, merge_fsdp_checkpoint
@@ -13,11 +17,15 @@ from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
 from spader_pipeline.pipelines.merge.nodes import merge_policy
 
 
-def _fsdp_actor(tmp_path):
-    """An actor directory laid out as VERL's FSDP checkpoint manager writes it (world size 1)."""
+def _tiny_model(path):
     spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                          intermediate_size=64, max_position_embeddings=256)
-    model_dir = build_base_model(["alpha beta gamma delta"] * 20, tmp_path / "hf", spec=spec, vocab_size=300, min_frequency=1)
+    return build_base_model(["alpha beta gamma delta"] * 20, path, spec=spec, vocab_size=300, min_frequency=1)
+
+
+def _fsdp_actor(tmp_path):
+    """An actor directory laid out as VERL's FSDP checkpoint manager writes it (world size 1)."""
+    model_dir = _tiny_model(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     actor = tmp_path / "global_step_2" / "actor"
     (actor / "huggingface").mkdir(parents=True)
@@ -51,3 +59,41 @@ def test_native_policies_pass_through_and_bad_dirs_are_explained(tmp_path):
     assert merge_policy(manifest, {})["path"] == "/x"
     with pytest.raises(FileNotFoundError, match="fsdp_config.json"):
         merge_fsdp_checkpoint(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_merge_through_the_merge_pipeline_into_the_unsharded_weights(kedro_project):
+    """What a node writes: 2 FSDP ranks (gloo on the CPU) save the actor with verl's own checkpoint
+    manager; a real ``kedro run --pipeline merge`` turns it into a Hugging Face folder whose weights
+    are the unsharded ones, bit for bit."""
+    model_dir = _tiny_model(kedro_project / "hf")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():  # weights that bf16 holds exactly: the merger writes bf16, so equality is exact
+        for tensor in model.state_dict().values():
+            tensor.copy_(tensor.to(torch.bfloat16).float())
+    model.save_pretrained(model_dir)
+    run = kedro_project / "data/06_models/train_spader"
+    actor = save_sharded_actor(model_dir, run / "checkpoints/global_step_2/actor", world_size=2)
+
+    assert json.loads((actor / "fsdp_config.json").read_text())["world_size"] == 2
+    shards = [torch.load(actor / f"model_world_size_2_rank_{rank}.pt", weights_only=False) for rank in (0, 1)]
+    weight = "model.layers.0.mlp.gate_proj.weight"  # each rank holds its half of every weight
+    assert [s[weight].to_local().shape[0] for s in shards] == [32, 32] and model.state_dict()[weight].shape[0] == 64
+    (run / "policy_manifest.json").write_text(json.dumps(
+        {"backend": "verl", "method": "spader", "checkpoint": str(actor.parent), "actor_dir": str(actor), "path": None}))
+    grpo = kedro_project / "data/06_models/train_grpo"  # the other default method: a native run, passed through
+    grpo.mkdir(parents=True)
+    (grpo / "policy_manifest.json").write_text(json.dumps({"backend": "native", "method": "grpo", "path": str(model_dir)}))
+
+    with KedroSession.create(project_path=kedro_project, env="test") as session:
+        session.run(pipeline_names=["merge"])
+
+    manifest = json.loads((run / "model_manifest.json").read_text())
+    merged_dir = kedro_project / "data/06_models/merged/train_spader"
+    assert manifest["merged"] and manifest["path"] == str(merged_dir.resolve())
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    unsharded = model.state_dict()
+    assert set(merged) == set(unsharded)
+    for name, tensor in unsharded.items():
+        assert torch.equal(merged[name], tensor), name
+    assert AutoTokenizer.from_pretrained(merged_dir).get_vocab() == AutoTokenizer.from_pretrained(model_dir).get_vocab()

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from kedro.config import OmegaConfigLoader
@@ -35,6 +36,11 @@ def params():
     return loader["parameters"]
 
 
+#: the node's verl_train / verl_validation datasets (what the launch writes for verl to read)
+DATA = {"train": pd.DataFrame({"data_source": ["embedded"], "prompt": [[{"role": "user", "content": "q?"}]]}),
+        "validation": pd.DataFrame({"data_source": ["embedded"], "prompt": [[{"role": "user", "content": "v?"}]]})}
+
+
 def _checkpoint(path: Path, model_type: str = "qwen3") -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -48,13 +54,13 @@ def launch(params, tmp_path, monkeypatch):
     # a Llama checkpoint: the composed command then also proves the llama3_8b schedule group composes
     return build_launch({"path": str(_checkpoint(tmp_path / "warm", "llama"))}, params["train_spader"]["method"], training,
                         tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db",
-                        run_id="abc123")
+                        run_id="abc123", **DATA)
 
 
 def _launch(params, tmp_path, *, model_type="qwen3", url="http://127.0.0.1:8123", **verl):
     training = {**params["training"], "verl": {**params["training"]["verl"], **verl}}
     return build_launch({"path": str(_checkpoint(tmp_path / "warm", model_type))}, params["train_spader"]["method"],
-                        training, tmp_path / "run", retrieval_url=url)
+                        training, tmp_path / "run", retrieval_url=url, **DATA)
 
 
 def test_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, monkeypatch):

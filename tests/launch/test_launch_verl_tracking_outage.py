@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import mlflow
+import pandas as pd
 import pytest
 from kedro.config import OmegaConfigLoader
 from mlflow_server import StoppableServer, short_client_retries
@@ -30,6 +31,7 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
 
     monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
     params = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="base")["parameters"]
+    frame = pd.DataFrame({"data_source": ["embedded"]})  # the node's verl_train / verl_validation
     (tmp_path / "warm").mkdir()
     (tmp_path / "warm" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with StoppableServer(tmp_path / "mlflow") as server:
@@ -37,7 +39,7 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
         run_id = client.create_run(client.create_experiment("verl-outage")).info.run_id
         launch = build_launch({"path": str(tmp_path / "warm")}, params["train_spader"]["method"], params["training"],
                               tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri=server.url,
-                              run_id=run_id)
+                              run_id=run_id, train=frame, validation=frame)
         assert "mlflow" not in launch.extra["params"]["logger"]
         for key in ("VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV, "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
             monkeypatch.setenv(key, launch.env[key])  # verl's process, here in this one

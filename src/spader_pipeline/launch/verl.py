@@ -9,16 +9,19 @@ What the launch does, in order:
    ``nnodes > 1`` the URL they get must not be loopback: bind the started service with
    ``retrieval.bind_host`` (e.g. ``0.0.0.0``) and give the address the other nodes reach it at in
    ``retrieval.advertised_host``, or pass an external ``retrieval.url``;
-2. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (``conf/base/verl/method.yaml``
+2. writes the node's ``verl_train``/``verl_validation`` datasets to ``<run_dir>/data/`` (unless
+   ``training.verl.train_files``/``val_files`` name files), so verl reads the catalog's data wherever
+   ``data_root`` puts it;
+3. composes the command with :func:`~spader_pipeline.launch.overrides.main_ppo_argv` (``conf/base/verl/method.yaml``
    with ``spader_method=<method>``, whose settings come from the method registry, plus the
    overrides generated from Kedro parameters);
-3. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
+4. sets the environment: ``VERL_USE_EXTERNAL_MODULES=spader_pipeline.verl_plugin`` (our estimators,
    reward manager and agent loop register in every Ray process), ``MLFLOW_TRACKING_URI`` and
    ``MLFLOW_RUN_ID`` of the Kedro run (VERL's MLflow tracker joins it), ``RAY_ADDRESS`` for an
    existing cluster. The same variables are forwarded to every Ray worker through
    ``ray_kwargs.ray_init.runtime_env.env_vars`` (workers of a pre-started cluster do not inherit
    the launching shell's environment);
-4. streams VERL's output to the log and to ``<run_dir>/verl.log``; a non-zero exit raises
+5. streams VERL's output to the log and to ``<run_dir>/verl.log``; a non-zero exit raises
    :class:`VerlLaunchError` carrying the last lines, so the node (and the Kedro run) fails with them.
 
 Only :func:`launch_verl_training` needs a GPU; :func:`build_launch` is pure and tested on CPU.
@@ -38,7 +41,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -48,6 +51,9 @@ from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_sett
 from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, active_run_writer, follow_jsonl
 from spader_pipeline.typed_config import from_mapping, method_settings
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 logger = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
@@ -55,6 +61,8 @@ DEFAULT_CONFIG_DIR = Path("conf/base/verl")
 
 #: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
+#: the parquet files of a launch (``training.verl`` settings and ``build_overrides`` keys)
+DATA_KEYS = ("train_files", "val_files")
 #: environment variables of the launch that every Ray worker needs too
 FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_HUB_OFFLINE",
                  "TOKENIZERS_PARALLELISM", "VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV)
@@ -80,8 +88,11 @@ class VerlSettings:
     total_training_steps: int | None = None
     logger: Sequence[str] = ("console", "mlflow")
     """verl's trackers"""
-    train_files: str = "data/05_model_input/verl/train.parquet"
-    val_files: str = "data/05_model_input/verl/validation.parquet"
+    train_files: str | None = None
+    """a parquet file verl trains on; ``None``: the node's ``verl_train`` dataset (the catalog's, so
+    under ``data_root``), written to ``<run_dir>/data/train.parquet``"""
+    val_files: str | None = None
+    """the validation parquet; ``None``: the node's ``verl_validation`` dataset, as for ``train_files``"""
     config_dir: str = str(DEFAULT_CONFIG_DIR)
     """folder of the Hydra configs (``method.yaml``), ``agent_loops.yaml`` and ``tool_config/``"""
     timeout: float | None = None
@@ -110,18 +121,26 @@ def verl_parameters(
     run_dir: str | Path,
     *,
     tool_config_path: str | Path | None = None,
+    data_files: Mapping[str, str | Path] | None = None,
 ) -> dict[str, Any]:
     """The parameter dict of :func:`~spader_pipeline.launch.overrides.build_overrides` for one method.
 
     ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
     ``training.reward`` the shared reward settings (the same ones the native trainer uses).
+    ``data_files`` (``train_files``, ``val_files``; :func:`data_files`) default to
+    ``training.verl.train_files``/``val_files``, which must then be set.
     """
     verl = verl_settings(training)
+    files = dict(data_files or {})
+    for key in DATA_KEYS:
+        files.setdefault(key, getattr(verl, key))
+        if not files[key]:
+            raise ValueError(f"no {key} for verl: set training.verl.{key} or pass the node's dataset")
     params: dict[str, Any] = {
         "method": method["method"],
         "model_path": str(Path(init_manifest["path"]).resolve()),
-        "train_files": str(Path(verl.train_files).resolve()),
-        "val_files": str(Path(verl.val_files).resolve()),
+        "train_files": str(Path(files["train_files"]).resolve()),
+        "val_files": str(Path(files["val_files"]).resolve()),
         "n_gpus_per_node": int(verl.n_gpus_per_node),
         "nnodes": int(verl.nnodes),
         "run_dir": str(Path(run_dir).resolve()),
@@ -140,6 +159,34 @@ def verl_parameters(
         params["tool_config_path"] = str(Path(tool_config_path).resolve())
     params["agent_loop_config_path"] = str((Path(verl.config_dir) / "agent_loops.yaml").resolve())
     return params
+
+
+def data_files(
+    verl: VerlSettings, run_dir: str | Path, train: pd.DataFrame | None = None, validation: pd.DataFrame | None = None
+) -> dict[str, str]:
+    """The parquet files verl reads, as ``{"train_files", "val_files"}``.
+
+    A configured ``training.verl.train_files``/``val_files`` must exist; otherwise the node's dataset
+    (``verl_train``/``verl_validation``, from the catalog, so wherever ``data_root`` puts it) is
+    written to ``<run_dir>/data/<split>.parquet``, which every node of the cluster reads like the
+    checkpoints. Neither: an error naming the setting.
+    """
+    out: dict[str, str] = {}
+    for key, frame, split in (("train_files", train, "train"), ("val_files", validation, "validation")):
+        configured = getattr(verl, key)
+        if configured:
+            path = Path(configured)
+            if not path.is_file():
+                raise FileNotFoundError(f"training.verl.{key}={configured} does not exist (null: the catalog's "
+                                        f"verl_{split} dataset, written by data_prep)")
+        elif frame is not None:
+            path = Path(run_dir) / "data" / f"{split}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_parquet(path, index=False)
+        else:
+            raise ValueError(f"training.verl.{key} is null and no verl_{split} dataset was given to the launch")
+        out[key] = str(path.resolve())
+    return out
 
 
 def verl_settings(training: Mapping[str, Any]) -> VerlSettings:
@@ -236,15 +283,20 @@ def build_launch(
     tracking_uri: str | None = None,
     run_id: str | None = None,
     python: str | None = None,
+    train: pd.DataFrame | None = None,
+    validation: pd.DataFrame | None = None,
 ) -> Launch:
-    """Compose the VERL launch for one method (pure apart from writing the tool config copy)."""
+    """Compose the VERL launch for one method (pure apart from writing the run's tool config copy
+    and, when ``training.verl`` names no files, ``train``/``validation`` as parquet: :func:`data_files`)."""
     verl = verl_settings(training)
     check_worker_url(retrieval_url, verl.nnodes)
     config_dir = Path(verl.config_dir)
     run_dir = Path(run_dir)
+    files = data_files(verl, run_dir, train, validation)
     tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url,
                                     run_dir / "search_tool.yaml", verl.retrieval)
-    params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config)
+    params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config,
+                             data_files=files)
     ray_address = verl.ray_address
     if ray_address:
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
@@ -331,10 +383,15 @@ def launch_verl_training(
     method: Mapping[str, Any],
     training: Mapping[str, Any],
     run_dir: str | Path,
+    *,
+    train: pd.DataFrame | None = None,
+    validation: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """Run one VERL training to completion (GPU); return a manifest of its checkpoints.
 
-    VERL logs into the active MLflow run (the Kedro run) when there is one.
+    ``train``/``validation`` are the node's ``verl_train``/``verl_validation`` datasets, what verl
+    reads unless ``training.verl`` names files (:func:`data_files`). VERL logs into the active MLflow
+    run (the Kedro run) when there is one.
     """
     import mlflow
 
@@ -344,7 +401,7 @@ def launch_verl_training(
         launch = build_launch(
             init_manifest, method, training, run_dir, retrieval_url=url,
             tracking_uri=mlflow.get_tracking_uri() if active else None,
-            run_id=active.info.run_id if active else None,
+            run_id=active.info.run_id if active else None, train=train, validation=validation,
         )
         logger.info("launching VERL: %s", " ".join(launch.argv))
         files = launch.extra["metrics_files"]

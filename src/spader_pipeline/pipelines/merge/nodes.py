@@ -22,7 +22,9 @@ def merge_policy(policy_manifest: Mapping[str, Any], params: Mapping[str, Any]) 
     if policy_manifest.get("backend") != "verl":
         logger.info("%s: native checkpoint is already a Hugging Face directory", policy_manifest.get("method"))
         return {**policy_manifest, "merged": False}
-    target = Path(params.get("output_dir", "data/06_models/merged")) / f"train_{policy_manifest['method']}"
+    if not params.get("output_dir"):  # no project-relative default: the folder must follow data_root
+        raise ValueError("merge.output_dir is not set (conf/base/parameters_merge.yml: ${globals:data_root}/06_models/merged)")
+    target = Path(params["output_dir"]) / f"train_{policy_manifest['method']}"
     path = merge_fsdp_checkpoint(policy_manifest["actor_dir"], target, timeout=params.get("timeout"))
     manifest = {**policy_manifest, "path": str(path.resolve()), "merged": True}
     if policy_manifest.get("mlflow_run_id"):  # the merged folder is the training run's MLflow model

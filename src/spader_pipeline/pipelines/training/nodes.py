@@ -141,7 +141,8 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
     if training.get("backend", "native") == "verl":
         from spader_pipeline.launch.verl import launch_verl_training
 
-        return launch_verl_training(init_manifest, index_manifest, method, training, run_dir), []
+        return launch_verl_training(init_manifest, index_manifest, method, training, run_dir,
+                                    train=verl_train, validation=verl_validation), []
 
     train = in_child_process(_train_native, enabled=training.get("subprocess", True), name=f"train_{name}")
     return train(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
