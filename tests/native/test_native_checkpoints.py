@@ -20,6 +20,7 @@ from spader_pipeline.native.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
     CheckpointError,
+    SettingsChanged,
     list_checkpoints,
     load_trainer_state,
     prune_checkpoints,
@@ -142,3 +143,16 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_nothing_runs(two_che
     with pytest.raises(CheckpointError, match=STATE_FILE):
         start_run(tiny_config(), native_model_dir, two_checkpoints)
     assert not marker.exists()
+
+
+def test_checkpoints_that_do_not_record_their_settings_stop_a_run_of_other_settings(two_checkpoints,
+                                                                                   native_model_dir, tiny_config):
+    """Checkpoints of an earlier version (a fingerprint, no settings): the changes cannot be listed,
+    the run still stops and deletes nothing."""
+    from spader_pipeline.native.trainer import start_run
+
+    with pytest.raises(SettingsChanged, match="do not record their settings") as stopped:
+        start_run(tiny_config(bf16=False), native_model_dir, two_checkpoints)
+    assert stopped.value.changes is None and "resume: false" in str(stopped.value)
+    assert [s for s, _ in list_checkpoints(two_checkpoints)] == [1, 2]
+    assert not (two_checkpoints / "config.json").exists()  # stopped before writing anything

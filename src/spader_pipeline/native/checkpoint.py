@@ -12,6 +12,11 @@ leaves a half-written checkpoint that looks complete. Resume takes the newest ch
 files match its manifest (:func:`select_checkpoint`); damaged ones are moved aside as
 ``step_XXXXXX.corrupt``. The trainer state loads with ``weights_only=True``: no code runs when a
 checkpoint is read, wherever it came from (docs/reliability.md).
+
+A checkpoint records the settings its run was started with. A run whose settings or start model
+differ does not resume from it and does not delete it: it stops with :class:`SettingsChanged`,
+which lists each change; an explicit fresh start moves the checkpoints aside with the run's config
+(:func:`supersede_checkpoints`). Nothing here deletes a run's progress silently.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import pickle
 import random
 import re
 import shutil
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +154,8 @@ def select_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
         raise CheckpointError(
             f"no checkpoint under {Path(run_dir) / 'checkpoints'} verifies, so the run cannot resume:\n  "
             + "\n  ".join(failures)
-            + "\nDelete that folder (or set resume: false) to start the run afresh."
+            + "\nTo start the run afresh, set resume: false (the checkpoints then move aside, "
+            "checkpoints.superseded-<time>/) or point run_dir at a new folder."
         )
     return None
 
@@ -158,6 +166,102 @@ def _move_aside(path: Path) -> Path:
     while aside.exists():
         aside, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
     os.replace(path, aside)
+    return aside
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints of other settings: stop with the changes, or move them aside on a fresh start
+# ----------------------------------------------------------------------------------------------
+
+NOT_SET = "(not set)"
+"""the value shown for a setting one side of a comparison does not have"""
+
+WAYS_ON = (
+    "train into a new folder: set run_dir elsewhere (these checkpoints stay where they are)",
+    "start afresh here: set resume: false (the checkpoints then move to checkpoints.superseded-<time>/ beside "
+    "them, with the run's config.json and metrics.jsonl)",
+)
+"""the two ways on after :class:`SettingsChanged` with the new settings, in the trainer's own terms"""
+
+
+class SettingsChanged(CheckpointError):
+    """The run's checkpoints were written with other settings or another start model.
+
+    The run stops before anything is loaded or written; the checkpoints stay as they are. ``changes``
+    lists ``(setting, checkpoint's value, this run's value)``, or is ``None`` when the checkpoint does
+    not record its settings (written by an older version). ``ways_on`` says how to go on with the new
+    settings, in the terms of whoever started the run (:meth:`with_ways_on`).
+    """
+
+    def __init__(self, run_dir: str | Path, step: int, changes: list[tuple[str, Any, Any]] | None,
+                 ways_on: Sequence[str] = WAYS_ON) -> None:
+        self.run_dir, self.step, self.changes, self.ways_on = Path(run_dir), step, changes, tuple(ways_on)
+        super().__init__(self._message())
+
+    def __reduce__(self):  # pickled whole: it crosses process boundaries (child_process)
+        return type(self), (self.run_dir, self.step, self.changes, self.ways_on)
+
+    def with_ways_on(self, ways_on: Sequence[str]) -> SettingsChanged:
+        """The same error with other words for the ways on."""
+        return type(self)(self.run_dir, self.step, self.changes, ways_on)
+
+    def _message(self) -> str:
+        where = f"the checkpoints in {self.run_dir / 'checkpoints'} (newest: step {self.step})"
+        if self.changes is None:
+            what = (f"{where} were written by another configuration or start model; they do not record their "
+                    "settings, so the changes cannot be listed")
+        else:
+            lines = "".join(f"\n  {key}: {_shown(old)} -> {_shown(new)}" for key, old, new in self.changes)
+            what = f"{where} were written with other settings (setting: checkpoint's -> this run's):{lines}"
+            if any(key == "start_weights" for key, _, _ in self.changes):
+                what += ("\n(start_weights: the start model's weights files, [name, bytes, modification time]: "
+                         "written again, e.g. by a warm start that ran again)")
+        ways = "".join(f"\n  - {way}, or" for way in self.ways_on)[: -len(", or")]
+        return (f"{what}\nThe run did not start and nothing was deleted. To go on, either\n"
+                f"  - restore the settings they were written with, to resume from them, or{ways}.")
+
+
+def _shown(value: Any) -> str:
+    return value if value == NOT_SET else json.dumps(value, default=str)
+
+
+def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, old value, new value)`` for each setting that differs, sorted by key.
+
+    Nested mappings are compared key by key under dotted names (``reward.alpha``); a key only one
+    side has shows :data:`NOT_SET` on the other.
+    """
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, NOT_SET), new.get(key, NOT_SET)
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            changes += [(f"{key}.{sub}", b, a) for sub, b, a in settings_changes(before, after)]
+        elif before != after:
+            changes.append((key, before, after))
+    return changes
+
+
+def supersede_checkpoints(run_dir: str | Path, *, with_files: Sequence[str] = ()) -> Path | None:
+    """Move ``<run_dir>/checkpoints`` aside as ``checkpoints.superseded-<UTC time>``, intact.
+
+    The files ``with_files`` of ``run_dir`` (the run's config and history) are copied into it first,
+    then the folder is renamed in one step: a crash leaves the checkpoints either in place or moved
+    whole. Returns the new folder, or ``None`` when there was nothing to move.
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if not root.is_dir() or not any(root.iterdir()):
+        return None
+    for name in with_files:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, root / name)
+            _fsync(root / name)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside, n = run_dir / f"checkpoints.superseded-{stamp}", 1
+    while aside.exists():
+        aside, n = run_dir / f"checkpoints.superseded-{stamp}-{n}", n + 1
+    os.replace(root, aside)
+    _fsync(run_dir)
     return aside
 
 

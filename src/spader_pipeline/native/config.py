@@ -124,7 +124,10 @@ class NativeTrainerConfig:
     keep_checkpoints: int = 2
     """most recent checkpoints kept on disk"""
     resume: bool = True
-    """continue from the latest checkpoint in the output directory if there is one"""
+    """continue from the newest checkpoint in the output directory if there is one; when it was
+    written with other settings or another start model the run stops and lists them. ``false``:
+    start afresh, the output directory's checkpoints moved aside whole (never deleted) to
+    ``checkpoints.superseded-<time>/`` with their run's config (docs/reliability.md)"""
     log_samples_every: int = 25
     """write sample trajectories as an MLflow artifact every this many steps (0 = never)"""
     num_samples_logged: int = 4

@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import random
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,14 +45,23 @@ from spader_pipeline.native.batch import (
     compute_advantages,
 )
 from spader_pipeline.native.checkpoint import (
+    SettingsChanged,
     load_trainer_state,
     save_checkpoint,
     select_checkpoint,
     set_rng_state,
+    settings_changes,
+    supersede_checkpoints,
 )
 from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.metrics import mechanism_metrics, step_metrics
-from spader_pipeline.native.records import append_history, read_history, write_history, write_samples
+from spader_pipeline.native.records import (
+    append_history,
+    history_path,
+    read_history,
+    write_history,
+    write_samples,
+)
 from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
 from spader_pipeline.native.validation import validate_policy, validation_identity, weights_stamp
 
@@ -79,7 +87,8 @@ class RunState:
 
     config: NativeTrainerConfig
     run_dir: Path
-    fingerprint: str
+    settings: dict[str, Any]
+    """what the run's checkpoints record and a resume must match (:func:`run_settings`)"""
     model: Any
     tokenizer: Any
     reference: Any
@@ -95,6 +104,10 @@ class RunState:
     """first trained block when the update starts from the rollout's states (``reuse_rollout_states``)"""
     reference_shares_boundary: bool = False
     """the reference's frozen blocks equal the policy's: its pass starts from the same states"""
+
+    @property
+    def fingerprint(self) -> str:
+        return settings_fingerprint(self.settings)
 
 
 @dataclass
@@ -185,19 +198,20 @@ def train_native(
 
 
 def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path) -> RunState:
-    """Seed, then load the policy (from the last checkpoint when resuming), its reference and optimiser."""
+    """Seed, then load the policy (from the last checkpoint when resuming), its reference and optimiser.
+
+    Checkpoints of other settings or another start model are never deleted: with ``resume`` the run
+    stops with :class:`~spader_pipeline.native.checkpoint.SettingsChanged` naming each change; without
+    it they move aside whole (``checkpoints.superseded-<time>/``, with the run's config and history).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
+    settings = run_settings(config, model_path)
+    resume = _checkpoint_to_resume(config, settings, run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
-    fingerprint = _fingerprint(config, model_path)
-    resume = select_checkpoint(run_dir) if config.resume else None  # newest that verifies; docs/reliability.md
-    if resume and load_trainer_state(resume[1])["extra"].get("fingerprint") != fingerprint:
-        logger.warning("checkpoints in %s belong to another configuration or start model; starting afresh", run_dir)
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        resume = None
     model, tokenizer = load_model_and_tokenizer(resume[1] if resume else model_path, device=device)
     trainable = train_top_layers(model, config.trainable_layers)
     bf16 = resolve_bf16(config.bf16, device, model)
@@ -209,7 +223,7 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
                                   weight_decay=config.weight_decay)
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    run = RunState(config, run_dir, fingerprint, model, tokenizer, reference, trainable, optimizer, scheduler,
+    run = RunState(config, run_dir, settings, model, tokenizer, reference, trainable, optimizer, scheduler,
                    actor_config(config), bf16, history=[], start_step=0, resumed_from=resume[0] if resume else None)
     run.boundary_block = _boundary_block(config, model)
     run.reference_shares_boundary = bool(
@@ -218,6 +232,28 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
         _restore(run, resume[1])
     write_history(run_dir, run.history)
     return run
+
+
+def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any], run_dir: Path) -> tuple[int, Path] | None:
+    """``(step, path)`` of the checkpoint this run continues from, or ``None`` for a fresh start.
+
+    ``resume``: the newest checkpoint that verifies (docs/reliability.md), if it was written with
+    these ``settings``; otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints
+    move aside first, so the new run neither mixes with nor prunes them.
+    """
+    if not config.resume:
+        aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
+        if aside is not None:
+            logger.warning("resume: false: the earlier checkpoints of %s moved to %s", run_dir, aside)
+        return None
+    found = select_checkpoint(run_dir)
+    if found is None:
+        return None
+    extra = load_trainer_state(found[1])["extra"]
+    if extra.get("fingerprint") == settings_fingerprint(settings):
+        return found
+    recorded = extra.get("settings")
+    raise SettingsChanged(run_dir, found[0], settings_changes(recorded, settings) if recorded is not None else None)
 
 
 def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
@@ -345,7 +381,8 @@ def checkpoint(run: RunState, step: int, out_of_time: bool) -> None:
     config = run.config
     if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == config.total_steps or out_of_time:
         save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.optimizer, run.scheduler,
-                        extra={"method": config.method, "fingerprint": run.fingerprint}, keep=config.keep_checkpoints)
+                        extra={"method": config.method, "fingerprint": run.fingerprint, "settings": run.settings},
+                        keep=config.keep_checkpoints)
 
 
 def finish_run(run: RunState, step: int, out_of_time: bool) -> TrainResult:
@@ -364,13 +401,27 @@ def finish_run(run: RunState, step: int, out_of_time: bool) -> TrainResult:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fingerprint(config: NativeTrainerConfig, model_path: str | Path) -> str:
-    """Identity of a run for resume: the settings that shape its trajectory and the start weights."""
-    settings = {k: v for k, v in config.to_dict().items()
-                if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
-                             "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
-    blob = json.dumps([settings, str(Path(model_path).resolve()), weights_stamp(model_path)], sort_keys=True,
-                      default=str)
+_START = ("start_model", "start_weights")
+
+
+def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[str, Any]:
+    """Identity of a run for resume, as JSON values: the settings that shape its trajectory, the start
+    model's path (``start_model``) and its weights files' names, sizes and times (``start_weights``).
+
+    Settings that only schedule, pace or place a run (steps, budget, checkpointing, logging, device,
+    ``reuse_rollout_states``) are left out: a run may resume with other values of these.
+    """
+    trajectory = {k: v for k, v in config.to_dict().items()
+                  if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
+                               "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
+    start = {"start_model": str(Path(model_path).resolve()), "start_weights": weights_stamp(model_path)}
+    return json.loads(json.dumps({**trajectory, **start}, default=str))
+
+
+def settings_fingerprint(settings: Mapping[str, Any]) -> str:
+    """Short hash of :func:`run_settings` (the one checkpoints of earlier versions record)."""
+    trajectory = {k: v for k, v in settings.items() if k not in _START}
+    blob = json.dumps([trajectory, *(settings[k] for k in _START)], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -16,6 +16,7 @@ from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.child_process import in_child_process
 from spader_pipeline.data.formats import samples_from_verl
+from spader_pipeline.native.checkpoint import SettingsChanged
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.tracking_buffer import active_run_target, run_writer
 from spader_pipeline.typed_config import from_mapping, method_settings
@@ -145,8 +146,19 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
                                     train=verl_train, validation=verl_validation), []
 
     train = in_child_process(_train_native, enabled=training.get("subprocess", True), name=f"train_{name}")
-    return train(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
-                 verl_validation, warm_start_validation, active_run_target())
+    try:
+        return train(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
+                     verl_validation, warm_start_validation, active_run_target())
+    except SettingsChanged as changed:  # the trainer's error, with the ways on in Kedro's terms
+        raise changed.with_ways_on(_ways_on(run_dir)) from None
+
+
+def _ways_on(run_dir: Path) -> tuple[str, str]:
+    """How to go on with new settings when ``run_dir``'s checkpoints were written with others."""
+    return (f"train into a new folder: set training.output_dir elsewhere (runs go to <output_dir>/{run_dir.name}; "
+            "compare cells: compare.output_dir)",
+            "start afresh here: `--params training.native.resume=false` (the checkpoints then move to "
+            f"{run_dir}/checkpoints.superseded-<time>/ with the run's config.json and metrics.jsonl)")
 
 
 def _train_native(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
