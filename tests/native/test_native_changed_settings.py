@@ -140,3 +140,24 @@ def test_the_training_node_stops_with_the_changes_and_the_ways_on_in_kedro_terms
     assert "learning_rate: 0.0001 -> 0.0003" in message
     assert "training.output_dir" in message and "--params training.native.resume=false" in message
     assert _snapshot(stopped_run / "checkpoints") == before
+
+
+def test_a_start_model_written_again_moves_the_checkpoints_aside_and_starts_afresh(native_model_dir, toy_index_dir,
+                                                                                   tmp_path):
+    """A second ``make run`` trains the warm start again in place: same settings, new weights files.
+    The old checkpoints continue a model that is gone, so they move aside (not a stop, not a delete)."""
+    import shutil
+    import time
+
+    start = tmp_path / "start_model"
+    shutil.copytree(native_model_dir, start)
+    run_dir = tmp_path / "rewritten" / "train_spader"
+    _train(run_dir, toy_index_dir, start, _training(), stop_after=2)
+    before = _snapshot(run_dir / "checkpoints")
+    time.sleep(0.01)
+    for weights in start.glob("*.safetensors"):  # written again: same bytes, a new modification time
+        weights.write_bytes(weights.read_bytes())
+    result = _train(run_dir, toy_index_dir, start, _training(total_steps=1))
+    assert result.resumed_from is None and result.steps == 1
+    [aside] = list(run_dir.glob("checkpoints.superseded-*"))
+    assert _snapshot(aside) == before and (aside / "config.json").is_file()

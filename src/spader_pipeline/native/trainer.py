@@ -201,8 +201,9 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     """Seed, then load the policy (from the last checkpoint when resuming), its reference and optimiser.
 
     Checkpoints of other settings or another start model are never deleted: with ``resume`` the run
-    stops with :class:`~spader_pipeline.native.checkpoint.SettingsChanged` naming each change; without
-    it they move aside whole (``checkpoints.superseded-<time>/``, with the run's config and history).
+    stops with :class:`~spader_pipeline.native.checkpoint.SettingsChanged` naming each changed setting;
+    without it, or when only the start model was written again, they move aside whole
+    (``checkpoints.superseded-<time>/``, with the run's config and history).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = run_settings(config, model_path)
@@ -238,8 +239,9 @@ def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any],
     """``(step, path)`` of the checkpoint this run continues from, or ``None`` for a fresh start.
 
     ``resume``: the newest checkpoint that verifies (docs/reliability.md), if it was written with
-    these ``settings``; otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints
-    move aside first, so the new run neither mixes with nor prunes them.
+    these ``settings``; if only the start model differs, ``None`` after moving the checkpoints aside;
+    otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints move aside first, so the
+    new run neither mixes with nor prunes them.
     """
     if not config.resume:
         aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
@@ -253,7 +255,15 @@ def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any],
     if extra.get("fingerprint") == settings_fingerprint(settings):
         return found
     recorded = extra.get("settings")
-    raise SettingsChanged(run_dir, found[0], settings_changes(recorded, settings) if recorded is not None else None)
+    changes = settings_changes(recorded, settings) if recorded is not None else None
+    if changes and all(key.split(".")[0] in _START for key, _, _ in changes):
+        # Same settings, but the start model was written again (a rerun of the chain trains the warm
+        # start anew): the checkpoints continue a model that is gone, so they move aside, whole.
+        aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
+        logger.warning("the start model %s was written again since the checkpoints of %s; they moved to %s "
+                       "and the run starts afresh", settings["start_model"], run_dir, aside)
+        return None
+    raise SettingsChanged(run_dir, found[0], changes)
 
 
 def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
