@@ -78,11 +78,33 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
     records: list[dict[str, Any]] = []
     curves: dict[str, list[dict[str, float]]] = {}
     failures: dict[str, str] = {}
+    start_validation: dict[str, Any] = {}
+
+    def report() -> dict[str, Any]:
+        """Write the outputs as they stand (after each evaluation, so a run cut short keeps them)."""
+        summary = summarise(records, settings["bootstrap"], reference=REFERENCE)
+        summary.update({
+            "bundle": str(bundle), "heldout": settings["heldout"], "questions": len(heldout), "methods": methods,
+            "steps": {m: max((h.get("step", 0) for h in history), default=0) for m, history in curves.items()},
+            "failed_methods": failures, "trajectories_per_step": _trajectories_per_step(settings),
+            "warm_start": warm_start_metrics, "seconds": timings, "environment": environment(device),
+            "overrides": dict(overrides or {}), "rl_seconds": rl_seconds,
+        })
+        with (out / "heldout_records.jsonl").open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, default=str) + "\n")
+        (out / "curves.json").write_text(json.dumps(curves, indent=1, default=float))
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        (out / "summary.md").write_text(summary_markdown(summary))
+        plot_curves(curves, start_validation.get("metrics", {}), out / "curves.png")
+        return summary
+
     with search_backend({"mode": "local"}, index_dir, where="portable.search") as search:
         with clock("validate_warm_start"):
             start_validation = _start_validation(warm_start_dir, validation_frame, search, settings, template, device)
         with clock(f"evaluate_{REFERENCE}"):
             records += _evaluate(REFERENCE, warm_start_dir, heldout, search, settings, template, device)
+        report()
         for method in methods:
             try:  # one method's failure is reported, and the others still run
                 with clock(f"train_{method}"):
@@ -95,23 +117,8 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
                 logger.exception("method %s failed", method)
                 failures[method] = f"{type(err).__name__}: {err}"
                 _free(device)
-
-    with (out / "heldout_records.jsonl").open("w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, default=str) + "\n")
-    summary = summarise(records, settings["bootstrap"], reference=REFERENCE)
-    summary.update({
-        "bundle": str(bundle), "heldout": settings["heldout"], "questions": len(heldout), "methods": methods,
-        "steps": {m: max((h.get("step", 0) for h in history), default=0) for m, history in curves.items()},
-        "failed_methods": failures,
-        "trajectories_per_step": _trajectories_per_step(settings),
-        "warm_start": warm_start_metrics, "seconds": timings, "environment": environment(device),
-        "overrides": dict(overrides or {}), "rl_seconds": rl_seconds,
-    })
-    (out / "curves.json").write_text(json.dumps(curves, indent=1, default=float))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    (out / "summary.md").write_text(summary_markdown(summary))
-    plot_curves(curves, start_validation.get("metrics", {}), out / "curves.png")
+            report()
+    summary = report()
     return summary
 
 
