@@ -12,8 +12,9 @@ The order below is the one place it is written. Why each layer sits where it doe
 * ``data``: dataset readers and the VERL parquet rows, which carry the agent's rendered prompt;
 * drivers of the agent: the native trainer, the verl plugin (everything verl calls) and the
   evaluator; they are independent of each other;
-* ``launch``: builds and starts verl runs (command line, environment, retrieval service); and
-  ``tracking`` (MLflow);
+* ``launch``: builds and starts verl runs (command line, environment, retrieval service);
+  ``tracking`` (MLflow); and ``portable``, a whole experiment run from a bundle without Kedro or
+  MLflow, over the native trainer and the evaluator;
 * the Kedro shell: ``pipelines`` (thin nodes) and ``hooks``; then Kedro's entry points.
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
@@ -37,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent",),
     ("data",),
     ("native", "verl_plugin", "evaluation"),
-    ("launch", "tracking"),
+    ("launch", "tracking", "portable"),
     ("pipelines", "hooks"),
     ("settings", "pipeline_registry", "__main__"),
 )
