@@ -4,8 +4,9 @@ a lower layer, never from a higher one (nor from a sibling of its own layer).
 The order below is the one place it is written. Why each layer sits where it does:
 
 * leaves: the package root (``__version__``), strict typed settings, local-server helpers
-  (ports, processes), the buffered MLflow writer and the data-root lock; standard library and
-  third-party code only;
+  (ports, processes), the buffered MLflow writer, the data-root lock and the host-memory helpers;
+  standard library and third-party code only; then ``child_process``, which bounds its children's
+  heap with ``host_memory``;
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
@@ -32,7 +33,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "child_process"),
+    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "host_memory"),
+    ("child_process",),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),

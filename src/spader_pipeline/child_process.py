@@ -34,6 +34,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from spader_pipeline.host_memory import bound_heap
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -128,6 +130,7 @@ def _child_main(send, fn: Callable[..., Any], args: tuple, kwargs: dict, setting
         import torch
 
         torch.set_num_threads(settings["torch_threads"])
+    bound_heap()  # a heavy stage's heap returns what it frees (host_memory)
     try:
         message: tuple[str, Any] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent

@@ -34,6 +34,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
+from spader_pipeline.host_memory import bound_heap, release_free_heap, rss_bytes
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
@@ -183,6 +184,7 @@ def train_native(
         run.model.eval()
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
         metrics = step_report(run, rollouts, adv, grpo, update, timing)
+        metrics.update(host_memory_report())
         metrics.update(validate(step))
         record_step(run, step, metrics, rollouts, adv, log_metrics, log_artifact)
         out_of_time = config.max_seconds is not None and time.perf_counter() - run_started > config.max_seconds
@@ -206,6 +208,7 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     (``checkpoints.superseded-<time>/``, with the run's config and history).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    bound_heap()  # the steps' changing tensor shapes otherwise make glibc's heap creep (host_memory)
     settings = run_settings(config, model_path)
     resume = _checkpoint_to_resume(config, settings, run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
@@ -346,6 +349,15 @@ def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.
         / max(timing["update"], 1e-9),
     })
     return metrics
+
+
+def host_memory_report() -> dict[str, float]:
+    """Hand the step's freed heap back to the operating system and report the resident size after
+    it (``perf/rss_gb``; nothing where ``/proc`` is absent): a run whose ``perf/rss_gb`` still climbs
+    keeps something (docs/reliability.md, memory)."""
+    release_free_heap()
+    rss = rss_bytes()
+    return {} if rss is None else {"perf/rss_gb": rss / 2**30}
 
 
 def record_step(run: RunState, step: int, metrics: dict[str, float], rollouts: Rollouts, adv: Advantages,
