@@ -49,7 +49,7 @@ class GrowingLayer(DynamicLayer):
     min_headroom = 64
 
     def __init__(self, config=None) -> None:
-        super().__init__(config)
+        super().__init__()  # 5.9/5.10: DynamicLayer ignores its config; 5.17: it takes none
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
