@@ -13,8 +13,13 @@
   metrics of the ``kedro run`` run under the node's namespace.
 - ``after_pipeline_run`` ends the run as FINISHED; ``on_pipeline_error`` ends it as FAILED.
 
-:class:`DataRootLockHooks` holds ``<data_root>/.kedro-run.lock`` for the run's life
-(:mod:`spader_pipeline.run_lock`): a second run on the same data root stops before anything starts.
+:class:`DataRootLockHooks` holds the data root's lock for the run's life
+(:mod:`spader_pipeline.run_lock`): a run made only of compare cells (``--namespaces grpo_seed0``)
+holds those cells, any other run the whole root; a run in the way stops before anything starts.
+
+:class:`CompareCellsHooks` makes the run's environment decide the compare cells: it hands the
+context's ``compare`` parameters to the pipeline registry before the registry loads, and stops a
+run whose registered cells differ from its parameters before anything starts.
 
 Training and evaluation nodes open their own runs through :mod:`spader_pipeline.tracking` (one per
 method, one per model × dataset): top-level runs linked to the chain run by tags, so the runs
@@ -52,17 +57,32 @@ def pipeline_label(run_params: dict[str, Any]) -> str:
     return ",".join(name for name in names if name) or "__default__"
 
 
+#: Kedro tag of a compare cell's nodes: a run made only of such nodes writes only their namespaces.
+CELL_TAG = "compare_cell"
+
+
+def locked_cells(pipeline) -> list[str]:
+    """The cells a run writes when it runs cells alone (every node tagged :data:`CELL_TAG`): their
+    top-level namespaces; ``[]`` when the run writes anything else (it then holds the whole root)."""
+    nodes = list(pipeline.nodes)
+    if not nodes or not all(CELL_TAG in n.tags and n.namespace for n in nodes):
+        return []
+    return sorted({n.namespace.split(".")[0] for n in nodes})
+
+
 class DataRootLockHooks:
-    """One ``kedro run`` per data root (``globals:data_root``), for the run's whole life.
+    """The data root (``globals:data_root``) or the cells a run writes, held for the run's whole life.
 
     The lock is taken before the other hooks run (a hook wrapper), so a busy root stops the run
     before its MLflow run opens, and released last. One instance serves every session of a
-    process, so locks are kept per session.
+    process, so locks are kept per session. ``lease_seconds`` and ``renew_seconds``: the locks'
+    lease and renewal period (:mod:`spader_pipeline.run_lock`'s defaults when ``None``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lease_seconds: float | None = None, renew_seconds: float | None = None) -> None:
+        self.lease_seconds, self.renew_seconds = lease_seconds, renew_seconds
         self._roots: dict[tuple[str, str], Path] = {}
-        self._held: dict[str, tuple[Path, run_lock.LockInfo]] = {}
+        self._held: dict[str, run_lock.HeldLock] = {}
 
     @hook_impl
     def after_context_created(self, context) -> None:
@@ -80,8 +100,9 @@ class DataRootLockHooks:
         env = run_params.get("env") or "local"
         root = self._roots.get((str(run_params.get("project_path")), env))
         if root is not None:
-            info = run_lock.acquire(root, pipeline_label(run_params), env)
-            self._held[str(run_params.get("run_id"))] = (root, info)
+            self._held[str(run_params.get("run_id"))] = run_lock.acquire(
+                root, pipeline_label(run_params), env, cells=locked_cells(pipeline),
+                lease_seconds=self.lease_seconds, renew_seconds=self.renew_seconds)
         try:
             return (yield)
         except BaseException:
@@ -99,7 +120,47 @@ class DataRootLockHooks:
     def _release(self, run_params: dict[str, Any]) -> None:
         held = self._held.pop(str(run_params.get("run_id")), None)
         if held is not None:
-            run_lock.release(*held)
+            held.release()
+
+
+class CompareCellsHooks:
+    """The run's parameters decide the compare cells (docs/compare.md, "Cells come from conf").
+
+    Kedro loads the pipeline registry inside ``session.run``, right after the run's context is
+    created (the first ``context.params`` read). This hook runs first and hands the context's
+    parameters, read straight from its config loader, to the registry
+    (:func:`spader_pipeline.pipelines.compare.pipeline.use_run_parameters`); before the pipeline
+    runs it checks that the registered cells are the run's, and stops the run otherwise (a
+    registry built earlier in the same process from other parameters).
+    """
+
+    def __init__(self) -> None:
+        self._compare: dict[tuple[str, str], Any] = {}
+
+    @hook_impl(tryfirst=True)
+    def after_context_created(self, context) -> None:
+        from spader_pipeline.pipelines.compare.pipeline import use_run_parameters
+
+        try:
+            parameters = context.config_loader["parameters"] or {}
+        except KeyError:
+            parameters = {}
+        self._compare[(Path(context.project_path).as_posix(), context.env or "local")] = parameters.get("compare")
+        use_run_parameters(parameters)
+
+    @hook_impl(wrapper=True, tryfirst=True)
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog):
+        """Before every other hook (the lock, the MLflow run): a run with compare nodes must have
+        been registered with its own cells."""
+        key = (str(run_params.get("project_path")), run_params.get("env") or "local")
+        if key in self._compare and any("compare" in n.tags for n in pipeline.nodes):
+            from kedro.framework.project import pipelines
+
+            from spader_pipeline.pipelines.compare.pipeline import check_registered_cells
+
+            if "compare" in pipelines:
+                check_registered_cells(pipelines["compare"], key[1], self._compare[key])
+        return (yield)
 
 
 class MlflowTrackingHooks:

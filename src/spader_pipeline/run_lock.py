@@ -1,20 +1,46 @@
-"""One ``kedro run`` per data root: a lock file that names its holder (docs/reliability.md).
+"""Who may write in a data root: lock files that name their holder, renewed on a lease
+(docs/reliability.md, "One run per data root, one job per cell").
 
-``<data_root>/.kedro-run.lock`` is created atomically (``O_EXCL``) when a run starts and removed when
-it ends; it holds the pid, host, pipeline, Kedro environment and start time of the run. A second run
-on the same root stops at once with :class:`DataRootBusy` naming the first. A lock whose process is
-gone (a killed run, checked on the same host by pid and process start time) is taken over with a
-warning. Different roots (``make run`` beside ``make compare``) never meet.
+Two kinds of lock live in a data root:
+
+- ``<data_root>/.kedro-run.lock`` holds the **whole root**: a run that writes shared outputs (the
+  default chain, the comparison's shared part or its report).
+- ``<data_root>/.kedro-run.cells/<cell>.lock`` holds **one cell** (a namespace that writes only its
+  own outputs, e.g. ``grpo_seed0`` of ``make compare``). Cell locks are the root's shared holds:
+  different cells run side by side, the same cell once, and no cell beside a whole-root run.
+
+A lock is created atomically with its content (a written file hard-linked to the lock's name, which
+fails when the name exists, on local disks and on NFS alike) and holds the pid, host, pipeline,
+cells, Kedro environment and start time of its run. Mutual exclusion of the two kinds is
+create-then-check: a whole-root run creates its lock and then looks for live cell locks; a cell
+run creates its cell lock and then looks for a live root lock. Of two runs that start together at
+least one sees the other and backs off, so both may be refused, never both admitted.
+
+A lock is stale, and the next run takes it over with a warning, when
+
+- its lease ran out: the holder renews the file's modification time every :data:`RENEW_SECONDS`
+  from a background thread, and a lock not renewed for its lease (:data:`LEASE_SECONDS`, written in
+  the lock) is stale on any host; or
+- its holder is gone, on the same host: the pid is checked together with the process's start
+  time, so a reused pid does not count.
+
+Files rather than ``fcntl``/``flock`` locks: those need the shared filesystem's lock manager,
+and a mount without one (``nolock``) grants every lock locally, so two hosts would both hold it
+silently; a file and a lease need only an atomic create and a settable modification time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import socket
+import threading
+import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,10 +48,16 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".kedro-run.lock"
+#: The folder of the cell locks, beside the root lock.
+CELLS_DIR = ".kedro-run.cells"
+#: A lock not renewed for this long is stale on any host.
+LEASE_SECONDS = 300.0
+#: How often a holder renews its locks.
+RENEW_SECONDS = 30.0
 
 
 class DataRootBusy(RuntimeError):
-    """Another run holds the data root."""
+    """Another run holds the data root, or the cell this run would write."""
 
 
 @dataclass(frozen=True)
@@ -39,12 +71,23 @@ class LockInfo:
     started: str
     """ISO time the run started"""
     token: str
-    """unique per acquisition: only the holder removes the lock"""
+    """unique per acquisition: only the holder removes or renews the lock"""
     process_start: str = ""
     """the holder's start time in ``/proc`` (tells a reused pid from the holder)"""
+    cells: tuple[str, ...] = ()
+    """the cells the run holds; empty for a whole-root run"""
+    lease_seconds: float = LEASE_SECONDS
+    """the holder's lease: not renewed for this long, the lock is stale"""
 
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host}, pipeline {self.pipeline!r}, env {self.env!r}, started {self.started}"
+        cells = f", cells {','.join(self.cells)}" if self.cells else ""
+        return (f"pid {self.pid} on host {self.host}, pipeline {self.pipeline!r}{cells}, env {self.env!r}, "
+                f"started {self.started}")
+
+
+def hostname() -> str:
+    """This host's name as locks record it."""
+    return socket.gethostname()
 
 
 def _process_start(pid: int) -> str:
@@ -55,49 +98,159 @@ def _process_start(pid: int) -> str:
         return ""
 
 
-def holder_alive(info: LockInfo) -> bool:
-    """Whether the run that wrote ``info`` may still run (another host's process cannot be checked)."""
-    if info.host != socket.gethostname():
-        return True
+def stale_reason(info: LockInfo, renewed: float, now: float | None = None) -> str | None:
+    """Why the run that wrote ``info`` (lock last renewed at ``renewed``, a POSIX time) no longer
+    holds it, or ``None`` while it may still run."""
+    age = (time.time() if now is None else now) - renewed
+    if age > info.lease_seconds:
+        return f"its lease ran out: not renewed for {age:.0f} s (lease {info.lease_seconds:.0f} s)"
+    if info.host != hostname():
+        return None  # another host's process cannot be checked: the lease decides
     try:
         os.kill(info.pid, 0)
     except ProcessLookupError:
-        return False
+        return "its process is gone"
     except PermissionError:
-        return True
-    return not info.process_start or _process_start(info.pid) in ("", info.process_start)
+        return None
+    if info.process_start and _process_start(info.pid) not in ("", info.process_start):
+        return "its pid belongs to another process now"
+    return None
 
 
 def read_lock(path: Path) -> LockInfo | None:
-    """The lock at ``path``; ``None`` when it is gone or unreadable."""
+    """The lock at ``path``; ``None`` when it is gone or unreadable (fields it does not know are
+    ignored, so a lock written by a newer version still names its holder)."""
     try:
-        return LockInfo(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        data = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(LockInfo)}
+        info = LockInfo(**{k: v for k, v in data.items() if k in known})
+        return dataclasses.replace(info, cells=tuple(info.cells), lease_seconds=float(info.lease_seconds))
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
-def acquire(data_root: str | Path, pipeline: str, env: str) -> LockInfo:
-    """Take the lock of ``data_root`` for this process; raise :class:`DataRootBusy` when a live run holds it."""
+def root_lock_path(data_root: str | Path) -> Path:
+    return Path(data_root).resolve() / LOCK_NAME
+
+
+def cell_lock_path(data_root: str | Path, cell: str) -> Path:
+    if not cell or "/" in cell or cell.startswith("."):
+        raise ValueError(f"not a cell name: {cell!r}")
+    return Path(data_root).resolve() / CELLS_DIR / f"{cell}.lock"
+
+
+class HeldLock:
+    """The lock files one run holds, renewed by a daemon thread until :meth:`release`."""
+
+    def __init__(self, paths: Sequence[Path], info: LockInfo, renew_seconds: float) -> None:
+        self.paths, self.info = list(paths), info
+        self._lost: set[Path] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_loop, args=(renew_seconds,), daemon=True,
+                                        name=f"run-lock-lease-{info.token[:8]}")
+        self._thread.start()
+
+    def _renew_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.renew()
+
+    def renew(self) -> None:
+        """Set each held lock's modification time to now (the file server's clock); a lock that
+        another run has taken over is left alone, with an error in the log."""
+        for path in self.paths:
+            current = read_lock(path)
+            if current is None or current.token != self.info.token:
+                if path not in self._lost:
+                    self._lost.add(path)
+                    logger.error("this run lost its lock %s (%s): its lease ran out and another run may "
+                                 "now write the same outputs", path,
+                                 f"now held by {current.describe()}" if current else "the file is gone")
+                continue
+            try:
+                os.utime(path)
+            except OSError as error:  # a shared filesystem's hiccup: the next turn tries again
+                logger.warning("could not renew the lock %s: %s", path, error)
+
+    def release(self) -> None:
+        """Stop renewing and remove the locks this run still holds."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for path in reversed(self.paths):
+            _remove_own(path, self.info)
+
+
+def acquire(data_root: str | Path, pipeline: str, env: str, cells: Sequence[str] = (), *,
+            lease_seconds: float | None = None, renew_seconds: float | None = None) -> HeldLock:
+    """Take ``data_root`` whole (no ``cells``) or the given cells of it for this process; raise
+    :class:`DataRootBusy` naming the holder when a live run is in the way."""
     root = Path(data_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    path = root / LOCK_NAME
     pid = os.getpid()
-    info = LockInfo(pid=pid, host=socket.gethostname(), pipeline=pipeline, env=env,
+    info = LockInfo(pid=pid, host=hostname(), pipeline=pipeline, env=env,
                     started=datetime.now().astimezone().isoformat(timespec="seconds"), token=uuid.uuid4().hex,
-                    process_start=_process_start(pid))
+                    process_start=_process_start(pid), cells=tuple(sorted(set(cells))),
+                    lease_seconds=LEASE_SECONDS if lease_seconds is None else float(lease_seconds))
+    taken: list[Path] = []
+    try:
+        if info.cells:
+            (root / CELLS_DIR).mkdir(exist_ok=True)
+            for cell in info.cells:
+                path = cell_lock_path(root, cell)
+                _take(path, info, f"cell {cell} of data root {root} is in use by another kedro run")
+                taken.append(path)
+            _wait_for_none(root / LOCK_NAME, f"data root {root} is held whole by another kedro run", info,
+                           "cells run beside each other, not beside a run that writes the shared outputs "
+                           "(the comparison's shared part or report, the default chain); wait for it to end")
+        else:
+            path = root / LOCK_NAME
+            _take(path, info, f"data root {root} is in use by another kedro run")
+            taken.append(path)
+            for cell_lock in sorted((root / CELLS_DIR).glob("*.lock")):
+                _wait_for_none(cell_lock, f"data root {root} has a cell running", info,
+                               "a run that writes the shared outputs waits for every cell; wait for the cell "
+                               "to end")
+    except BaseException:
+        for path in reversed(taken):
+            _remove_own(path, info)
+        raise
+    return HeldLock(taken, info, RENEW_SECONDS if renew_seconds is None else float(renew_seconds))
+
+
+def _take(path: Path, info: LockInfo, busy: str) -> None:
+    """Create the lock at ``path`` for ``info``, taking over a stale one."""
     for _ in range(10):  # each turn either takes the lock, stops, or removes one stale lock
         if _create(path, info):
-            return info
-        holder = read_lock(path)
-        if holder is not None and holder_alive(holder):
-            raise DataRootBusy(
-                f"data root {root} is in use by another kedro run ({holder.describe()}); wait for it to end, "
-                f"or run this one on another root (conf/<env>/globals.yml: data_root). If that run is gone, "
-                f"delete {path}.")
-        if _remove_stale(path, holder):
-            logger.warning("took over the lock of data root %s from a run that is gone (%s)", root,
-                           holder.describe() if holder else "unreadable lock file")
+            return
+        _stop_if_held(path, busy, info, "wait for it to end, or run this one on another root "
+                                        "(conf/<env>/globals.yml: data_root)")
     raise DataRootBusy(f"could not take the lock {path}: it keeps changing hands")
+
+
+def _wait_for_none(path: Path, busy: str, info: LockInfo, advice: str) -> None:
+    """Stop if a live run holds the lock at ``path``; remove it if stale."""
+    for _ in range(10):
+        if not path.exists():
+            return
+        _stop_if_held(path, busy, info, advice)
+    raise DataRootBusy(f"could not clear the stale lock {path}: it keeps changing hands")
+
+
+def _stop_if_held(path: Path, busy: str, info: LockInfo, advice: str) -> None:
+    """Raise :class:`DataRootBusy` when a live run holds ``path``; otherwise remove the stale lock."""
+    holder = read_lock(path)
+    try:
+        renewed = path.stat().st_mtime
+    except FileNotFoundError:
+        return  # released meanwhile
+    reason = stale_reason(holder, renewed) if holder is not None else "the lock file is unreadable"
+    if reason is None:
+        age = max(0.0, time.time() - renewed)
+        raise DataRootBusy(
+            f"{busy} ({holder.describe()}, lease renewed {age:.0f} s ago); {advice}. If that run is gone, "
+            f"delete {path}, or wait: a lock not renewed for {holder.lease_seconds:.0f} s is taken over.")
+    if _remove_stale(path, holder):
+        logger.warning("took over the lock %s from a run that no longer holds it (%s: %s)", path,
+                       holder.describe() if holder else "unknown run", reason)
 
 
 def _create(path: Path, info: LockInfo) -> bool:
@@ -133,9 +286,8 @@ def _remove_stale(path: Path, holder: LockInfo | None) -> bool:
     return True
 
 
-def release(data_root: str | Path, info: LockInfo) -> None:
-    """Remove the lock of ``data_root`` if ``info`` still holds it."""
-    path = Path(data_root).resolve() / LOCK_NAME
+def _remove_own(path: Path, info: LockInfo) -> None:
+    """Remove the lock at ``path`` if ``info`` still holds it."""
     current = read_lock(path)
     if current is not None and current.token == info.token:
         path.unlink(missing_ok=True)

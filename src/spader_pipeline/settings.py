@@ -2,9 +2,9 @@
 
 from kedro.config import OmegaConfigLoader
 
-from spader_pipeline.hooks import DataRootLockHooks, MlflowTrackingHooks
+from spader_pipeline.hooks import CompareCellsHooks, DataRootLockHooks, MlflowTrackingHooks
 
-HOOKS = (MlflowTrackingHooks(), DataRootLockHooks())
+HOOKS = (MlflowTrackingHooks(), DataRootLockHooks(), CompareCellsHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -108,8 +108,7 @@ def _project(root: Path, project_root: Path, monkeypatch) -> Path:
     (root / "src").mkdir()
     (root / "src" / "spader_pipeline").symlink_to(project_root / "src" / "spader_pipeline")
     with (root / "conf/test/parameters_compare.yml").open("a") as f:
-        f.write("  seeds: [0, 1]\n")
-    monkeypatch.setenv("KEDRO_ENV", "test")
+        f.write("  seeds: [0, 1]\n")  # the runs' env (--env test) decides the cells
     monkeypatch.chdir(root)
     bootstrap_project(root)
     return root

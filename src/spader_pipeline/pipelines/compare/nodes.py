@@ -48,8 +48,9 @@ def check_design(eval_sets: Mapping[str, Callable[[], pd.DataFrame]], compare: M
                          "set e.g. compare.seeds=[0,1,2]")
     if cells is not None and sorted((m, int(s)) for m in methods for s in seeds) != sorted(cells):
         raise ValueError(f"compare.methods × compare.seeds ({methods} × {seeds}) differ from the pipeline's cells "
-                         f"{sorted(cell_name(m, s) for m, s in cells)}: the cells are registered from conf/ "
-                         "(KEDRO_ENV's parameters_compare.yml, default env compare), so set them there, not at run time")
+                         f"{sorted(cell_name(m, s) for m, s in cells)}: the cells are registered from the run's "
+                         "parameters when Kedro loads the pipeline registry; set them in "
+                         "conf/<env>/parameters_compare.yml and start the run in a new process")
     dataset = compare["dataset"]
     if dataset not in eval_sets:
         raise ValueError(f"compare.dataset {dataset!r} is not an evaluation set (have: {sorted(eval_sets)}); "

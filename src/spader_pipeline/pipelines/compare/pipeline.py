@@ -3,21 +3,27 @@ the shared warm start and the held-out questions, then one namespace per method 
 train → merge → evaluate, writing the cell's per-question records), then the report gathering
 every cell.
 
-The cells come from ``compare.methods`` × ``compare.seeds`` in ``conf/`` at registry time (Kedro's
-dynamic pipelines): :func:`registered_cells` reads them with the project's config loader, so
-``seeds: [0, 1, 2, 3, 4]`` in ``parameters_compare.yml`` adds cells. One cell runs alone with
+The cells are ``compare.methods`` × ``compare.seeds`` of the run's parameters, fixed when Kedro
+loads the pipeline registry (Kedro's dynamic pipelines). Kedro loads it inside ``session.run``,
+right after the run's context is created; :class:`spader_pipeline.hooks.CompareCellsHooks` hands
+that context's parameters over first (:func:`use_run_parameters`), so ``kedro run --env <env>``
+builds the cells of ``<env>``, and stops a run whose registry was built from other parameters
+(:func:`check_registered_cells`). Outside a run (``kedro registry list``, ``kedro viz``) the cells
+are read from conf (:func:`registered_cells`). One cell runs alone with
 ``kedro run --env compare --pipeline compare --namespaces grpo_seed0`` (docs/compare.md).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial, update_wrapper
 from pathlib import Path
+from typing import Any
 
 from kedro.pipeline import Pipeline, node, pipeline
 
+from spader_pipeline.hooks import CELL_TAG
 from spader_pipeline.pipelines.base_model import create_pipeline as base_model_pipeline
 from spader_pipeline.pipelines.data_prep import create_pipeline as data_prep_pipeline
 from spader_pipeline.pipelines.index_build import create_pipeline as index_build_pipeline
@@ -28,7 +34,7 @@ from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from . import nodes
 
-#: The environment whose ``compare`` block defines the cells when ``KEDRO_ENV`` is not set.
+#: The environment whose ``compare`` block defines the cells outside a run when ``KEDRO_ENV`` is not set.
 DESIGN_ENV = "compare"
 #: Datasets every cell reads from outside its namespace (all persisted: a cell runs alone).
 CELL_INPUTS = {"warm_start_manifest", "warm_start_validation", "verl_train", "verl_validation", "index_manifest",
@@ -36,24 +42,58 @@ CELL_INPUTS = {"warm_start_manifest", "warm_start_validation", "verl_train", "ve
 CELL_PARAMS = {"params:training", "params:merge", "params:evaluate", "params:prompt", "params:compare.output_dir",
                "params:compare.evaluation"}
 
+#: The cells of the latest run's parameters (:func:`use_run_parameters`); ``None`` before any run.
+_run_cells: list[tuple[str, int]] | None = None
+
+
+def design_cells(compare: Mapping[str, Any] | None) -> list[tuple[str, int]]:
+    """``compare.methods`` × ``compare.seeds`` as (method, seed) pairs, seed-major."""
+    compare = compare or {}
+    return [(str(m), int(s)) for s in compare.get("seeds") or [] for m in compare.get("methods") or []]
+
+
+def use_run_parameters(parameters: Mapping[str, Any]) -> None:
+    """Build the registry's cells from a run's ``parameters`` (its environment's conf and
+    ``--params``); called when the run's Kedro context is created, before the registry loads."""
+    global _run_cells
+    _run_cells = design_cells(parameters.get("compare"))
+
 
 def registered_cells(project_path: Path | None = None, env: str | None = None) -> list[tuple[str, int]]:
-    """``compare.methods`` × ``compare.seeds`` of ``env`` (default: ``$KEDRO_ENV``, else ``compare``)
-    read with the project's config loader, seed-major."""
+    """The cells the registry builds: those of the current run's parameters; with an explicit
+    ``env``, or outside a run, ``compare.methods`` × ``compare.seeds`` of ``env`` (default:
+    ``$KEDRO_ENV``, else ``compare``) read from conf with the project's config loader."""
+    if env is None and project_path is None and _run_cells is not None:
+        return list(_run_cells)
     from kedro.framework.project import settings
-    from omegaconf.basecontainer import BaseContainer
 
+    # A config loader registers its resolvers process-wide; a run never gets here (its cells come
+    # from use_run_parameters), so no running session's loader loses its own.
     conf = Path(project_path or Path.cwd()) / settings.CONF_SOURCE
     args = {**settings.CONFIG_LOADER_ARGS, "env": env or os.environ.get("KEDRO_ENV") or DESIGN_ENV}
-    # A config loader registers its ``globals`` resolver process-wide; the running session's
-    # loader (possibly another environment) must keep resolving the catalog, so it is put back.
-    resolvers = dict(BaseContainer._resolvers)
-    try:
-        compare = settings.CONFIG_LOADER_CLASS(conf_source=str(conf), **args)["parameters"].get("compare") or {}
-    finally:
-        BaseContainer._resolvers.clear()
-        BaseContainer._resolvers.update(resolvers)
-    return [(str(m), int(s)) for s in compare.get("seeds") or [] for m in compare.get("methods") or []]
+    return design_cells(settings.CONFIG_LOADER_CLASS(conf_source=str(conf), **args)["parameters"].get("compare"))
+
+
+def pipeline_cells(compare_pipeline: Pipeline) -> list[str]:
+    """The cell names a registered ``compare`` pipeline holds."""
+    return sorted({n.namespace.split(".")[0] for n in compare_pipeline.nodes if CELL_TAG in n.tags and n.namespace})
+
+
+def check_registered_cells(compare_pipeline: Pipeline, env: str, compare: Mapping[str, Any] | None) -> None:
+    """Stop a run whose registered cells are not its own ``compare.methods`` × ``compare.seeds``
+    (a registry built earlier in this process from another environment's or run's parameters)."""
+    registered = pipeline_cells(compare_pipeline)
+    wanted = sorted(nodes.cell_name(m, s) for m, s in design_cells(compare))
+    if registered == wanted:
+        return
+    compare = compare or {}
+    raise ValueError(
+        f"this run (env {env!r}) sets compare.methods × compare.seeds = {list(compare.get('methods') or [])} × "
+        f"{list(compare.get('seeds') or [])}, cells {wanted}, but the registered compare pipeline has the cells "
+        f"{registered}: the pipeline registry was loaded earlier in this process from other parameters. Set the "
+        f"cells in conf/{env}/parameters_compare.yml (compare.methods, compare.seeds) and start the run in a new "
+        f"process (kedro run --env {env} --pipeline compare), or bootstrap the project again "
+        "(bootstrap_project, %reload_kedro) before creating its session.")
 
 
 def _bound(func, **kwargs):
@@ -81,7 +121,7 @@ def cell_pipeline(method: str, seed: int) -> Pipeline:
                   "params:compare.evaluation", "params:prompt"],
                  "eval_samples", name="evaluate_cell"),
         ],
-        tags=["compare", "compare_cell"],
+        tags=["compare", CELL_TAG],
     )
     return pipeline(template, namespace=name, inputs=CELL_INPUTS,
                     parameters={**{p: p for p in CELL_PARAMS}, "params:method": f"params:train_{method}.method"},
