@@ -101,6 +101,7 @@ with KedroSession.create(project_path=project, env="test") as session:
 """
 
 
+@pytest.mark.slow
 def test_the_separate_jobs_recipe_runs_as_written(kedro_project, tmp_path_factory):
     recipe = _recipe()
     with (kedro_project / "conf/test/parameters_compare.yml").open("a") as f:
