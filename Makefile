@@ -24,13 +24,14 @@ export MALLOC_MMAP_THRESHOLD_ ?= 4194304
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long compare test test-fast gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long compare test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
+	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
 	@echo "make bench      - run the benchmarks under benchmarks/"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
@@ -69,6 +70,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"
+
+# `bf16: auto` follows the CPU (fp32 without bf16 units, bf16 with AVX-512 bf16 or AMX): run the
+# tests in both precisions on one machine (docs/performance.md#precision-in-tests), e.g.
+# `make test-bf16 TESTS=tests/native`.
+TESTS ?=
+test-bf16: $(STAMP)
+	$(BIN)/python -m pytest --bf16=off $(TESTS)
+	$(BIN)/python -m pytest --bf16=on $(TESTS)
 
 # The GPU stacks of docs/gpu.md resolve against the package index (pip install --dry-run --report into
 # build/gpu-resolution; nothing installed, no GPU needed). CI runs it after the tests.

@@ -1,4 +1,5 @@
-"""Session-wide test settings: no telemetry, no hub access, and a private MLflow store."""
+"""Session-wide test settings: no telemetry, no hub access, a private MLflow store, and the precision
+that ``bf16: auto`` resolves to (``--bf16``; docs/performance.md#precision-in-tests)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,28 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bf16", choices=("on", "off", "auto"), default=None,
+                     help="force what `bf16: auto` resolves to in this run and its child processes "
+                          "(sets SPADER_BF16; default: the environment's SPADER_BF16, else the machine decides)")
+
+
+def pytest_configure(config):
+    forced = config.getoption("--bf16")
+    if forced is not None:  # in the environment, so that trainer and Kedro child processes see it too
+        os.environ["SPADER_BF16"] = forced
+
+
+def pytest_report_header(config):
+    from spader_pipeline.modeling.precision import FORCE_ENV, cpu_has_bf16, forced_bf16
+
+    forced = forced_bf16()
+    if forced is not None:
+        return f"bf16 auto: {'on' if forced else 'off'} (forced by {FORCE_ENV})"
+    verdict = {True: "on (it has a bf16 unit)", False: "off (no bf16 unit)", None: "a timing probe decides"}
+    return f"bf16 auto on this CPU: {verdict[cpu_has_bf16()]}; --bf16=on|off or {FORCE_ENV} forces it"
 
 
 @pytest.fixture(scope="session", autouse=True)

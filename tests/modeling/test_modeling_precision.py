@@ -1,14 +1,26 @@
 """bf16 autocast is decided per device: given settings pass through, ``auto`` reads a CPU's flags
-(the probe only where there are none), so the verdict does not follow the machine's load."""
+(the probe only where there are none), so the verdict does not follow the machine's load; ``SPADER_BF16``
+forces ``auto`` for a whole process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from spader_pipeline.modeling import precision
-from spader_pipeline.modeling.precision import bf16_faster_on_cpu, cpu_has_bf16, resolve_bf16
+from spader_pipeline.modeling.precision import FORCE_ENV, bf16_faster_on_cpu, cpu_has_bf16, resolve_bf16
 
 CPUINFO = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 {extra}\n\nprocessor\t: 1\n"
+
+
+@pytest.fixture(autouse=True)
+def _machine_decides(monkeypatch):
+    """These tests check the machine's own decision: a forced suite run (``--bf16``) must not hide it."""
+    monkeypatch.delenv(FORCE_ENV, raising=False)
 
 
 def test_explicit_settings_pass_through_and_cuda_is_always_on():
@@ -37,3 +49,47 @@ def test_auto_on_cpu_follows_the_flags_and_probes_once_per_width_without_them(mo
     assert bf16_faster_on_cpu.cache_info().currsize == 1
     assert resolve_bf16("auto", torch.device("cpu"), model) is verdict
     assert bf16_faster_on_cpu.cache_info().hits == 1
+
+
+@pytest.mark.parametrize(("value", "expected"), [("on", True), ("ON", True), ("1", True), ("true", True),
+                                                 ("off", False), ("0", False), (" False ", False)])
+def test_the_environment_forces_auto_on_every_device_but_never_an_explicit_setting(monkeypatch, value, expected):
+    monkeypatch.setenv(FORCE_ENV, value)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: not expected)  # the flags would say the opposite
+    monkeypatch.setattr(precision, "bf16_faster_on_cpu", lambda *a: pytest.fail("no probe when forced"))
+    assert resolve_bf16("auto", "cpu") is expected and resolve_bf16("auto", "cuda") is expected
+    assert resolve_bf16(True, "cpu") is True and resolve_bf16(False, "cpu") is False
+
+
+@pytest.mark.parametrize("value", ["auto", "", "  "])
+def test_auto_or_empty_in_the_environment_leaves_the_decision_to_the_machine(monkeypatch, value):
+    monkeypatch.setenv(FORCE_ENV, value)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    assert resolve_bf16("auto", "cpu") is True and resolve_bf16("auto", "cuda") is True
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    assert resolve_bf16("auto", "cpu") is False
+
+
+def test_an_unknown_value_in_the_environment_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "yes please")
+    with pytest.raises(ValueError, match=f"{FORCE_ENV}='yes please'.*on, off or auto"):
+        resolve_bf16("auto", "cpu")
+    assert resolve_bf16(False, "cpu") is False  # an explicit setting does not read it
+
+
+@pytest.mark.slow
+def test_the_pytest_option_forces_auto_for_the_session_and_its_child_processes(tmp_path):
+    """``pytest --bf16=…`` (the opposite of this machine's own decision) sets the variable in the
+    session's environment, which trainer and Kedro child processes inherit, and says so in the header."""
+    forced = "off" if cpu_has_bf16() else "on"
+    (tmp_path / "conftest.py").write_text((Path(__file__).parents[1] / "conftest.py").read_text())
+    (tmp_path / "test_forced.py").write_text(
+        "import os\n"
+        "from spader_pipeline.modeling.precision import resolve_bf16\n"
+        "def test_forced():\n"
+        f"    assert os.environ['{FORCE_ENV}'] == '{forced}'\n"
+        f"    assert resolve_bf16('auto', 'cpu') is {forced == 'on'}\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--bf16={forced}", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"bf16 auto: {forced} (forced by {FORCE_ENV})" in run.stdout

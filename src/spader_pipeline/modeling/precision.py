@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,12 +27,20 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.9
 # CPU flags of a native bf16 unit (Linux /proc/cpuinfo names).
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# The environment variable that forces ``auto`` (:func:`forced_bf16`) and the values it accepts.
+FORCE_ENV = "SPADER_BF16"
+FORCE_VALUES = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False, "auto": None, "": None}
 
 
 def resolve_bf16(setting: bool | str, device: torch.device | str, model: torch.nn.Module | None = None) -> bool:
-    """``True``/``False`` as given; ``"auto"``: CUDA → on, CPU → :func:`cpu_has_bf16`, else the probe's verdict."""
+    """``True``/``False`` as given; ``"auto"``: :func:`forced_bf16` where set, else CUDA → on,
+    CPU → :func:`cpu_has_bf16`, else the probe's verdict."""
     if setting != "auto":
         return bool(setting)
+    forced = forced_bf16()
+    if forced is not None:
+        logger.info("bf16 autocast %s: forced by %s", "on" if forced else "off", FORCE_ENV)
+        return forced
     device = torch.device(device)
     if device.type == "cuda":
         return True
@@ -44,6 +53,16 @@ def resolve_bf16(setting: bool | str, device: torch.device | str, model: torch.n
     hidden = int(getattr(config, "hidden_size", 512) or 512)
     inner = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     return bf16_faster_on_cpu(hidden, inner)
+
+
+def forced_bf16() -> bool | None:
+    """The ``auto`` decision forced by :data:`FORCE_ENV` (``on``/``off``, also ``1``/``0``,
+    ``true``/``false``), or ``None`` where it is unset, empty or ``auto``. Read at every call, so a
+    test can set it; any other value is an error rather than silently ignored."""
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if value not in FORCE_VALUES:
+        raise ValueError(f"{FORCE_ENV}={os.environ[FORCE_ENV]!r}: expected on, off or auto")
+    return FORCE_VALUES[value]
 
 
 @functools.lru_cache(maxsize=1)
