@@ -5,17 +5,19 @@ The order below is the one place it is written. Why each layer sits where it doe
 
 * leaves: the package root (``__version__``), strict typed settings, local-server helpers
   (ports, processes), the buffered MLflow writer, the data-root lock and the host-memory helpers;
-  standard library and third-party code only; then ``child_process``, which bounds its children's
-  heap with ``host_memory``;
+  standard library and third-party code only;
+* over the leaves: ``child_process``, which bounds its children's heap with ``host_memory``; and
+  ``tracking``, MLflow (the store, the runs and what is logged into them, the UI server) for every
+  layer above that logs: the trainers and the verl plugin as well as the Kedro shell;
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
 * ``data``: dataset readers and the VERL parquet rows, which carry the agent's rendered prompt;
 * drivers of the agent: the native trainer, the verl plugin (everything verl calls) and the
   evaluator; they are independent of each other;
-* ``launch``: builds and starts verl runs (command line, environment, retrieval service);
-  ``tracking`` (MLflow); and ``portable``, a whole experiment run from a bundle without Kedro or
-  MLflow, over the native trainer and the evaluator;
+* the runners over the drivers: ``launch`` builds and starts verl runs (command line, environment,
+  retrieval service); ``portable`` runs a whole experiment from a bundle without Kedro or MLflow,
+  over the native trainer and the evaluator;
 * the Kedro shell: ``pipelines`` (thin nodes) and ``hooks``; then Kedro's entry points.
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
@@ -34,13 +36,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "host_memory"),
-    ("child_process",),
+    ("child_process", "tracking"),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),
     ("data",),
     ("native", "verl_plugin", "evaluation"),
-    ("launch", "tracking", "portable"),
+    ("launch", "portable"),
     ("pipelines", "hooks"),
     ("settings", "pipeline_registry", "__main__"),
 )

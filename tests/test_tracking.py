@@ -137,6 +137,24 @@ def test_without_an_active_run_nothing_is_tracked(experiment, tmp_path):
     with tracking.method_run("grpo seed0", {"method": "grpo"}, {"method": "grpo"}) as rid:
         assert rid is None and mlflow.active_run() is None
         assert tracking.register_checkpoint(tmp_path, name="grpo") is None
+        tracking.log_text("text", "compare/report.md")  # no run to write into: nothing happens
+        assert tracking.handed_over_run() == (None, None)
+
+
+def test_another_process_logs_into_the_run_handed_over_and_a_failing_store_only_warns(experiment, monkeypatch, caplog):
+    """What a verl worker does: the run named by ``MLFLOW_RUN_ID`` (not the active one) takes its metrics."""
+    handed = mlflow.MlflowClient().create_run(experiment).info.run_id
+    with mlflow.start_run() as active:
+        assert tracking.handed_over_run() == (active.info.run_id, None)  # nothing handed over: the active run
+        monkeypatch.setenv("MLFLOW_RUN_ID", handed)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow.get_tracking_uri())
+        run_id, uri = tracking.handed_over_run()
+        assert (run_id, uri) == (handed, mlflow.get_tracking_uri())
+        assert tracking.log_metrics_to_run(run_id, {"adv/zero_frac": 0.25}, 3, tracking_uri=uri)
+    history = mlflow.MlflowClient().get_metric_history(handed, "adv/zero_frac")
+    assert [(m.step, m.value) for m in history] == [(3, 0.25)]
+    assert not tracking.log_metrics_to_run("0" * 32, {"adv/zero_frac": 0.5}, 4)  # no such run: warned, not raised
+    assert "not logged to MLflow run" in caplog.text
 
 
 def test_checkpoint_is_an_external_model_of_the_training_run(experiment, tmp_path):
@@ -185,7 +203,8 @@ def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(expe
     (tmp_path / "init").mkdir()
     (tmp_path / "init/config.json").write_text('{"model_type": "qwen3"}')
     with mlflow.start_run(run_name="train_spader") as parent:
-        manifest, history, _ = train_policy({"path": str(tmp_path / "init")}, pd.DataFrame(), {}, method, training, prompt)
+        manifest, history, _ = train_policy({"path": str(tmp_path / "init")}, pd.DataFrame(), {}, method, training, prompt,
+                                            verl_validation=pd.DataFrame())
     run = mlflow.get_run(manifest["mlflow_run_id"])
     assert run.data.tags[tracking.CHAIN_RUN_TAG] == parent.info.run_id
     assert (run.info.run_name, run.data.tags["backend"], run.data.tags["method"]) == ("spader seed0", "verl", "spader")

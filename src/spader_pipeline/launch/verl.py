@@ -48,7 +48,12 @@ import yaml
 
 from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
-from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, active_run_writer, follow_jsonl
+from spader_pipeline.tracking_buffer import (
+    METRICS_PATH_ENV,
+    active_run_target,
+    active_run_writer,
+    follow_jsonl,
+)
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 if TYPE_CHECKING:
@@ -393,15 +398,12 @@ def launch_verl_training(
     reads unless ``training.verl`` names files (:func:`data_files`). VERL logs into the active MLflow
     run (the Kedro run) when there is one.
     """
-    import mlflow
-
     verl = verl_settings(training)
-    active = mlflow.active_run()
+    run_id, tracking_uri = active_run_target()
     with _retrieval(verl, index_manifest) as url:
         launch = build_launch(
-            init_manifest, method, training, run_dir, retrieval_url=url,
-            tracking_uri=mlflow.get_tracking_uri() if active else None,
-            run_id=active.info.run_id if active else None, train=train, validation=validation,
+            init_manifest, method, training, run_dir, retrieval_url=url, tracking_uri=tracking_uri,
+            run_id=run_id, train=train, validation=validation,
         )
         logger.info("launching VERL: %s", " ".join(launch.argv))
         files = launch.extra["metrics_files"]

@@ -37,17 +37,16 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 
 import numpy as np
-from mlflow.entities import Metric
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.experimental.agent_loop import AgentLoopManager
 from verl.trainer.ppo.reward import resolve_reward_manager_cls
 from verl.utils.ray_utils import auto_await
 
+from spader_pipeline import tracking
 from spader_pipeline.algorithms.validation import validation_metrics
 
 from .registration import check_workers_registered
@@ -195,25 +194,16 @@ def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
     they are logged at debug level only. Under the launcher they are appended to the file
     ``SPADER_METRICS_PATH`` names, which it sends on without ever blocking this process
     (:mod:`spader_pipeline.tracking_buffer`)."""
-    import mlflow
-
     from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, append_metrics_line
 
     if os.environ.get(METRICS_PATH_ENV):  # the launcher ships this file through a buffered writer
         append_metrics_line(os.environ[METRICS_PATH_ENV], metrics, step)
         return
-    run_id, uri = os.environ.get("MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")
-    if not run_id and mlflow.active_run() is not None:
-        run_id, uri = mlflow.active_run().info.run_id, None
+    run_id, uri = tracking.handed_over_run()
     if not run_id:
         logger.debug("step %s mechanism metrics (no MLflow run): %s", step, metrics)
         return
-    timestamp = int(time.time() * 1000)
-    entries = [Metric(key, float(value), timestamp, int(step or 0)) for key, value in metrics.items()]
-    try:
-        mlflow.MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=entries)
-    except mlflow.exceptions.MlflowException as exc:  # a lost metric must not stop a training run
-        logger.warning("step %s: mechanism metrics not logged to MLflow run %s: %s", step, run_id, exc)
+    tracking.log_metrics_to_run(run_id, metrics, step, tracking_uri=uri)  # warns, never raises
 
 
 def check_search_health(health: dict[str, float], max_error_rate: float) -> None:

@@ -152,14 +152,9 @@ def write_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd
                  compare: Mapping[str, Any], training: Mapping[str, Any]) -> tuple[str, Any, dict[str, float]]:
     """The comparison report (markdown, figure, metrics); markdown and figure also go to the MLflow
     chain run's artifacts (the project hook logs the metrics as ``compare/...``)."""
-    from spader_pipeline import tracking
-
     from .report import build_report
 
     text, figure, metrics = build_report(design, runs, samples, compare, training)
-    if tracking.active():
-        import mlflow
-
-        mlflow.log_text(text, "compare/report.md")
-        mlflow.log_figure(figure, "compare/curves.png")
+    tracking.log_text(text, "compare/report.md")
+    tracking.log_figure(figure, "compare/curves.png")
     return text, figure, metrics

@@ -1,6 +1,6 @@
 """Thin nodes around :mod:`spader_pipeline.evaluation`: pick the datasets, count entity frequencies,
 evaluate every model × dataset (:func:`spader_pipeline.evaluation.suite.evaluate_models`) and log
-each evaluation as an MLflow run (:func:`spader_pipeline.tracking.log_evaluation`)."""
+each evaluation as an MLflow run (:func:`spader_pipeline.evaluation.mlflow_runs.log_evaluation`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from spader_pipeline import tracking
 from spader_pipeline.data.schema import frame_records
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import entity_corpus_frequency
+from spader_pipeline.evaluation.mlflow_runs import log_evaluation
 from spader_pipeline.evaluation.plots import comparison_figure
 from spader_pipeline.evaluation.suite import EvaluationResult, evaluate_manifests, records_frame
 
@@ -86,7 +87,7 @@ def run_evaluations(
     config = EvaluationConfig.from_mapping(params)
     results = evaluate_manifests(params, model_manifests, selected, frequencies, index_manifest=index_manifest,
                                  prompt=prompt, links=tracking.training_link_tags,
-                                 on_result=lambda result: tracking.log_evaluation(result, config.long_tail.edges))
+                                 on_result=lambda result: log_evaluation(result, config.long_tail.edges))
     return _outputs(results)
 
 

@@ -1,4 +1,4 @@
-"""MLflow helpers shared by the Kedro hook, nodes and trainers.
+"""MLflow run logging: the runs of a ``kedro run`` and what nodes, trainers and plugins log into them.
 
 Every ``kedro run`` is one MLflow run, the *chain* run, opened by
 :class:`spader_pipeline.hooks.MlflowTrackingHooks` and named for what ran (:func:`chain_run_name`).
@@ -11,18 +11,17 @@ run alone makes its ``kedro run`` run the method run. Evaluations of a trained c
 (:func:`log_heldout`), so Compare shows held-out results next to the training curves.
 
 Code that runs inside a node logs into the active run through the functions here, which are no-ops
-when no run is active (plain unit tests, library use). Metric keys use ``/`` namespaces
-(``data_prep/rows_in``); every key is documented in ``docs/metrics.md``.
+when no run is active (plain unit tests, library use). Code in another process (a verl worker) logs
+into the run its parent handed over (:func:`handed_over_run`, :func:`log_metrics_to_run`). Metric
+keys use ``/`` namespaces (``data_prep/rows_in``); every key is documented in ``docs/metrics.md``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import subprocess
-import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
@@ -32,14 +31,6 @@ from typing import Any
 import mlflow
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
-DEFAULT_ARTIFACT_DIR = "mlruns/artifacts"
-
-#: The experiment tag that makes the MLflow UI open a training project in its model-training view
-#: (runs table, metric charts) rather than the GenAI traces view.
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
 
 #: Kedro node tag: the node is one training run of a method, tracked as a run of its own.
 METHOD_RUN_TAG = "mlflow_method_run"
@@ -57,35 +48,6 @@ COMPARABLE_FIRST = ("answer/recall", "answer/f1", "retrieval/recall")
 METHOD_DEPENDENT_PREFIX = "method_reward/"
 #: Evaluation scores copied onto the training run as ``heldout/<dataset>/<key>`` (docs/metrics.md).
 HELDOUT_KEYS = ("recall", "precision", "f1", "exact_match", "seen_recall", "failure_rate")
-
-
-def resolve_tracking_uri(uri: str | None, project_path: Path) -> str:
-    """Return an absolute tracking URI.
-
-    ``MLFLOW_TRACKING_URI`` in the environment wins over ``uri`` (the configured value); a relative
-    SQLite path is made absolute against ``project_path`` so that subprocesses (e.g. VERL) that join
-    the run through ``MLFLOW_RUN_ID`` write into the same store.
-    """
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or uri or DEFAULT_TRACKING_URI
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        db_path = (project_path / uri[len(prefix) :]).resolve()
-        db_path.parent.mkdir(parents=True, exist_ok=True)
-        uri = prefix + str(db_path)
-    elif uri.startswith(prefix + "/"):
-        Path(uri[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
-    return uri
-
-
-def git_commit(project_path: Path) -> str:
-    """The current git commit of the project (``"unknown"`` outside a checkout)."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=project_path, capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def flatten(mapping: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
@@ -129,14 +91,15 @@ def comparable_first(values: Mapping[str, float]) -> dict[str, float]:
     return dict(sorted(values.items(), key=lambda item: rank(item[0])))
 
 
-def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
+def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "", *,
+                model_id: str | None = None) -> None:
     """Log the numeric leaves of ``metrics`` to the active run (no-op without one), comparable
-    metrics first (:func:`comparable_first`)."""
+    metrics first (:func:`comparable_first`); with ``model_id`` also against that MLflow model."""
     if not active():
         return
     values = comparable_first(numeric_items(metrics, prefix))
     if values:
-        mlflow.log_metrics(values, step=step)
+        mlflow.log_metrics(values, step=step, model_id=model_id)
 
 
 def log_params(params: Mapping[str, Any], prefix: str = "") -> None:
@@ -160,29 +123,49 @@ def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path)
 
 
-def ensure_experiment(name: str, artifact_location: Path | None = None) -> str:
-    """Create (or find) the experiment ``name``, tagged as a model-training experiment; return its id.
+def log_text(text: str, artifact_file: str) -> None:
+    """Save ``text`` as the artifact ``artifact_file`` of the active run (no-op without one)."""
+    if active():
+        mlflow.log_text(text, artifact_file)
 
-    An existing experiment that lacks :data:`EXPERIMENT_KIND_TAG` (created by an older version, or by
-    VERL's own tracker) gets it, so the UI opens it on the runs table.
-    """
-    client = mlflow.MlflowClient()
-    experiment = client.get_experiment_by_name(name)
-    if experiment is None:
-        kwargs: dict[str, Any] = {"tags": {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}}
-        if artifact_location is not None:
-            artifact_location.mkdir(parents=True, exist_ok=True)
-            kwargs["artifact_location"] = artifact_location.resolve().as_uri()
-        return client.create_experiment(name, **kwargs)
-    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
-        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    return experiment.experiment_id
+
+def log_figure(figure: Any, artifact_file: str) -> None:
+    """Save a matplotlib ``figure`` as the artifact ``artifact_file`` of the active run (no-op without one)."""
+    if active():
+        mlflow.log_figure(figure, artifact_file)
 
 
 def active_run_id() -> str | None:
     """The id of the active run (``None`` without one)."""
     run = mlflow.active_run()
     return run.info.run_id if run is not None else None
+
+
+def handed_over_run() -> tuple[str | None, str | None]:
+    """``(run id, tracking URI)`` of the run this process logs into: the one a parent process handed
+    over in ``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI`` (a verl worker), else the active run (URI
+    ``None``: the current one); ``(None, None)`` without either."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if run_id:
+        return run_id, os.environ.get("MLFLOW_TRACKING_URI")
+    return active_run_id(), None
+
+
+def log_metrics_to_run(run_id: str, metrics: Mapping[str, float], step: int | None,
+                       tracking_uri: str | None = None) -> bool:
+    """Log the flat ``metrics`` at ``step`` to the run ``run_id`` (active or not) in one request,
+    stamped now; ``True`` when the store took them. A store that fails is warned about, never
+    raised: a lost metric must not stop a training run."""
+    from mlflow.entities import Metric
+
+    timestamp = int(time.time() * 1000)
+    entries = [Metric(key, float(value), timestamp, int(step or 0)) for key, value in metrics.items()]
+    try:
+        mlflow.MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=entries)
+    except mlflow.exceptions.MlflowException as exc:
+        logger.warning("step %s: metrics not logged to MLflow run %s: %s", step, run_id, exc)
+        return False
+    return True
 
 
 def run_url(run_id: str, experiment_id: str) -> str:
@@ -310,61 +293,17 @@ def register_checkpoint(
     return model.model_id
 
 
-def training_link_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
-    """Tags that link an evaluation to the training run of its checkpoint (from a model manifest)."""
-    out = {
-        "method": manifest.get("method"),
-        "training_run_id": manifest.get("mlflow_run_id"),
-        "checkpoint.path": manifest.get("path"),
-        "checkpoint.model_id": manifest.get("mlflow_model_id"),
-    }
-    return {k: str(v) for k, v in out.items() if v}
-
-
-def log_evaluation(result: Any, edges: Any) -> None:
-    """One run per model × dataset (``evaluation.suite.EvaluationResult``) linked to the chain run:
-    tags (``model``, ``dataset``; for a checkpoint ``method`` and its training run, linked), params,
-    metrics (also on the checkpoint's model and the training run: :func:`log_heldout`), records, plot."""
-    import tempfile
-    from dataclasses import asdict
-
-    import matplotlib.pyplot as plt
-
-    from spader_pipeline.evaluation.plots import sample_figure
-
-    if not active():
-        return
-    spec, dataset = result.model, result.dataset
-    tags = {"model": spec.name, "dataset": dataset, "kind": spec.kind, **spec.training}
-    note = _training_note(spec.training)
-    if note:
-        tags["mlflow.note.content"] = note
-    with linked_run(f"evaluate:{spec.name}:{dataset}", tags), tempfile.TemporaryDirectory() as tmp:
-        log_params({**spec.describe(), "dataset": dataset, "prompt_template": result.template_name,
-                    **{f"rollout.{k}": v for k, v in asdict(result.rollout).items()}})
-        values = numeric_items(result.metrics)
-        mlflow.log_metrics(values, model_id=_model_in_store(spec.training.get("checkpoint.model_id")))
-        log_heldout(spec.training.get("training_run_id"), dataset, values)
-        path = Path(tmp) / f"{spec.name}__{dataset}.jsonl"
-        path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in result.records),
-                        encoding="utf-8")
-        log_artifact(path, "samples")
-        fig = sample_figure(result.records, result.metrics, edges, f"{spec.name} on {dataset}")
-        fig.savefig(Path(tmp) / f"{spec.name}__{dataset}.png", dpi=100)
-        plt.close(fig)
-        log_artifact(Path(tmp) / f"{spec.name}__{dataset}.png", "plots")
-
-
-def _model_in_store(model_id: str | None) -> str | None:
-    """The checkpoint's MLflow model id when it is in this tracking store, else ``None``."""
+def model_in_store(model_id: str | None) -> str | None:
+    """``model_id`` when that MLflow model is in this tracking store, else ``None``."""
     try:
         return mlflow.get_logged_model(model_id).model_id if model_id else None
     except mlflow.exceptions.MlflowException:
         return None
 
 
-def _training_note(link: Mapping[str, str]) -> str | None:
-    """Markdown description of an evaluation run: which training run made the checkpoint (a link)."""
+def training_note(link: Mapping[str, str]) -> str | None:
+    """Markdown description of an evaluation run: which training run made the checkpoint (a link);
+    ``link`` holds :func:`training_link_tags`. ``None`` without a training run."""
     run_id = link.get("training_run_id")
     if not run_id:
         return None
@@ -375,26 +314,12 @@ def _training_note(link: Mapping[str, str]) -> str | None:
     return f"Checkpoint `{link.get('checkpoint.path')}` trained in run [{run.info.run_name}]({run_url(run_id, run.info.experiment_id)})."
 
 
-@contextmanager
-def running_ui(
-    tracking_uri: str, artifact_root: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
-    startup_timeout: float = 180.0, workers: int = 1,
-) -> Iterator[str]:
-    """Run ``mlflow ui`` (the tracking server: UI + REST API) on the store; yield its base URL.
-
-    What ``make mlflow-ui`` runs, on a free loopback port; the server's process group is always
-    stopped on exit.
-    """
-    from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
-
-    port = port or free_port(host)
-    argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri,
-            "--default-artifact-root", str(Path(artifact_root).resolve()), "--host", host, "--port", str(port),
-            "--workers", str(workers)]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://{host}:{port}"
-    try:
-        wait_healthy(url, startup_timeout, process, name="mlflow ui", interval=0.5)
-        yield url
-    finally:
-        stop_process_group(process)
+def training_link_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """Tags that link an evaluation to the training run of its checkpoint (from a model manifest)."""
+    out = {
+        "method": manifest.get("method"),
+        "training_run_id": manifest.get("mlflow_run_id"),
+        "checkpoint.path": manifest.get("path"),
+        "checkpoint.model_id": manifest.get("mlflow_model_id"),
+    }
+    return {k: str(v) for k, v in out.items() if v}
