@@ -43,7 +43,7 @@ from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.evaluation.bootstrap import bootstrap_interval
 from spader_pipeline.modeling import load_model_and_tokenizer
 from spader_pipeline.modeling.warm_start import WarmStartConfig, train_sft
-from spader_pipeline.pipelines.report.nodes import markdown_table
+from spader_pipeline.reporting.tables import markdown_table
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import from_mapping
 

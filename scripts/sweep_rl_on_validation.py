@@ -35,7 +35,7 @@ from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.modeling import load_model_and_tokenizer
 from spader_pipeline.native import NativeTrainerConfig, train_native
-from spader_pipeline.pipelines.report.nodes import markdown_table
+from spader_pipeline.reporting.tables import markdown_table
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import method_settings
 

@@ -15,9 +15,10 @@ The order below is the one place it is written. Why each layer sits where it doe
 * ``data``: dataset readers and the VERL parquet rows, which carry the agent's rendered prompt;
 * drivers of the agent: the native trainer, the verl plugin (everything verl calls) and the
   evaluator; they are independent of each other;
-* the runners over the drivers: ``launch`` builds and starts verl runs (command line, environment,
-  retrieval service); ``portable`` runs a whole experiment from a bundle without Kedro or MLflow,
-  over the native trainer and the evaluator;
+* over the drivers: ``launch`` builds and starts verl runs (command line, environment, retrieval
+  service); ``portable`` runs a whole experiment from a bundle without Kedro or MLflow, over the
+  native trainer and the evaluator; ``reporting`` turns histories and evaluation records into the
+  reports (statistics over the evaluator's bootstrap, tables, figures);
 * the Kedro shell: ``pipelines`` (thin nodes) and ``hooks``; then Kedro's entry points.
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
@@ -42,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent",),
     ("data",),
     ("native", "verl_plugin", "evaluation"),
-    ("launch", "portable"),
+    ("launch", "portable", "reporting"),
     ("pipelines", "hooks"),
     ("settings", "pipeline_registry", "__main__"),
 )

@@ -4,7 +4,7 @@ numbers and words, and the mechanism summary."""
 import numpy as np
 import pandas as pd
 
-from spader_pipeline.pipelines.compare.report import build_report, question_scores
+from spader_pipeline.reporting.compare import build_report, question_scores
 
 
 def _samples(shift: float, seeds=(0, 1, 2), n=60, seed=0) -> pd.DataFrame:

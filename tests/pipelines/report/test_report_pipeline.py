@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from kedro.framework.session import KedroSession
 
-from spader_pipeline.pipelines.report.nodes import build_report, smooth
+from spader_pipeline.pipelines.report.nodes import build_report
+from spader_pipeline.reporting.training import smooth
 
 
 def _eval_table():

@@ -5,7 +5,7 @@ give a confidence interval before anything trains, :func:`select_heldout` fixes 
 questions, :func:`evaluate_references` scores the warm start and the reference models once, then
 every method × seed is a namespace of its own (:func:`cell_settings` → the training stage's
 ``train_policy`` → ``merge_policy`` → :func:`evaluate_cell`), and :func:`gather_cells` and
-:func:`write_report` turn every cell's per-question scores into the report (:mod:`.report`).
+:func:`write_report` turn every cell's per-question scores into the report (:mod:`spader_pipeline.reporting.compare`).
 Resuming is Kedro's: ``kedro run --only-missing-outputs`` skips every node whose outputs exist.
 """
 
@@ -152,7 +152,7 @@ def write_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd
                  compare: Mapping[str, Any], training: Mapping[str, Any]) -> tuple[str, Any, dict[str, float]]:
     """The comparison report (markdown, figure, metrics); markdown and figure also go to the MLflow
     chain run's artifacts (the project hook logs the metrics as ``compare/...``)."""
-    from .report import build_report
+    from spader_pipeline.reporting.compare import build_report
 
     text, figure, metrics = build_report(design, runs, samples, compare, training)
     tracking.log_text(text, "compare/report.md")

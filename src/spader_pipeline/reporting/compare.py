@@ -34,7 +34,7 @@ from spader_pipeline.evaluation.bootstrap import (
     paired_t_interval,
     wider,
 )
-from spader_pipeline.pipelines.report.nodes import markdown_table
+from spader_pipeline.reporting.tables import markdown_table
 
 #: Held-out scores compared: name → (numerator, denominator) columns of :func:`question_scores`.
 SCORES = {"recall": ("recall", None), "f1": ("f1", None), "long_tail_recall": ("tail_hits", "tail_total")}
