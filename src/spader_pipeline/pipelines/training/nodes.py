@@ -1,5 +1,6 @@
-"""Nodes of the training stage. Thin: the work is in :mod:`spader_pipeline.modeling`,
-:mod:`spader_pipeline.native` and :mod:`spader_pipeline.launch`."""
+"""Nodes of the training stage. Thin: they pick the settings, run the stages of
+:mod:`spader_pipeline.native.stages` (in a child process with ``subprocess``) or a VERL launch
+(:mod:`spader_pipeline.launch`), and record the runs in MLflow (:mod:`spader_pipeline.tracking`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from spader_pipeline.algorithms.validation import ValidationSettings, validation
 from spader_pipeline.child_process import in_child_process
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged
-from spader_pipeline.retrieval.settings import search_backend
-from spader_pipeline.tracking_buffer import active_run_target, run_writer
+from spader_pipeline.native.stages import run_training, run_warm_start, validate_start_model
+from spader_pipeline.tracking_buffer import active_run_target
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
@@ -54,19 +55,9 @@ def warm_start(
     if not params.get("enabled", True):
         logger.info("warm start disabled; RL starts from the base model")
         return {**base_model_manifest, "warm_start": False}, {}
-    run = in_child_process(_warm_start, enabled=params.get("subprocess", True), name="warm_start")
+    run = in_child_process(run_warm_start, enabled=params.get("subprocess", True), name="warm_start")
     return run(base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], params,
                _template(prompt, params.get("prompt_template")), active_run_target())
-
-
-def _warm_start(model_path, verl_train, verl_validation, index_dir, params, template, run_target):
-    """:func:`spader_pipeline.native.warm_start.warm_start`, its curve logged to the MLflow run
-    ``run_target`` (id, tracking URI) as ``warm_start/train/…``."""
-    from spader_pipeline.native.warm_start import warm_start as run_warm_start
-
-    with run_writer(*run_target) as writer:
-        on_log = (lambda step, m: writer.log_metrics(tracking.numeric_items(m, "warm_start/train"), step)) if writer else None
-        return run_warm_start(model_path, verl_train, verl_validation, index_dir, params, template, on_log=on_log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,12 +136,20 @@ def _train(init_manifest, verl_train, index_manifest, method, training, prompt, 
         return launch_verl_training(init_manifest, index_manifest, method, training, run_dir,
                                     train=verl_train, validation=verl_validation), []
 
-    train = in_child_process(_train_native, enabled=training.get("subprocess", True), name=f"train_{name}")
+    train = in_child_process(run_training, enabled=training.get("subprocess", True), name=f"train_{name}")
     try:
-        return train(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
-                     verl_validation, warm_start_validation, active_run_target())
+        result = train(method_settings(training, method, "native"), model_path=init_manifest["path"],
+                       verl_train=verl_train, verl_validation=verl_validation, search=training.get("search"),
+                       index_dir=index_manifest["index_dir"], run_dir=run_dir, template=template,
+                       max_train_questions=training.get("max_train_questions"),
+                       validation_settings=validation_settings(training), start_validation=warm_start_validation,
+                       run_target=active_run_target())
     except SettingsChanged as changed:  # the trainer's error, with the ways on in Kedro's terms
         raise changed.with_ways_on(_ways_on(run_dir)) from None
+    manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
+                "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
+                "resumed_from": result.resumed_from}
+    return manifest, result.history
 
 
 def _ways_on(run_dir: Path) -> tuple[str, str]:
@@ -159,38 +158,6 @@ def _ways_on(run_dir: Path) -> tuple[str, str]:
             "compare cells: compare.output_dir)",
             "start afresh here: `--params training.native.resume=false` (the checkpoints then move to "
             f"{run_dir}/checkpoints.superseded-<time>/ with the run's config.json and metrics.jsonl)")
-
-
-def _train_native(init_manifest, verl_train, index_manifest, method, training, template, run_dir,
-                  verl_validation, warm_start_validation, run_target):
-    """The native trainer's run (in a child process with ``training.subprocess``); its metrics and
-    samples go to the MLflow run ``run_target`` (id, tracking URI)."""
-    from spader_pipeline.native import NativeTrainerConfig, train_native
-
-    name = method["method"]
-    config = NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
-    samples = samples_from_verl(verl_train, training.get("max_train_questions"), config.seed)
-    validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []
-    # metrics and samples go through a buffered writer: no step waits on, or fails with, the server
-    with (search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search,
-          run_writer(*run_target) as writer):
-        result = train_native(
-            config,
-            model_path=init_manifest["path"],
-            samples=samples,
-            search=search,
-            run_dir=run_dir,
-            prompt_template=template,
-            log_metrics=(lambda m, step: writer.log_metrics(tracking.comparable_first(m), step)) if writer else None,
-            log_artifact=(lambda p: writer.log_artifact(p, artifact_path="samples")) if writer else None,
-            validation=validation,
-            validation_settings=validation_settings(training),
-            start_validation=warm_start_validation,
-        )
-    manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
-                "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
-                "resumed_from": result.resumed_from}
-    return manifest, result.history
 
 
 def validate_warm_start(
@@ -208,34 +175,14 @@ def validate_warm_start(
     samples = validation_subset(samples_from_verl(verl_validation), settings.max_questions)
     if training.get("backend", "native") != "native" or not settings.before_train or not samples:
         return {}
-    validate = in_child_process(_validate_start_model, enabled=training.get("subprocess", True),
+    validate = in_child_process(validate_start_model, enabled=training.get("subprocess", True),
                                 name="validate_warm_start")
-    metrics, identity = validate(warm_start_manifest["path"], samples, index_manifest, training,
-                                 _template(prompt, training.get("prompt_template")))
+    metrics, identity = validate(warm_start_manifest["path"], samples, native=training.get("native"),
+                                 search=training.get("search"), index_dir=index_manifest["index_dir"],
+                                 template=_template(prompt, training.get("prompt_template")))
     logger.info("warm start validation (step 0 of every method): %s",
                 ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return {"identity": identity, "metrics": metrics}
-
-
-def _validate_start_model(model_path, samples, index_manifest, training, template):
-    """(metrics, identity) of the model at ``model_path`` on the validation ``samples``."""
-    from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.device import resolve_device
-    from spader_pipeline.modeling.precision import resolve_bf16
-    from spader_pipeline.native import NativeTrainerConfig
-    from spader_pipeline.native.validation import validate_policy, validation_identity
-
-    config = NativeTrainerConfig.from_mapping(dict(training.get("native") or {}))
-    model, tokenizer = load_model_and_tokenizer(model_path, device=resolve_device(config.device))
-    bf16 = resolve_bf16(config.bf16, resolve_device(config.device), model)
-    with search_backend(training.get("search"), index_manifest["index_dir"], where="training.search") as search:
-        metrics = validate_policy(model, tokenizer, samples, search, config.rollout, template,
-                                  max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                  bf16=bf16)
-    identity = validation_identity(model_path, samples, config.rollout, template,
-                                   max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                   bf16=bf16)
-    return metrics, identity
 
 
 def validation_settings(training: Mapping[str, Any]) -> ValidationSettings:
