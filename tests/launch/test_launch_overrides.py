@@ -1,6 +1,7 @@
-"""Hydra overlays in conf/base/verl and build_overrides: every overlay composes with verl's own config
-(in process; verl's real CLI, ``python -m verl.trainer.main_ppo ... --cfg job``, composes the
-launcher's command in tests/launch/test_launch_verl.py::test_generated_command_composes_with_cfg_job)."""
+"""conf/base/verl's one entry point, ``method.yaml``, and build_overrides: every method and model
+composes with verl's own config through the launcher's overrides (in process; verl's real CLI,
+``python -m verl.trainer.main_ppo ... --cfg job``, composes the launcher's command in
+tests/launch/test_launch_verl.py::test_generated_command_composes_with_cfg_job)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import spader_pipeline.verl_plugin  # noqa: E402,F401  (the methods' settings: Hydra group spader_method)
 from spader_pipeline.algorithms.methods import method_names  # noqa: E402
-from spader_pipeline.launch.overrides import build_overrides, main_ppo_argv, overlay_name  # noqa: E402
+from spader_pipeline.launch.overrides import (  # noqa: E402
+    METHOD_CONFIG,
+    MODELS,
+    build_overrides,
+    main_ppo_argv,
+    overlay_name,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "base" / "verl"
-OVERLAYS = [
-    "grpo",
-    "spader",
-    "grpo_qwen3_8b",
-    "spader_qwen3_8b",
-    "grpo_llama3_8b",
-    "spader_llama3_8b",
-]
+#: the SPADER paper's configs: GRPO and SPADER on each of its models
+PAPER_RUNS = [(method, model) for model in MODELS for method in ("grpo", "spader")]
 
 
 def _compose(name: str, overrides: list[str] | None = None):
@@ -47,12 +48,21 @@ def _diff(a, b, prefix=""):
 
 @pytest.fixture(scope="module")
 def composed():
+    """Each paper run as the launcher composes it: ``method.yaml`` with the method's and model's overrides."""
     from omegaconf import OmegaConf
 
-    return {name: OmegaConf.to_container(_compose(name)) for name in OVERLAYS}
+    return {(method, model): OmegaConf.to_container(_compose(METHOD_CONFIG, build_overrides({"method": method, "model": model})))
+            for method, model in PAPER_RUNS}
 
 
-def test_every_overlay_composes_with_paper_settings(composed):
+def test_method_yaml_is_the_one_entry_point():
+    """One way to launch verl: no hand-written config per method or model beside ``method.yaml``."""
+    entry_points = sorted(p.name for p in CONF.glob("*.yaml") if "defaults:" in p.read_text())
+    assert entry_points == [f"{METHOD_CONFIG}.yaml"]
+    assert overlay_name({"method": "spader"}) == METHOD_CONFIG
+
+
+def test_every_paper_run_composes_with_paper_settings(composed):
     for cfg in composed.values():
         assert cfg["reward"]["reward_manager"]["name"] == "spader"
         assert cfg["data"]["train_batch_size"] == 32 and cfg["actor_rollout_ref"]["rollout"]["n"] == 16
@@ -62,19 +72,20 @@ def test_every_overlay_composes_with_paper_settings(composed):
         assert cfg["actor_rollout_ref"]["rollout"]["agent"]["agent_loop_manager_class"].endswith(
             "GroupRewardAgentLoopManager"
         )
-    assert composed["spader_qwen3_8b"]["algorithm"]["spa"]["gamma"] == 0.9
-    assert composed["spader_llama3_8b"]["reward"]["reward_kwargs"]["cost_free_steps"] == 200
-    assert composed["spader_qwen3_8b"]["reward"]["reward_kwargs"]["cost_free_steps"] == 100
+    assert composed[("spader", "qwen3_8b")]["algorithm"]["spa"]["gamma"] == 0.9
+    assert composed[("spader", "llama3_8b")]["reward"]["reward_kwargs"]["cost_free_steps"] == 200
+    assert composed[("spader", "qwen3_8b")]["reward"]["reward_kwargs"]["cost_free_steps"] == 100
     assert (
-        composed["spader_llama3_8b"]["actor_rollout_ref"]["model"]["path"]
+        composed[("spader", "llama3_8b")]["actor_rollout_ref"]["model"]["path"]
         == "meta-llama/Llama-3.1-8B-Instruct"
     )
+    assert composed[("spader", "qwen3_8b")]["trainer"]["experiment_name"] == "spader"
 
 
 def test_grpo_and_spader_differ_only_by_the_method(composed):
     """The SPADER reference's GRPO baseline also differed in format penalty, reward path and logging."""
-    for model in ("qwen3_8b", "llama3_8b"):
-        diff = _diff(composed[f"grpo_{model}"], composed[f"spader_{model}"])
+    for model in MODELS:
+        diff = _diff(composed[("grpo", model)], composed[("spader", model)])
         assert diff == {
             "algorithm.adv_estimator",
             "algorithm.spa",  # SPA's options
@@ -171,11 +182,11 @@ def test_entry_point_is_declared_and_loads():
 def test_validation_block_sets_verls_schedule_subset_and_greedy_decoding():
     """training.validation composes into verl's own validation keys (the native trainer's schedule)."""
     overrides = build_overrides({"method": "spader", "validation": {"every": 3, "before_train": True, "max_questions": 24}})
-    cfg = _compose("spader", overrides)
+    cfg = _compose(METHOD_CONFIG, overrides)
     assert cfg.trainer.test_freq == 3 and cfg.trainer.val_before_train is True
     assert cfg.data.val_max_samples == 24 and cfg.data.validation_shuffle is False
     assert cfg.actor_rollout_ref.rollout.val_kwargs.do_sample is False and cfg.actor_rollout_ref.rollout.val_kwargs.n == 1
-    never = _compose("spader", build_overrides({"method": "spader", "validation": {"every": 0, "max_questions": None}}))
+    never = _compose(METHOD_CONFIG, build_overrides({"method": "spader", "validation": {"every": 0, "max_questions": None}}))
     assert never.trainer.test_freq == -1 and never.data.val_max_samples == -1
     with pytest.raises(ValueError, match="validation"):
         build_overrides({"method": "spader", "validation": {"every": -1}})

@@ -1,7 +1,7 @@
 """Kedro parameters → ``python -m verl.trainer.main_ppo`` command line (pure, no verl import).
 
-The Hydra overlays in ``conf/base/verl/`` hold the paper settings and every method's settings come
-from the method registry (the Hydra group ``spader_method``,
+The Hydra config in ``conf/base/verl/`` (one entry point, ``method.yaml``, and its groups) holds the
+paper settings and every method's settings come from the method registry (the Hydra group ``spader_method``,
 :mod:`spader_pipeline.verl_plugin.method_configs`); ``build_overrides`` adds only what
 a run chooses (data, model path, cluster size, output directories, method hyper-parameters), so every
 GRPO-vs-SPADER difference stays visible in config (docs/training.md, "RL: the VERL backend").

@@ -13,7 +13,7 @@ verl's reward loop scores one sample at a time (``run_single``) and only the cla
   ``meta_info["global_steps"]`` (the schedule of SPADER, arXiv 2606.00593; docs/algorithms.md).
 
 Where verl calls ``assemble_rm_scores``: only on its colocated-reward path. On the default streaming
-path verl writes the per-sample scalar on the last token itself, so the SPADER overlays install
+path verl writes the per-sample scalar on the last token itself, so the shared verl config installs
 :class:`~spader_pipeline.verl_plugin.batch_reward.GroupRewardAgentLoopManager`, which calls this
 classmethod on every generated batch (see ``docs/algorithms.md``).
 
