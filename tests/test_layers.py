@@ -19,7 +19,7 @@ The order below is the one place it is written. Why each layer sits where it doe
   service); ``portable`` runs a whole experiment from a bundle without Kedro or MLflow, over the
   native trainer and the evaluator; ``reporting`` turns histories and evaluation records into the
   reports (statistics over the evaluator's bootstrap, tables, figures);
-* the Kedro shell: ``pipelines`` (thin nodes) and ``hooks``; then Kedro's entry points.
+* the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points.
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
 resolved.
@@ -44,7 +44,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("native", "verl_plugin", "evaluation"),
     ("launch", "portable", "reporting"),
-    ("pipelines", "hooks"),
+    ("pipelines",),
+    ("hooks",),
     ("settings", "pipeline_registry", "__main__"),
 )
 LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -57,15 +57,11 @@ def pipeline_label(run_params: dict[str, Any]) -> str:
     return ",".join(name for name in names if name) or "__default__"
 
 
-#: Kedro tag of a compare cell's nodes: a run made only of such nodes writes only their namespaces.
-CELL_TAG = "compare_cell"
-
-
 def locked_cells(pipeline) -> list[str]:
-    """The cells a run writes when it runs cells alone (every node tagged :data:`CELL_TAG`): their
+    """The cells a run writes when it runs cells alone (every node tagged :data:`~spader_pipeline.run_lock.CELL_TAG`): their
     top-level namespaces; ``[]`` when the run writes anything else (it then holds the whole root)."""
     nodes = list(pipeline.nodes)
-    if not nodes or not all(CELL_TAG in n.tags and n.namespace for n in nodes):
+    if not nodes or not all(run_lock.CELL_TAG in n.tags and n.namespace for n in nodes):
         return []
     return sorted({n.namespace.split(".")[0] for n in nodes})
 

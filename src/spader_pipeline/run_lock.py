@@ -47,6 +47,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: Kedro tag of a compare cell's nodes: a run made only of such nodes writes only their namespaces,
+#: and holds their cell locks (the pipeline tags its nodes, the hooks read the tags).
+CELL_TAG = "compare_cell"
 LOCK_NAME = ".kedro-run.lock"
 #: The folder of the cell locks, beside the root lock.
 CELLS_DIR = ".kedro-run.cells"

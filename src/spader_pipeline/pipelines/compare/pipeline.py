@@ -23,13 +23,13 @@ from typing import Any
 
 from kedro.pipeline import Pipeline, node, pipeline
 
-from spader_pipeline.hooks import CELL_TAG
 from spader_pipeline.pipelines.base_model import create_pipeline as base_model_pipeline
 from spader_pipeline.pipelines.data_prep import create_pipeline as data_prep_pipeline
 from spader_pipeline.pipelines.index_build import create_pipeline as index_build_pipeline
 from spader_pipeline.pipelines.merge.nodes import merge_policy
 from spader_pipeline.pipelines.training.nodes import train_policy
 from spader_pipeline.pipelines.training.pipeline import warm_start_pipeline
+from spader_pipeline.run_lock import CELL_TAG
 from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from . import nodes
