@@ -43,22 +43,11 @@ def validate_start_model(model_path: str, samples: Sequence[Mapping[str, Any]], 
     """``(metrics, identity)`` of the model at ``model_path``, greedy on the validation ``samples``
     with the trainer's turn limits and precision (``native``: the ``training.native`` settings;
     ``search``: ``training.search`` over the index at ``index_dir``)."""
-    from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.device import resolve_device
-    from spader_pipeline.modeling.precision import resolve_bf16
-    from spader_pipeline.native.validation import validate_policy, validation_identity
+    from spader_pipeline.native.validation import validate_model_at
 
     config = NativeTrainerConfig.from_mapping(dict(native or {}))
-    model, tokenizer = load_model_and_tokenizer(model_path, device=resolve_device(config.device))
-    bf16 = resolve_bf16(config.bf16, resolve_device(config.device), model)
     with search_backend(search, index_dir, where="training.search") as backend:
-        metrics = validate_policy(model, tokenizer, samples, backend, config.rollout, template,
-                                  max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                  bf16=bf16)
-    identity = validation_identity(model_path, samples, config.rollout, template,
-                                   max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                   bf16=bf16)
-    return metrics, identity
+        return validate_model_at(model_path, samples, backend, config, template)
 
 
 def run_training(native: Mapping[str, Any], *, model_path: str, verl_train: pd.DataFrame,

@@ -18,7 +18,7 @@ from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rol
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.validation import validation_metrics
 
-__all__ = ["validate_policy", "validation_identity", "weights_stamp"]
+__all__ = ["validate_model_at", "validate_policy", "validation_identity", "weights_stamp"]
 
 
 def weights_stamp(model_path: str | Path) -> list[list[Any]]:
@@ -62,3 +62,22 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
         "max_prompt_tokens": int(max_prompt_tokens),
         "bf16": bool(bf16),
     }, default=str))
+
+
+def validate_model_at(model_path: str | Path, samples: Sequence[Mapping[str, Any]], search: Any, config: Any,
+                      prompt_template: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(metrics, identity)`` of the model at ``model_path``, greedy on ``samples`` with the trainer
+    settings ``config`` (a :class:`~spader_pipeline.native.NativeTrainerConfig`: turn limits, device,
+    precision): the step-0 validation every method of one start model shares."""
+    from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.modeling.device import resolve_device
+    from spader_pipeline.modeling.precision import resolve_bf16
+
+    device = resolve_device(config.device)
+    model, tokenizer = load_model_and_tokenizer(model_path, device=device)
+    bf16 = resolve_bf16(config.bf16, device, model)
+    limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens}
+    metrics = validate_policy(model.eval(), tokenizer, samples, search, config.rollout, prompt_template, bf16=bf16,
+                              **limits)
+    identity = validation_identity(model_path, samples, config.rollout, prompt_template, bf16=bf16, **limits)
+    return metrics, identity

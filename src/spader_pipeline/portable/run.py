@@ -163,10 +163,8 @@ def _start_validation(model_dir: str, validation: pd.DataFrame, search: Any, set
     """Step 0 of every method's validation curve, computed once (as the ``validate_warm_start`` node)."""
     from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
     from spader_pipeline.data.formats import samples_from_verl
-    from spader_pipeline.modeling import load_model_and_tokenizer
-    from spader_pipeline.modeling.precision import resolve_bf16
     from spader_pipeline.native import NativeTrainerConfig
-    from spader_pipeline.native.validation import validate_policy, validation_identity
+    from spader_pipeline.native.validation import validate_model_at
     from spader_pipeline.typed_config import from_mapping
 
     training = settings["training"]
@@ -175,12 +173,7 @@ def _start_validation(model_dir: str, validation: pd.DataFrame, search: Any, set
     if not schedule.before_train or not samples:
         return {}
     config = NativeTrainerConfig.from_mapping({**(training.get("native") or {}), "device": device})
-    model, tokenizer = load_model_and_tokenizer(model_dir, device=device)
-    bf16 = resolve_bf16(config.bf16, device, model)
-    limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens}
-    metrics = validate_policy(model.eval(), tokenizer, samples, search, config.rollout, template, bf16=bf16, **limits)
-    identity = validation_identity(model_dir, samples, config.rollout, template, bf16=bf16, **limits)
-    del model
+    metrics, identity = validate_model_at(model_dir, samples, search, config, template)
     _free(device)
     return {"identity": identity, "metrics": metrics}
 
