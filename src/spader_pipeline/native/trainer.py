@@ -246,10 +246,13 @@ def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any],
     otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints move aside first, so the
     new run neither mixes with nor prunes them.
     """
-    if not config.resume:
+    def move_aside(why: str) -> None:
         aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
         if aside is not None:
-            logger.warning("resume: false: the earlier checkpoints of %s moved to %s", run_dir, aside)
+            logger.warning("%s: the earlier checkpoints of %s moved to %s; the run starts afresh", why, run_dir, aside)
+
+    if not config.resume:
+        move_aside("resume: false")
         return None
     found = select_checkpoint(run_dir)
     if found is None:
@@ -262,9 +265,7 @@ def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any],
     if changes and all(key.split(".")[0] in _START for key, _, _ in changes):
         # Same settings, but the start model was written again (a rerun of the chain trains the warm
         # start anew): the checkpoints continue a model that is gone, so they move aside, whole.
-        aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
-        logger.warning("the start model %s was written again since the checkpoints of %s; they moved to %s "
-                       "and the run starts afresh", settings["start_model"], run_dir, aside)
+        move_aside(f"the start model {settings['start_model']} was written again")
         return None
     raise SettingsChanged(run_dir, found[0], changes)
 
