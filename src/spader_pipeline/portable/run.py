@@ -306,8 +306,10 @@ def environment(device: str) -> dict[str, str]:
 
 
 def _trajectories_per_step(settings: Mapping[str, Any]) -> int:
-    native = settings["training"].get("native") or {}
-    return int(native.get("prompts_per_step", 4)) * int(native.get("group_size", 8))
+    """The trainer's batch (questions × group), its defaults included."""
+    from spader_pipeline.native import NativeTrainerConfig
+
+    return NativeTrainerConfig.from_mapping(dict(settings["training"].get("native") or {})).batch_size
 
 
 def _free(device: str) -> None:
