@@ -58,8 +58,8 @@ def bundle(tmp_path, native_model_dir, toy_index_dir):
                          heldout=heldout, index_dir=toy_index_dir, base_model_dir=native_model_dir)
 
 
-def _check_run(bundle, out, device: str) -> dict:
-    summary = run_bundle(bundle, out, device=device)
+def _check_run(bundle, out, device: str, *, parallel_methods: bool = False) -> dict:
+    summary = run_bundle(bundle, out, device=device, parallel_methods=parallel_methods)
     assert summary["failed_methods"] == {}
     assert set(summary["models"]) == {"warm_start", "grpo", "spader"}
     assert summary["steps"] == {"grpo": 2, "spader": 2} and summary["questions"] == len(QUESTIONS)
@@ -79,8 +79,11 @@ def _check_run(bundle, out, device: str) -> dict:
 
 @pytest.mark.slow
 def test_a_bundle_runs_end_to_end_on_the_cpu(bundle, tmp_path):
+    """The methods side by side, one spawned process each (the GPU run's way); the sequential way is
+    the same function in-process (the ``gpu`` variant below)."""
     assert read_settings(bundle)["base_model"] == {"path": "base_model"}
-    _check_run(bundle, tmp_path / "out", "cpu")
+    summary = _check_run(bundle, tmp_path / "out", "cpu", parallel_methods=True)
+    assert {"train_grpo", "evaluate_grpo", "train_spader", "evaluate_spader"} <= set(summary["seconds"])
 
 
 @pytest.mark.gpu

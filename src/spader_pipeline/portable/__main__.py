@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--methods", default=None)
     run.add_argument("--rl-seconds", type=float, default=None, help="wall-clock budget of each method's RL run")
     run.add_argument("--max-heldout", type=int, default=None, help="score only the first N held-out questions")
+    run.add_argument("--parallel-methods", action="store_true",
+                     help="train and evaluate the methods side by side, one process each, on the same device")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a setting, e.g. training.native.total_steps=2 (YAML value; repeatable)")
     args = parser.parse_args(argv)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--set {item!r}: use KEY=VALUE")
         overrides[key] = yaml.safe_load(value)
     summary = run_bundle(args.bundle, args.out, device=args.device, methods=methods, rl_seconds=args.rl_seconds,
-                         overrides=overrides, max_heldout=args.max_heldout)
+                         overrides=overrides, max_heldout=args.max_heldout, parallel_methods=args.parallel_methods)
     shown = {k: summary[k] for k in ("models", "steps", "failed_methods", "seconds", "environment")}
     print(json.dumps(shown, indent=1, default=float))  # noqa: T201 - the command's output
     if summary["failed_methods"]:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
+import os
 import platform
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -41,7 +44,7 @@ REFERENCE = "warm_start"
 
 def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", methods: Sequence[str] | None = None,
                rl_seconds: float | None = None, overrides: Mapping[str, Any] | None = None,
-               max_heldout: int | None = None) -> dict[str, Any]:
+               max_heldout: int | None = None, parallel_methods: bool = False) -> dict[str, Any]:
     """Run the bundle at ``bundle`` into ``out``; returns the summary (also ``out/summary.json``).
 
     Args:
@@ -51,6 +54,10 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
         overrides: ``{"dotted.key": value}`` laid over the bundle's settings (e.g.
             ``{"training.native.total_steps": 2}``), recorded in the summary.
         max_heldout: score only the first N held-out questions (smoke runs; ``None``: all).
+        parallel_methods: train and evaluate the methods side by side, one child process each, on the
+            same device (after the shared warm start). A small model's rollout leaves a GPU mostly idle
+            (its decoding step is bound by host-side launches, docs/gpu.md), so two methods take about
+            the wall time of one. Same settings and seeds as one after the other.
     """
     from spader_pipeline.data.schema import frame_records
     from spader_pipeline.modeling.device import resolve_device
@@ -105,21 +112,111 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
         with clock(f"evaluate_{REFERENCE}"):
             records += _evaluate(REFERENCE, warm_start_dir, heldout, search, settings, template, device)
         report()
-        for method in methods:
-            try:  # one method's failure is reported, and the others still run
-                with clock(f"train_{method}"):
-                    result = _train(method, warm_start_dir, train, validation_frame, search, settings, template,
-                                    out / f"train_{method}", device, start_validation, rl_seconds)
-                curves[method] = result.history
-                with clock(f"evaluate_{method}"):
-                    records += _evaluate(method, result.final_model_dir, heldout, search, settings, template, device)
-            except Exception as err:  # noqa: BLE001 - recorded in the summary with its traceback in the log
-                logger.exception("method %s failed", method)
-                failures[method] = f"{type(err).__name__}: {err}"
-                _free(device)
+        stage = MethodStage(bundle=str(bundle), warm_start_dir=str(warm_start_dir), settings=settings, out=str(out),
+                            device=device, start_validation=start_validation, rl_seconds=rl_seconds,
+                            max_heldout=max_heldout)
+        if parallel_methods and len(methods) > 1:
+            results = _run_side_by_side(stage, methods)
+        else:
+            results = (run_method(stage, method, search) for method in methods)
+        for result in results:  # each as it finishes
+            timings.update(result.seconds)
+            if result.failure is not None:
+                failures[result.method] = result.failure
+            else:
+                curves[result.method] = result.history
+                records += result.records
             report()
     summary = report()
     return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodStage:
+    """What one method's stage (RL from the warm start, then the held-out evaluation) needs: plain
+    values, so that a child process can run it (:func:`run_method`)."""
+
+    bundle: str
+    warm_start_dir: str
+    settings: dict[str, Any]
+    out: str
+    device: str
+    start_validation: dict[str, Any]
+    rl_seconds: float | None
+    max_heldout: int | None
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """A method's validation curve, held-out records and stage times; ``failure`` when it failed."""
+
+    method: str
+    history: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    seconds: dict[str, float]
+    failure: str | None = None
+
+
+def run_method(stage: MethodStage, method: str, search: Any = None) -> MethodResult:
+    """Train ``method`` from the warm start and score it on the held-out set. A failure is returned
+    (its traceback logged), not raised, so the other methods still run. ``search``: the open index
+    (``None``: open the bundle's, as a child process does)."""
+    from spader_pipeline.data.schema import frame_records
+    from spader_pipeline.retrieval.settings import search_backend
+
+    bundle, settings = Path(stage.bundle), stage.settings
+    seconds: dict[str, float] = {}
+    clock = functools.partial(_stage, seconds)
+    train = pd.read_parquet(bundle / "train.parquet")
+    validation = pd.read_parquet(bundle / "validation.parquet")
+    heldout = frame_records(pd.read_json(bundle / "heldout.jsonl", lines=True, dtype=False))[: stage.max_heldout]
+    with contextlib.ExitStack() as stack:
+        if search is None:
+            search = stack.enter_context(search_backend({"mode": "local"}, str(bundle / "index"),
+                                                        where=f"portable.search ({method})"))
+        try:
+            with clock(f"train_{method}"):
+                result = _train(method, stage.warm_start_dir, train, validation, search, settings,
+                                settings["prompt_template"], Path(stage.out) / f"train_{method}", stage.device,
+                                stage.start_validation, stage.rl_seconds)
+            with clock(f"evaluate_{method}"):
+                records = _evaluate(method, result.final_model_dir, heldout, search, settings,
+                                    settings["prompt_template"], stage.device)
+        except Exception as err:  # noqa: BLE001 - recorded in the summary with its traceback in the log
+            logger.exception("method %s failed", method)
+            _free(stage.device)
+            return MethodResult(method, [], [], seconds, f"{type(err).__name__}: {err}")
+    return MethodResult(method, list(result.history), records, seconds)
+
+
+def _run_method_in_child(stage: MethodStage, method: str, threads: int) -> MethodResult:
+    """:func:`run_method` in a spawned child: its own logging and its share of the CPU threads."""
+    import torch
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s %(levelname)s [{method}] %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    return run_method(stage, method)
+
+
+def _run_side_by_side(stage: MethodStage, methods: Sequence[str]) -> Iterator[MethodResult]:
+    """Each method in its own spawned process, all at once; results in the order they finish. A child
+    that dies (killed, out of memory) is reported as that method's failure."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // len(methods))
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with ProcessPoolExecutor(max_workers=len(methods), mp_context=context) as pool:
+        futures = {pool.submit(_run_method_in_child, stage, method, threads): method for method in methods}
+        logger.info("methods side by side: %s (%d CPU threads each)", ", ".join(methods), threads)
+        for future in as_completed(futures):
+            method = futures[future]
+            try:
+                yield future.result()
+            except Exception as err:  # noqa: BLE001 - the child died: that method failed, the others stand
+                logger.error("method %s: its process failed: %s", method, err)
+                yield MethodResult(method, [], [], {}, f"{type(err).__name__}: {err}")
 
 
 def with_overrides(settings: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
