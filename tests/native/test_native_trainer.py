@@ -207,3 +207,22 @@ def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(t
     assert step0(tmp_path / "shared", {"identity": identity, "metrics": planted}) == planted
     other = {"identity": {**identity, "questions": ["v0"]}, "metrics": planted}
     assert step0(tmp_path / "other", other)["val/embedded/recall"] != 0.123  # scored by the trainer itself
+
+
+def test_a_time_budget_stops_before_a_step_that_would_pass_it_and_validates_the_last(tmp_path, native_model_dir,
+                                                                                      toy_index_dir, tiny_config):
+    """``max_seconds``: the first step always runs; a budget shorter than a step ends the run after it,
+    saved and validated as a last step is, although the schedule (every 5) would not validate step 1."""
+    from spader_pipeline.algorithms.validation import ValidationSettings
+    from spader_pipeline.retrieval import load_retriever
+
+    logged = []
+    validation = [{**q, "id": f"v{i}", "data_source": "embedded"} for i, q in enumerate(QUESTIONS)]
+    result = train_native(
+        tiny_config(method="grpo", total_steps=10, max_seconds=1e-3, options={}), model_path=native_model_dir,
+        samples=QUESTIONS, search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path,
+        prompt_template=TEMPLATE, log_metrics=lambda m, s: logged.append((s, dict(m))), validation=validation,
+        validation_settings=ValidationSettings(every=5, before_train=False, max_questions=2),
+    )
+    assert result.steps == 1 and [s for s, _ in logged] == [1] and "val/embedded/recall" in logged[0][1]
+    AutoModelForCausalLM.from_pretrained(result.final_model_dir)

@@ -41,9 +41,10 @@ class NativeTrainerConfig:
     total_steps: int = 100
     """optimizer steps of the run (each step = one rollout batch)"""
     max_seconds: float | None = None
-    """wall-clock budget: the run ends (and saves its final model) after the first step that
-    passes it, even before ``total_steps``; ``None`` = no budget. With a budget the number of steps
-    depends on the machine, so leave it ``None`` where runs must be step-for-step reproducible"""
+    """wall-clock budget: the run ends (validating and saving its final model) before a step that
+    would not end within it, judged by its longest step so far (the first step always runs), even
+    before ``total_steps``; ``None`` = no budget. With a budget the number of steps depends on the
+    machine, so leave it ``None`` where runs must be step-for-step reproducible"""
     prompts_per_step: int = 4
     """distinct questions per step"""
     group_size: int = 8

@@ -159,11 +159,11 @@ def train_native(
     settings = validation_settings or ValidationSettings(every=0, before_train=False)
     val_set = validation_subset(validation, settings.max_questions)
 
-    def validate(step: int) -> dict[str, float]:
-        due = val_set and settings.due(step, config.total_steps)
+    def validate(step: int, last: bool = False) -> dict[str, float]:
+        due = val_set and settings.every > 0 and (last or settings.due(step, config.total_steps))
         return _validate(run, val_set, search, prompt_template) if due else {}
 
-    step, run_started, out_of_time = run.start_step, time.perf_counter(), False
+    step, run_started, out_of_time, longest_step = run.start_step, time.perf_counter(), False, 0.0
     if step == 0 and val_set and settings.due(0, config.total_steps):
         identity = validation_identity(model_path, val_set, config.rollout, prompt_template,
                                        max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
@@ -185,9 +185,13 @@ def train_native(
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
         metrics = step_report(run, rollouts, adv, grpo, update, timing)
         metrics.update(host_memory_report())
-        metrics.update(validate(step))
+        # With a budget, stop before a step that would not end within it (judged by the longest so far);
+        # the last step is then validated, as the schedule's last one is.
+        longest_step = max(longest_step, time.perf_counter() - step_started)
+        out_of_time = (config.max_seconds is not None
+                       and time.perf_counter() - run_started + longest_step > config.max_seconds)
+        metrics.update(validate(step, last=out_of_time))
         record_step(run, step, metrics, rollouts, adv, log_metrics, log_artifact)
-        out_of_time = config.max_seconds is not None and time.perf_counter() - run_started > config.max_seconds
         checkpoint(run, step, out_of_time)
         if stop_after is not None and step >= stop_after:
             break
