@@ -21,6 +21,7 @@ bf16 weights. The table is printed last; ``--profile`` adds torch.profiler's top
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -48,8 +49,7 @@ def prefill(model, rows: int, width: int, device: str) -> tuple[GrowingKVCache, 
     return cache, ids, mask
 
 
-@torch.no_grad()
-def time_decode_batch(model, rows, width, steps, device, autocast) -> float:
+def _decode_seconds(model, rows, width, steps, device, autocast) -> float:
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (rows, width), device=device)
     mask = torch.ones_like(ids)
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=steps, pad_token_id=0)
@@ -60,14 +60,16 @@ def time_decode_batch(model, rows, width, steps, device, autocast) -> float:
         decode_batch(model, ids, mask, GrowingKVCache(), [steps] * rows, eos_ids=set(), pad_id=0,
                      processors=processors, do_sample=do_sample)
         sync()
-        total = time.perf_counter() - started
-        # the prefill's share: one forward over the whole width
-        sync()
-        started = time.perf_counter()
-        prefill(model, rows, width, device)
-        sync()
-        prefill_seconds = time.perf_counter() - started
-    return (total - prefill_seconds) / steps
+    return time.perf_counter() - started
+
+
+@torch.no_grad()
+def time_decode_batch(model, rows, width, steps, device, autocast) -> float:
+    """Seconds per step of ``decode_batch``: two runs of ``steps`` and ``3 * steps`` steps, the
+    difference over ``2 * steps`` (the prefill and the setup cancel)."""
+    short = _decode_seconds(model, rows, width, steps, device, autocast)
+    long = _decode_seconds(model, rows, width, 3 * steps, device, autocast)
+    return (long - short) / (2 * steps)
 
 
 @torch.no_grad()
@@ -155,17 +157,18 @@ def main() -> None:
                 row = {"weights": weights, "rows": rows, "width": width,
                        "decode_batch": time_decode_batch(model, rows, width, args.steps, device, autocast),
                        "forward": time_forward(model, rows, width, args.steps, device, autocast),
-                       # a static cache as long as the turn, in the weights' dtype (fp32: twice the bytes)
+                       # a static cache as long as the turn, in the weights' dtype (bf16 weights only)
                        "forward_graph": time_forward_graph(model, rows, width, args.steps, device, autocast)
-                       if rows * width * (1 if weights == "bf16" else 2) <= 2_700_000 else None}
+                       if weights == "bf16" else None}
                 results.append(row)
                 print(row, flush=True)
+                gc.collect()
                 torch.cuda.empty_cache()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            time_decode_batch(base, args.rows[0], args.widths[0], 8, device, True)
+            _decode_seconds(base, args.rows[0], args.widths[0], 8, device, True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     print("\nms per decoding step (median); rows decoded per second = rows / step")
