@@ -200,3 +200,18 @@ def test_doc_store_get_many_equals_get(bm25_index):
     assert store.get_many(rows) == [store.get(int(r)) for r in rows]
     with pytest.raises(IndexError):
         store.get_many(np.array([len(store)]))
+
+
+def test_bm25s_is_imported_with_jax_kept_on_the_cpu(monkeypatch):
+    """Importing bm25s runs a JAX operation when JAX is installed, and JAX then takes 75% of a GPU's
+    memory (seen on an H200: 106 GB per process). Unless the process chose JAX's platforms itself."""
+    import os
+
+    from spader_pipeline.retrieval.bm25s_import import import_bm25s
+
+    monkeypatch.delitem(__import__("sys").modules, "jax", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert import_bm25s().BM25 is not None and os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    import_bm25s()
+    assert os.environ["JAX_PLATFORMS"] == "cuda"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spader_pipeline.retrieval.bm25s_import import import_bm25s
 from spader_pipeline.retrieval.corpus import Passage
 from spader_pipeline.retrieval.tokenize import Tokenizer
 from spader_pipeline.typed_config import from_mapping
@@ -66,7 +67,7 @@ def build_bm25(passages: Iterable[Passage], out_dir: str | Path, params: BM25Par
     """Index ``passages`` (any iterable, consumed once) into ``out_dir`` in one in-memory build;
     returns size figures. ``params.shard_docs`` is :func:`.bm25_sharded.build_bm25_sharded`'s
     (:func:`spader_pipeline.retrieval.index.build_index` picks the build)."""
-    import bm25s
+    bm25s = import_bm25s()
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ class BM25Retriever:
     name = "bm25"
 
     def __init__(self, index_dir: str | Path, *, mmap: bool = False) -> None:
-        import bm25s
+        bm25s = import_bm25s()
 
         index_dir = Path(index_dir)
         model = bm25s.BM25.load(str(index_dir), mmap=mmap, load_corpus=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from spader_pipeline.retrieval.bm25 import TOKENIZER_FILE, BM25Params, passage_text
+from spader_pipeline.retrieval.bm25s_import import import_bm25s
 from spader_pipeline.retrieval.corpus import Passage
 from spader_pipeline.retrieval.tokenize import Tokenizer
 
@@ -84,7 +85,7 @@ def build_bm25_sharded(passages: Iterable[Passage], out_dir: str | Path, params:
     Writes the same files as the one-shot build (bm25s' CSC arrays, vocabulary and parameters), with
     identical BM25 weights, so loading and querying do not change.
     """
-    import bm25s
+    bm25s = import_bm25s()
 
     if params.method != "lucene":
         raise ValueError(f"the sharded build implements bm25s' 'lucene' scoring only, got {params.method!r}")

@@ -28,7 +28,9 @@ def _stemmer(language: str):
 def _stopwords(name: str | None) -> frozenset[str]:
     if not name:
         return frozenset()
-    from bm25s.stopwords import STOPWORDS_EN
+    from spader_pipeline.retrieval.bm25s_import import import_bm25s
+
+    STOPWORDS_EN = import_bm25s().stopwords.STOPWORDS_EN  # noqa: N806 - bm25s' name
 
     if name not in ("en", "english"):
         raise ValueError(f"unknown stopword list {name!r} (known: 'en')")
