@@ -100,6 +100,9 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     assert {"method_reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "policy/entropy",
             "perf/generate_tokens_per_second", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac", "group/distinct_query_seqs",
             "group/distinct_docs", "group/entity_recall_union", "group/first_divergence_turn"} <= set(logged[0][1])
+    perf = logged[0][1]
+    assert 0 < perf["perf/rollout_model_seconds"] <= perf["perf/rollout_seconds"]
+    assert perf["perf/rollout_decode_steps"] >= 1
     assert [p.name for p in artifacts] == ["step_000001.json", "step_000002.json"]
     step, path = latest_checkpoint(tmp_path)
     assert step == 2 and load_trainer_state(path)["extra"]["method"] == method

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -111,6 +112,8 @@ class HFGenerator(Generator):
         self.gap_share = 0.1  # close the cache's gaps when at least this share of it is masked
         self.gap_compactions = 0  # turns whose cache gaps were closed (for tests and reporting)
         self.blocked_prefills = 0  # turns whose prefill ran in several blocks of rows (the same)
+        self.model_seconds = 0.0  # wall time in the model's turns (prefill, decoding, state capture)
+        self.decode_steps = 0  # decoding steps over all turns (each as long as its longest row)
         self._processors: Any = None
         self._generator = None
         if self.sampling.seed is not None:
@@ -157,9 +160,11 @@ class HFGenerator(Generator):
 
     def _generate_all(self, states: list[RolloutState]) -> list[GeneratedTurn]:
         out: list[GeneratedTurn] = []
+        started = time.perf_counter()
         with self.capture.hooked() if self.capture is not None else contextlib.nullcontext():
             for i in range(0, len(states), self.micro_batch_size):
                 out.extend(self._generate_batch(states[i : i + self.micro_batch_size]))
+        self.model_seconds += time.perf_counter() - started  # the turns' tokens are on the host: synced
         return out
 
     def _sampling_kwargs(self, max_new_tokens: int) -> dict[str, Any]:
@@ -343,6 +348,7 @@ class HFGenerator(Generator):
             return self._generate_batch(states)
         sequences = out.sequences.cpu()
         self.sampled_rows += len(states) * (sequences.shape[1] - width)
+        self.decode_steps += sequences.shape[1] - width
         generated_mask = torch.zeros((len(states), sequences.shape[1] - width), dtype=torch.long)
         turns = []
         for row, budget in enumerate(budgets):
@@ -377,6 +383,7 @@ class HFGenerator(Generator):
                 prefill_block_cost=self.prefill_block_cost,
             )
         self.sampled_rows += result.row_steps
+        self.decode_steps += result.steps
         self.blocked_prefills += result.prefill_blocks > 1
         if self.capture is not None:
             self.capture.record([s.uid for s in states], cache, result.ids, result.mask, result.cache_rows)

@@ -71,6 +71,7 @@ class DecodeResult:
     cache_rows: list[int]
     row_steps: int
     prefill_blocks: int = 1
+    steps: int = 0
 
 
 def supports_decode_batch(model: Any) -> bool:
@@ -289,5 +290,5 @@ def decode_batch(
     where = where.to(device)
     return DecodeResult(
         tokens=tokens, ids=seq[where, :length], mask=mask[where, :length], cache_rows=order, row_steps=row_steps,
-        prefill_blocks=len(blocks),
+        prefill_blocks=len(blocks), steps=step,
     )

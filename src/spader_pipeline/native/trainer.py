@@ -121,6 +121,11 @@ class Rollouts:
     generated_tokens: int
     capture_seconds: float = 0.0
     """of ``seconds``, copying the boundary states out of the decoding caches"""
+    model_seconds: float = 0.0
+    """of ``seconds``, in the model's turns (prefill, decoding, capture); the rest is the search,
+    tokenising and the agent's bookkeeping"""
+    decode_steps: int = 0
+    """decoding steps over the rollout's turns (each turn as long as its longest row)"""
 
 
 def train_native(
@@ -322,7 +327,8 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     captured = generator.captured_states() if block else None
     batch = build_batch(trajectories, group, run.tokenizer.pad_token_id, captured=captured, boundary_block=block)
     capture_seconds = generator.capture.seconds if generator.capture is not None else 0.0
-    return Rollouts(trajectories, batch, seconds, generator.generated_tokens, capture_seconds)
+    return Rollouts(trajectories, batch, seconds, generator.generated_tokens, capture_seconds,
+                    generator.model_seconds, generator.decode_steps)
 
 
 def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, torch.Tensor]:
@@ -346,6 +352,8 @@ def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.
         "loss/total": (update.sums["policy"] + config.kl_coef * update.sums["kl"]) / config.ppo_epochs,
         "perf/rollout_seconds": rollouts.seconds,
         "perf/capture_seconds": rollouts.capture_seconds,
+        "perf/rollout_model_seconds": rollouts.model_seconds,
+        "perf/rollout_decode_steps": float(rollouts.decode_steps),
         "perf/reused_rollout_states": float(batch.boundary is not None),
         "perf/update_seconds": timing["update"],
         "perf/step_seconds": time.perf_counter() - timing["step_started"],
