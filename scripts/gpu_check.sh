@@ -10,7 +10,9 @@
 #    the methods side by side (PARALLEL=0: one after the other), each method's RL capped at
 #    RL_SECONDS of wall time, the whole run at RUN_TIMEOUT;
 # 3. runs the gpu-marked tests that need only these packages, and the portable run's gpu test (the
-#    tiny model on CUDA): last, so that a call cut at its limit has the run's results already.
+#    tiny model on CUDA): last, so that a call cut at its limit has the run's results already
+#    (SKIP_TESTS=1: not at all).
+# EXTRA: more arguments for the run (e.g. "--max-heldout 120 --set training.validation.every=0").
 # Logs and results go to OUT (the device tool's $OUT by default). Each step's failure is reported
 # and the next step still runs; the exit code is the first failure's.
 set -uo pipefail
@@ -37,12 +39,13 @@ step versions python3 -c "import torch, transformers, verl; print(torch.__versio
 PARALLEL_FLAG=$([ "${PARALLEL:-1}" = 1 ] && echo --parallel-methods)
 # shellcheck disable=SC2086
 step one_gpu timeout "${RUN_TIMEOUT:-440}" python3 -m spader_pipeline.portable run --bundle "$STAGE/bundle" \
-  --out /tmp/one_gpu --device cuda --rl-seconds "$RL_SECONDS" $PARALLEL_FLAG > "$OUT/one_gpu.log" 2>&1
+  --out /tmp/one_gpu --device cuda --rl-seconds "$RL_SECONDS" $PARALLEL_FLAG ${EXTRA:-} > "$OUT/one_gpu.log" 2>&1
 grep -v "Loading weights\|shards\|Continuous Token\|GGUF" "$OUT/one_gpu.log" | tail -n 40
 (cd /tmp/one_gpu 2>/dev/null && tar czf "$OUT/one_gpu.tar.gz" --ignore-failed-read summary.json summary.md curves.json \
   curves.png heldout_records.jsonl train_*/metrics.jsonl)
 cat /tmp/one_gpu/summary.md 2>/dev/null
 
+[ "${SKIP_TESTS:-0}" = 1 ] && exit $status  # a short lease: the run only
 # The CUDA tests that need only these packages (the others import kedro, mlflow or fastapi).
 CUDA_TESTS="tests/modeling/test_modeling_attention.py tests/modeling/test_modeling_device.py
             tests/modeling/test_modeling_precision.py tests/agent/test_hf_decode_cuda.py"
