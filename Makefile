@@ -24,12 +24,13 @@ export MALLOC_MMAP_THRESHOLD_ ?= 4194304
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long compare test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long compare positive-control test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
+	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control, ~45 min)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
@@ -64,6 +65,13 @@ run-long: $(STAMP)
 compare: $(STAMP)
 	mkdir -p mlruns
 	$(BIN)/kedro run --env compare --pipeline compare --only-missing-outputs
+
+# Does the loop learn what it is rewarded for? GRPO and SPADER, seeds 0 and 1, each fit the same 4
+# training questions from make compare's warm start; greedy recall on them from step 0
+# (conf/positive_control; docs/results.md). Resumes as compare does.
+positive-control: $(STAMP)
+	mkdir -p mlruns
+	$(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

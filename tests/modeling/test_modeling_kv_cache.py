@@ -123,3 +123,22 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
     assert torch.equal(layer.keys, keys[rows]) and torch.equal(layer.values, -keys[rows])
     assert torch.equal(cache.states.states, keys[rows, 0])
     assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0
+
+
+def test_under_bf16_autocast_keys_are_cached_in_bf16_and_decoding_does_not_change(gqa_model_dir):
+    """Autocast leaves the keys fp32 (rotary's fp32 cos/sin) and the values bf16; attention casts the
+    keys to bf16 anyway, so storing them in bf16 changes no logit (DynamicCache keeps them fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    ids = torch.randint(3, 64, (2, 9))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    runs = {}
+    for name, make in (("dynamic", DynamicCache), ("growing", GrowingKVCache)):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=make(), **kwargs)
+        runs[name] = out
+    layer = runs["growing"].past_key_values.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+    assert runs["dynamic"].past_key_values.layers[0].keys.dtype == torch.float32
+    assert torch.equal(runs["dynamic"].sequences, runs["growing"].sequences)
+    assert torch.equal(torch.stack(runs["dynamic"].logits), torch.stack(runs["growing"].logits))

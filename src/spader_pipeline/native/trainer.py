@@ -165,7 +165,7 @@ def train_native(
     val_set = validation_subset(validation, settings.max_questions)
 
     def validate(step: int, last: bool = False) -> dict[str, float]:
-        due = val_set and settings.every > 0 and (last or settings.due(step, config.total_steps))
+        due = val_set and (settings.due(step, config.total_steps) or (last and settings.every > 0))
         return _validate(run, val_set, search, prompt_template) if due else {}
 
     step, run_started, out_of_time, longest_step = run.start_step, time.perf_counter(), False, 0.0

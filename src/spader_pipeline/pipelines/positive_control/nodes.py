@@ -1,0 +1,78 @@
+"""Nodes of ``make positive-control``: does the RL loop learn what it is rewarded for?
+
+:func:`fitted_set` fixes the few training questions every cell trains on and the validation set that
+scores them (the same questions, as data source ``fitted``, then the first questions of the
+validation split, held out); the training stage's ``validate_warm_start`` scores the warm start on
+it once (step 0 of every curve); each method × seed is a namespace running the training stage's
+``train_policy`` on the fitted questions; :func:`write_report` gathers the curves
+(:mod:`spader_pipeline.reporting.positive_control`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from spader_pipeline import tracking
+from spader_pipeline.reporting.positive_control import FITTED_SOURCE
+
+logger = logging.getLogger(__name__)
+
+#: Label of a cell's MLflow run name and its ``chain_kind`` tag.
+RUN_LABEL = "positive control"
+
+
+def cell_name(method: str, seed: int) -> str:
+    """The namespace of one method × seed (``fit_grpo_seed0``)."""
+    return f"fit_{method}_seed{int(seed)}"
+
+
+def fitted_set(verl_train: pd.DataFrame, verl_validation: pd.DataFrame,
+               design: Mapping[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The training rows every cell trains on (``design.questions`` of ``verl_train``, drawn with
+    ``design.question_seed``, the same for every cell) and the validation rows that score them: those
+    questions again with ``data_source`` ``fitted`` (``val/fitted/…``), then the first
+    ``design.validation_questions`` of ``verl_validation`` (held out)."""
+    count = int(design["questions"])
+    if not 1 <= count <= len(verl_train):
+        raise ValueError(f"positive_control.questions={count}: choose 1..{len(verl_train)} (the training split)")
+    picked = np.sort(np.random.default_rng(int(design.get("question_seed", 0))).choice(len(verl_train), count,
+                                                                                      replace=False))
+    train = verl_train.iloc[picked].reset_index(drop=True)
+    held = verl_validation.head(int(design.get("validation_questions") or 0))
+    validation = pd.concat([train.assign(data_source=FITTED_SOURCE), held], ignore_index=True)
+    logger.info("positive control: fitting %d training questions (%s), %d validation questions held out", count,
+                ", ".join(str((e or {}).get("id")) for e in train["extra_info"]), len(held))
+    return train, validation
+
+
+def cell_settings(training: Mapping[str, Any], output_dir: str, seed: int) -> dict[str, Any]:
+    """One cell's ``training``: its seed, its own directory, every fitted question used and every
+    validation row scored."""
+    from spader_pipeline.pipelines.compare.nodes import seed_training
+
+    seeded = seed_training(training, output_dir, seed)
+    validation = {**(seeded.get("validation") or {}), "max_questions": None}
+    return {**seeded, "run_label": RUN_LABEL, "max_train_questions": None, "validation": validation}
+
+
+def start_validation_settings(training: Mapping[str, Any]) -> dict[str, Any]:
+    """``training`` for the warm start's step-0 validation: every validation row (as the cells)."""
+    return {**training, "validation": {**(training.get("validation") or {}), "max_questions": None}}
+
+
+def write_report(design: Mapping[str, Any], **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:
+    """The report (markdown, figure, metrics) over every cell's history (keyword ``<cell>__history``);
+    markdown and figure also go to the MLflow chain run (the project hook logs the metrics as
+    ``positive_control/…``)."""
+    from spader_pipeline.reporting.positive_control import build_report
+
+    cells = {name.removesuffix("__history"): history for name, history in histories.items()}
+    text, figure, metrics = build_report(cells, design)
+    tracking.log_text(text, "positive_control/report.md")
+    tracking.log_figure(figure, "positive_control/curves.png")
+    return text, figure, metrics

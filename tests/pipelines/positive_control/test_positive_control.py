@@ -1,0 +1,92 @@
+"""``make positive-control``: the fitted set, the report, and the pipeline's own nodes through a real
+KedroSession (the cells' training is the training stage's ``train_policy``, run by the compare tests)."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+from kedro.framework.session import KedroSession
+
+from spader_pipeline.pipelines.positive_control import create_pipeline
+from spader_pipeline.pipelines.positive_control.nodes import cell_name, cell_settings, fitted_set
+from spader_pipeline.pipelines.positive_control.pipeline import CELLS
+from spader_pipeline.reporting.positive_control import build_report
+
+DESIGN = {"questions": 2, "question_seed": 0, "validation_questions": 2, "target_gain": 0.2}
+
+
+def _verl(n: int, split: str) -> pd.DataFrame:
+    return pd.DataFrame([
+        {"prompt": [], "data_source": "embedded", "agent_name": "spader_search", "ability": "multi_answer_search",
+         "reward_model": {"style": "rule", "ground_truth": [[f"{split}{i}"]]},
+         "extra_info": {"index": i, "id": f"{split}{i}", "split": split, "question": f"Which {split} {i}?"}}
+        for i in range(n)
+    ])
+
+
+def _history(fitted: list[float], validation: list[float]) -> list[dict[str, float]]:
+    steps = [0, 2, 4][: len(fitted)]
+    return [{"step": s, "val/fitted/recall": f, "val/embedded/recall": v}
+            for s, f, v in zip(steps, fitted, validation, strict=True)]
+
+
+def test_the_fitted_set_is_one_draw_for_every_cell_scored_under_its_own_source():
+    train, validation = fitted_set(_verl(10, "train"), _verl(5, "validation"), DESIGN)
+    again, _ = fitted_set(_verl(10, "train"), _verl(5, "validation"), DESIGN)
+    assert len(train) == 2 and train.equals(again)
+    assert list(validation["data_source"]) == ["fitted", "fitted", "embedded", "embedded"]
+    assert [e["id"] for e in validation["extra_info"]] == [*(e["id"] for e in train["extra_info"]),
+                                                            "validation0", "validation1"]
+    with pytest.raises(ValueError, match="positive_control.questions=11"):
+        fitted_set(_verl(10, "train"), _verl(5, "validation"), {**DESIGN, "questions": 11})
+
+
+def test_a_cell_trains_on_every_fitted_question_and_validates_every_row():
+    training = {"native": {"seed": 0}, "max_train_questions": 40, "validation": {"every": 4, "max_questions": 16}}
+    settings = cell_settings(training, "out", seed=1)
+    assert settings["native"]["seed"] == 1 and settings["output_dir"] == "out/seed1"
+    assert settings["max_train_questions"] is None and settings["validation"] == {"every": 4, "max_questions": None}
+
+
+def test_the_report_counts_the_cells_that_reach_the_target():
+    histories = {"fit_grpo_seed0": _history([0.5, 0.6, 0.75], [0.1, 0.1, 0.12]),
+                 "fit_spader_seed0": _history([0.5, 0.55, 0.6], [0.1, 0.2, 0.05])}
+    text, figure, metrics = build_report(histories, DESIGN)
+    assert "**1 of 2 cells** gained at least +0.20" in text and "0.500 → 0.750" in text
+    assert metrics["cells_reached"] == 1 and metrics["fit_grpo_seed0/gain"] == pytest.approx(0.25)
+    assert metrics["fit_spader_seed0/validation_gain"] == pytest.approx(-0.05)
+    assert len(figure.axes) == 2
+    with pytest.raises(ValueError, match="not at the warm start"):
+        build_report({"fit_grpo_seed0": _history([0.5, 0.6], [0.1, 0.1])[1:]}, DESIGN)
+
+
+def test_the_cells_are_two_methods_by_two_seeds_each_in_its_namespace():
+    pipeline = create_pipeline()
+    assert sorted({n.namespace for n in pipeline.nodes if n.namespace}) == sorted(cell_name(m, s) for m, s in CELLS)
+    assert {m for m, _ in CELLS} == {"grpo", "spader"} and {s for _, s in CELLS} == {0, 1}
+    assert "validate_warm_start" not in {n.name for n in pipeline.nodes}  # step 0 is on the fitted set
+
+
+def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project):
+    verl = kedro_project / "data" / "05_model_input" / "verl"
+    verl.mkdir(parents=True)
+    _verl(10, "train").to_parquet(verl / "train.parquet")
+    _verl(5, "validation").to_parquet(verl / "validation.parquet")
+    for k, (method, seed) in enumerate(CELLS):
+        path = kedro_project / "data" / "07_model_output" / cell_name(method, seed) / "training_history.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_history([0.4, 0.5, 0.65 + 0.05 * k], [0.1, 0.1, 0.1])))
+    with KedroSession.create(project_path=kedro_project, env="test") as session:
+        session.run(pipeline_names=["positive_control"], node_names=["fitted_set", "positive_control_report"])
+    data = kedro_project / "data"
+    # conf/base's design: 4 fitted questions, then the validation split's first 16 (of 5 here)
+    assert len(pd.read_parquet(data / "05_model_input/positive_control/fitted_validation.parquet")) == 4 + 5
+    report = (data / "08_reporting/positive_control_report.md").read_text()
+    assert "**4 of 4 cells** gained at least +0.20" in report
+    assert (data / "08_reporting/positive_control_curves.png").stat().st_size > 0
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                filter_string="metrics.`positive_control/cells_reached` = 4")
+    assert run.data.metrics["positive_control/min_gain"] == pytest.approx(0.25)
