@@ -82,7 +82,7 @@ def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["positive_control"], node_names=["fitted_set", "positive_control_report"])
     data = kedro_project / "data"
-    # conf/base's design: 4 fitted questions, then the validation split's first 16 (of 5 here)
+    # conf/base's design: 4 fitted questions, then the validation split's first 10 (of 5 here)
     assert len(pd.read_parquet(data / "05_model_input/positive_control/fitted_validation.parquet")) == 4 + 5
     report = (data / "08_reporting/positive_control_report.md").read_text()
     assert "**4 of 4 cells** gained at least +0.20" in report
