@@ -125,20 +125,34 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
     assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0
 
 
-def test_under_bf16_autocast_keys_are_cached_in_bf16_and_decoding_does_not_change(gqa_model_dir):
-    """Autocast leaves the keys fp32 (rotary's fp32 cos/sin) and the values bf16; attention casts the
-    keys to bf16 anyway, so storing them in bf16 changes no logit (DynamicCache keeps them fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
-    ids = torch.randint(3, 64, (2, 9))
+def test_fp32_keys_beside_bf16_values_are_cached_in_bf16_off_the_cpu():
+    """Under bf16 autocast the keys come fp32 (rotary's fp32 cos/sin) and the values bf16. Off the CPU
+    (the meta device stands in for CUDA here) the keys are cached in bf16, the dtype attention casts
+    them to; on the CPU, where a decoding step attends in fp32, they stay fp32."""
+    for device, expected in (("meta", torch.bfloat16), ("cpu", torch.float32)):
+        layer = GrowingLayer()
+        keys = torch.randn(2, 3, 5, 4, device=device)
+        layer.update(keys, torch.randn(2, 3, 5, 4, device=device, dtype=torch.bfloat16))
+        layer.update(keys[:, :, :1], torch.randn(2, 3, 1, 4, device=device, dtype=torch.bfloat16))
+        assert layer.keys.dtype == expected and layer.values.dtype == torch.bfloat16
+        assert layer.get_seq_length() == 6
+        if device == "cpu":
+            assert torch.equal(layer.keys[:, :, :5], keys)
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_keys_change_no_logit_under_autocast(gqa_model_dir):  # pragma: no cover - needs a GPU
+    """On CUDA, attention under autocast reads bf16 keys whatever the cache holds: the same logits as
+    DynamicCache, which keeps them fp32."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval().to("cuda")
+    ids = torch.randint(3, 64, (2, 9), device="cuda")
     kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)
     runs = {}
     for name, make in (("dynamic", DynamicCache), ("growing", GrowingKVCache)):
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=make(), **kwargs)
-        runs[name] = out
-    layer = runs["growing"].past_key_values.layers[0]
-    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
-    assert runs["dynamic"].past_key_values.layers[0].keys.dtype == torch.float32
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            runs[name] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=make(),
+                                        **kwargs)
+    assert runs["growing"].past_key_values.layers[0].keys.dtype == torch.bfloat16
     assert torch.equal(runs["dynamic"].sequences, runs["growing"].sequences)
     assert torch.equal(torch.stack(runs["dynamic"].logits), torch.stack(runs["growing"].logits))

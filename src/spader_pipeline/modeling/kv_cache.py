@@ -120,12 +120,14 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[B, H_kv, T, D]``; return the whole cache (views).
 
-        Keys are stored in the values' dtype. Under bf16 autocast the rotary embedding's fp32 cos/sin
-        promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast casts
-        its inputs to bf16) then read an fp32 key cache and cast all of it again at every step. Stored
-        in bf16 the cache is a third smaller and the attention gets the same bf16 keys.
+        On a GPU, keys are stored in the values' dtype. Under bf16 autocast the rotary embedding's fp32
+        cos/sin promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast
+        casts its inputs to bf16) then read an fp32 key cache and cast all of it again at every step.
+        Stored in bf16 the cache is a third smaller and the attention gets the same bf16 keys. On a
+        CPU the fp32 keys stay: a decoding step attends in fp32 there
+        (:func:`spader_pipeline.modeling.attention.sdpa_gqa_attention_forward`) and reads them as they are.
         """
-        if key_states.dtype != value_states.dtype:
+        if key_states.dtype != value_states.dtype and key_states.device.type != "cpu":
             key_states = key_states.to(value_states.dtype)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
