@@ -73,8 +73,10 @@ positive-control: $(STAMP)
 	mkdir -p mlruns
 	$(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
 
+# On every core (at most 4 workers: each holds torch and its models), a test module per worker at a
+# time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadscope
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"

@@ -29,6 +29,13 @@ def pytest_configure(config):
     forced = config.getoption("--bf16")
     if forced is not None:  # in the environment, so that trainer and Kedro child processes see it too
         os.environ["SPADER_BF16"] = forced
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # under pytest-xdist each worker takes its share of the cores, not all of them
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # child processes (Kedro stages, Ray actors) too
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def pytest_report_header(config):
