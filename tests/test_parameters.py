@@ -13,3 +13,29 @@ def test_trajectory_limits_are_written_once(project_root):
     assert params["training"]["native"]["rollout"] == limits  # RL rollouts
     assert params["warm_start"]["rollout"] == limits  # demonstrations
     assert params["evaluate"]["trained_models"]["rollout"] == limits  # evaluation of the trained models
+
+
+def test_every_environment_builds_a_valid_native_trainer_for_every_method(project_root):
+    """Each environment's training settings make a valid NativeTrainerConfig for each method block
+    (e.g. micro-batches that divide the step's trajectories): wrong ones fail here, not after a
+    14-minute warm start."""
+    import pytest
+
+    from spader_pipeline.native import NativeTrainerConfig
+    from spader_pipeline.settings import CONFIG_LOADER_ARGS
+    from spader_pipeline.typed_config import method_settings
+
+    envs = sorted(p.name for p in (project_root / "conf").iterdir()
+                  if p.is_dir() and p.name not in ("base", "local"))
+    assert {"compare", "positive_control", "one_gpu", "test"} <= set(envs)
+    for env in envs:
+        params = OmegaConfigLoader(str(project_root / "conf"), **{**CONFIG_LOADER_ARGS, "default_run_env": env})[
+            "parameters"]
+        training = params["training"]
+        methods = {k: v["method"] for k, v in params.items() if k.startswith("train_") and "method" in (v or {})}
+        assert methods, env
+        for name, method in methods.items():
+            try:
+                NativeTrainerConfig.from_mapping(method_settings(training, method, "native"))
+            except (TypeError, ValueError) as err:
+                pytest.fail(f"conf/{env}, {name}: {err}")
