@@ -80,8 +80,8 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
         f"and was scored greedy on them from step 0; the validation split's first "
         f"{design['validation_questions']} questions are held out (no target).", "",
         verdict, "", table,
-        "The fitted questions are the training questions: this shows that the loop learns, not that it "
-        "generalises (held-out gains: docs/gpu.md).", ""])
+        "The fitted questions are the training questions: a gain here shows that the loop learns what it "
+        "is rewarded for, not that it generalises (held-out gains: docs/gpu.md).", ""])
     metrics = {"cells_reached": float(reached), "cells": float(len(rows)),
                "mean_gain": float(np.mean([r["gain"] for r in rows])),
                "min_gain": float(min(r["gain"] for r in rows))}
