@@ -24,31 +24,48 @@ from spader_pipeline.portable.bundle import read_settings
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import method_settings
 
-torch.set_num_threads(1)
-if sys.argv[2] == "bound": bound_heap()
-b = Path(sys.argv[3] if len(sys.argv) > 3 else ".gpu/tiny"); s = read_settings(b)
-tr = s["training"]; m = s["methods"]["spader"]
-vals = {**method_settings(tr, m, "native"), "total_steps": int(sys.argv[1]), "checkpoint_every": 1000, "log_samples_every": 0,
-        "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8, "device": "cpu"}
-cfg = NativeTrainerConfig.from_mapping(vals)
-train = samples_from_verl(pd.read_parquet(b / "train.parquet"))
-tracemalloc.start(10)
-snaps = {}
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"): return int(line.split()[1]) / 1024
-def log(metrics, step):
-    gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
-    types = collections.Counter(type(o).__name__ for o in gc.get_objects())
-    print(step, f"rss {rss():.0f} MB", "objects", sum(types.values()), "tensors", len(tensors), f"{nbytes/2**20:.0f} MB",
-          f"py {tracemalloc.get_traced_memory()[0]/2**20:.1f} MB", flush=True)
-    if step in (5, int(sys.argv[1])): snaps[step] = (tracemalloc.take_snapshot(), types)
-with search_backend({"mode": "local"}, str(b / "index"), where="probe") as search:
-    train_native(cfg, model_path=str(b / "base_model"), run_dir=Path(tempfile.mkdtemp()), prompt_template=s["prompt_template"],
-                 search=search, samples=train, log_metrics=log)
-a, b2 = snaps[5], snaps[int(sys.argv[1])]
-for st in b2[0].compare_to(a[0], "traceback")[:6]:
-    print(st); print("\n".join(st.traceback.format()[-6:]))
-print((b2[1] - a[1]).most_common(15))
+STEPS, HEAP = int(sys.argv[1]), sys.argv[2]
+BUNDLE = Path(sys.argv[3] if len(sys.argv) > 3 else ".gpu/tiny")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS"))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    if HEAP == "bound":
+        bound_heap()
+    settings = read_settings(BUNDLE)
+    values = {**method_settings(settings["training"], settings["methods"]["spader"], "native"),
+              "total_steps": STEPS, "checkpoint_every": 1000, "log_samples_every": 0, "prompts_per_step": 2,
+              "group_size": 4, "micro_batch_size": 8, "device": "cpu"}
+    config = NativeTrainerConfig.from_mapping(values)
+    train = samples_from_verl(pd.read_parquet(BUNDLE / "train.parquet"))
+    tracemalloc.start(10)
+    snapshots = {}
+
+    def log(metrics, step):
+        gc.collect()
+        objects = gc.get_objects()
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        tensor_bytes = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+        print(f"step {step}: rss {rss_mb():.0f} MB, {len(objects)} objects, {len(tensors)} tensors "
+              f"({tensor_bytes / 2**20:.0f} MB), Python heap {tracemalloc.get_traced_memory()[0] / 2**20:.1f} MB",
+              flush=True)
+        if step in (5, STEPS):
+            snapshots[step] = (tracemalloc.take_snapshot(), collections.Counter(type(o).__name__ for o in objects))
+
+    with search_backend({"mode": "local"}, str(BUNDLE / "index"), where="probe") as search:
+        train_native(config, model_path=str(BUNDLE / "base_model"), run_dir=Path(tempfile.mkdtemp()),
+                     prompt_template=settings["prompt_template"], search=search, samples=train, log_metrics=log)
+    (early, early_types), (late, late_types) = snapshots[5], snapshots[STEPS]
+    for stat in late.compare_to(early, "traceback")[:6]:
+        print(stat)
+        print("\n".join(stat.traceback.format()[-6:]))
+    print("object types that grew:", (late_types - early_types).most_common(15))
+
+
+if __name__ == "__main__":
+    main()
