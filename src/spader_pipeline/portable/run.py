@@ -112,9 +112,9 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
         with clock(f"evaluate_{REFERENCE}"):
             records += _evaluate(REFERENCE, warm_start_dir, heldout, search, settings, template, device)
         report()
-        stage = MethodStage(bundle=str(bundle), warm_start_dir=str(warm_start_dir), settings=settings, out=str(out),
+        stage = MethodStage(index_dir=index_dir, warm_start_dir=str(warm_start_dir), settings=settings, out=str(out),
                             device=device, start_validation=start_validation, rl_seconds=rl_seconds,
-                            max_heldout=max_heldout)
+                            train=train, validation=validation_frame, heldout=heldout)
         if parallel_methods and len(methods) > 1:
             results = _run_side_by_side(stage, methods)
         else:
@@ -133,17 +133,19 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
 
 @dataclasses.dataclass(frozen=True)
 class MethodStage:
-    """What one method's stage (RL from the warm start, then the held-out evaluation) needs: plain
-    values, so that a child process can run it (:func:`run_method`)."""
+    """What one method's stage (RL from the warm start, then the held-out evaluation) needs, the
+    bundle's questions as loaded once: picklable, so that a child process can run it (:func:`run_method`)."""
 
-    bundle: str
+    index_dir: str
     warm_start_dir: str
     settings: dict[str, Any]
     out: str
     device: str
     start_validation: dict[str, Any]
     rl_seconds: float | None
-    max_heldout: int | None
+    train: pd.DataFrame
+    validation: pd.DataFrame
+    heldout: list[dict[str, Any]]
 
 
 @dataclasses.dataclass
@@ -161,26 +163,22 @@ def run_method(stage: MethodStage, method: str, search: Any = None) -> MethodRes
     """Train ``method`` from the warm start and score it on the held-out set. A failure is returned
     (its traceback logged), not raised, so the other methods still run. ``search``: the open index
     (``None``: open the bundle's, as a child process does)."""
-    from spader_pipeline.data.schema import frame_records
     from spader_pipeline.retrieval.settings import search_backend
 
-    bundle, settings = Path(stage.bundle), stage.settings
+    settings = stage.settings
     seconds: dict[str, float] = {}
     clock = functools.partial(_stage, seconds)
-    train = pd.read_parquet(bundle / "train.parquet")
-    validation = pd.read_parquet(bundle / "validation.parquet")
-    heldout = frame_records(pd.read_json(bundle / "heldout.jsonl", lines=True, dtype=False))[: stage.max_heldout]
     with contextlib.ExitStack() as stack:
         if search is None:
-            search = stack.enter_context(search_backend({"mode": "local"}, str(bundle / "index"),
+            search = stack.enter_context(search_backend({"mode": "local"}, stage.index_dir,
                                                         where=f"portable.search ({method})"))
         try:
             with clock(f"train_{method}"):
-                result = _train(method, stage.warm_start_dir, train, validation, search, settings,
+                result = _train(method, stage.warm_start_dir, stage.train, stage.validation, search, settings,
                                 settings["prompt_template"], Path(stage.out) / f"train_{method}", stage.device,
                                 stage.start_validation, stage.rl_seconds)
             with clock(f"evaluate_{method}"):
-                records = _evaluate(method, result.final_model_dir, heldout, search, settings,
+                records = _evaluate(method, result.final_model_dir, stage.heldout, search, settings,
                                     settings["prompt_template"], stage.device)
         except Exception as err:  # noqa: BLE001 - recorded in the summary with its traceback in the log
             logger.exception("method %s failed", method)
