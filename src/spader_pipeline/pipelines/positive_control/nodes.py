@@ -55,13 +55,13 @@ def cell_settings(training: Mapping[str, Any], output_dir: str, seed: int) -> di
     validation row scored."""
     from spader_pipeline.pipelines.compare.nodes import seed_training
 
-    seeded = seed_training(training, output_dir, seed)
-    validation = {**(seeded.get("validation") or {}), "max_questions": None}
-    return {**seeded, "run_label": RUN_LABEL, "max_train_questions": None, "validation": validation}
+    seeded = start_validation_settings(seed_training(training, output_dir, seed))
+    return {**seeded, "run_label": RUN_LABEL, "max_train_questions": None}
 
 
 def start_validation_settings(training: Mapping[str, Any]) -> dict[str, Any]:
-    """``training`` for the warm start's step-0 validation: every validation row (as the cells)."""
+    """``training`` scoring every validation row (the fitted set and the held-out questions): the
+    warm start's step-0 validation and, through :func:`cell_settings`, every cell's."""
     return {**training, "validation": {**(training.get("validation") or {}), "max_questions": None}}
 
 
