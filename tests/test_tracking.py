@@ -35,6 +35,28 @@ def test_experiment_is_created_as_and_upgraded_to_a_model_training_experiment(tm
     assert mlflow.MlflowClient().get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
 
 
+def test_a_job_that_loses_the_race_to_create_the_experiment_uses_the_winners(tmp_path, monkeypatch):
+    # Two jobs started together (a comparison's cells) both look the experiment up before either
+    # creates it: the second creation fails in the store and must fall back to the first job's.
+    name = f"race-{tmp_path.name}"
+    lookup = mlflow.MlflowClient.get_experiment_by_name
+    calls = []
+
+    def other_job_creates_it_after_our_lookup(client, wanted):
+        calls.append(wanted)
+        found = lookup(client, wanted)
+        if len(calls) == 1:
+            assert found is None
+            mlflow.MlflowClient().create_experiment(wanted)  # the other job wins
+        return found
+
+    monkeypatch.setattr(mlflow.MlflowClient, "get_experiment_by_name", other_job_creates_it_after_our_lookup)
+    experiment_id = tracking.ensure_experiment(name, tmp_path / "artifacts")
+    monkeypatch.undo()
+    assert experiment_id == mlflow.MlflowClient().get_experiment_by_name(name).experiment_id
+    assert mlflow.MlflowClient().get_experiment(experiment_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
 def test_the_chain_run_is_named_for_what_ran():
     when = datetime(2026, 11, 24, 21, 40, 5)
     assert tracking.chain_run_name("__default__", "local", when) == "full chain · env local · 2026-11-24 21:40"

@@ -40,8 +40,12 @@ def ensure_experiment(name: str, artifact_location: Path | None = None) -> str:
     """Create (or find) the experiment ``name``, tagged as a model-training experiment; return its id.
 
     An existing experiment that lacks :data:`EXPERIMENT_KIND_TAG` (created by an older version, or by
-    VERL's own tracker) gets it, so the UI opens it on the runs table.
+    VERL's own tracker) gets it, so the UI opens it on the runs table. Jobs started together on one
+    store (a comparison's cells, docs/compare.md) may both find no experiment: the one whose creation
+    loses the race uses the winner's.
     """
+    from mlflow.exceptions import MlflowException
+
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
@@ -49,7 +53,12 @@ def ensure_experiment(name: str, artifact_location: Path | None = None) -> str:
         if artifact_location is not None:
             artifact_location.mkdir(parents=True, exist_ok=True)
             kwargs["artifact_location"] = artifact_location.resolve().as_uri()
-        return client.create_experiment(name, **kwargs)
+        try:
+            return client.create_experiment(name, **kwargs)
+        except MlflowException as exc:
+            experiment = client.get_experiment_by_name(name)  # created by another job meanwhile
+            if experiment is None or exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
     if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
