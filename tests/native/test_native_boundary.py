@@ -132,6 +132,53 @@ def test_a_token_budget_per_micro_batch_leaves_loss_and_gradients_unchanged(roll
         assert split_stats.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled_out, tiny_config):
+    """With several epochs the behaviour policy's log-probs are kept from the first epoch's pass: the
+    parameters equal those of the straightforward loop that computes them in a pass of their own first."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from spader_pipeline.native.update import response_logprobs
+
+    model, tokenizer, gen, group, trajectories = rolled_out
+    batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
+                        boundary_block=FIRST)
+    config = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=4, ppo_epochs=3, kl_coef=0.0,
+                         max_grad_norm=1e6, trainable_layers=1)
+    adv = _advantages(batch)
+
+    def trained(update):
+        copy_ = copy.deepcopy(model).train()
+        trainable = train_top_layers(copy_, 1)
+        update(copy_, torch.optim.SGD(trainable, lr=0.5), trainable)
+        return {n: p.detach().clone() for n, p in copy_.named_parameters() if p.requires_grad}
+
+    def ours(policy, optimizer, trainable):
+        update_policy(policy, None, optimizer, trainable, batch, adv, config, actor_config(config), bf16=False, step=1)
+
+    def separate_pass_first(policy, optimizer, trainable):
+        actor = actor_config(config)
+        total = float(batch.response_mask.sum())
+        actor.global_batch_info.update(dp_size=1, batch_num_tokens=total, global_batch_size=len(batch.uids))
+        with torch.no_grad():
+            old = all_logprobs(policy, batch, config, False)
+        for _ in range(config.ppo_epochs):
+            optimizer.zero_grad(set_to_none=True)
+            for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
+                logp, _ = response_logprobs(policy, batch, rows, temperature=config.temperature, bf16=False,
+                                         with_entropy=False)
+                loss, _ = get_policy_loss_fn("vanilla")(
+                    old_log_prob=old[rows], log_prob=logp, advantages=adv.advantages[rows],
+                    response_mask=batch.response_mask[rows], loss_agg_mode=config.loss_agg_mode, config=actor)
+                loss.backward()
+            optimizer.step()
+
+    expected, got = trained(separate_pass_first), trained(ours)
+    start = {n: p for n, p in model.named_parameters() if n in expected}
+    assert any(not torch.equal(expected[n], start[n]) for n in expected)  # the epochs moved the parameters
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
+
+
 def test_unusable_captures_fall_back_to_the_full_recompute(rolled_out, caplog):
     _, tokenizer, gen, group, trajectories = rolled_out
     captured = gen.captured_states()

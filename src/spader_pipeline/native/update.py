@@ -126,8 +126,8 @@ def update_policy(
     """``config.ppo_epochs`` passes of the clipped PPO loss (token-mean over the whole batch) plus
     ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step.
 
-    With ``batch.boundary`` every pass of the policy (old log-probs, each epoch) starts from the
-    rollout's boundary states; the reference's too when ``reference_shares_boundary`` (its frozen
+    The old (behaviour) log-probs are the first epoch's, taken before its optimiser step. With
+    ``batch.boundary`` every pass of the policy starts from the rollout's boundary states; the reference's too when ``reference_shares_boundary`` (its frozen
     blocks equal the policy's, :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -136,12 +136,11 @@ def update_policy(
     policy_loss_fn = get_policy_loss_fn("vanilla")
     total_tokens = float(batch.response_mask.sum().clamp(min=1))
     actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch.uids))
-    old_logp = None
-    if config.ppo_epochs > 1:
-        with torch.no_grad():
-            old_logp = all_logprobs(model, batch, config, bf16)
+    # The behaviour policy's log-probs are the first epoch's own (the parameters have not moved yet):
+    # kept from that pass for the later epochs instead of a separate forward over the batch.
+    old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32) if config.ppo_epochs > 1 else None
     stats = UpdateStats()
-    for _epoch in range(config.ppo_epochs):
+    for epoch in range(config.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
             mask = batch.response_mask[rows].to(device)
@@ -149,7 +148,12 @@ def update_policy(
                 continue
             logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
                                               bf16=bf16, with_entropy=True)
-            old = logp.detach() if old_logp is None else old_logp[rows].to(device)
+            if epoch == 0:
+                old = logp.detach()
+                if old_logp is not None:
+                    old_logp[rows] = old.cpu()
+            else:
+                old = old_logp[rows].to(device)
             pg_loss, pg_metrics = policy_loss_fn(
                 old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
                 loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
