@@ -24,7 +24,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 4194304
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long compare positive-control test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long compare positive-control positive-control-seed0 positive-control-seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -68,10 +68,20 @@ compare: $(STAMP)
 
 # Does the loop learn what it is rewarded for? GRPO and SPADER, seeds 0 and 1, each fit the same 4
 # training questions from make compare's warm start; greedy recall on them from step 0
-# (conf/positive_control; docs/results.md). Resumes as compare does.
+# (conf/positive_control; docs/results.md). Three phases, as docs/compare.md runs a comparison's cells:
+# the shared part; the cells as two jobs side by side (a seed each, each with half the cores: on 2
+# cores two one-thread cells do ~1.8x the steps of one two-thread cell, docs/results.md); the report.
+# Resumes as compare does (a finished cell is skipped).
+POSITIVE_CONTROL = $(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
+HALF_THE_CORES = $(shell n=$$(( $$(nproc) / 2 )); echo $$(( n > 0 ? n : 1 )))
 positive-control: $(STAMP)
 	mkdir -p mlruns
-	$(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
+	$(POSITIVE_CONTROL) --to-nodes validate_warm_start_on_fitted_set
+	$(MAKE) --no-print-directory -j2 positive-control-seed0 positive-control-seed1
+	$(POSITIVE_CONTROL) --nodes positive_control_report
+
+positive-control-seed0 positive-control-seed1: positive-control-seed%: $(STAMP)
+	OMP_NUM_THREADS=$(HALF_THE_CORES) $(POSITIVE_CONTROL) --namespaces fit_grpo_seed$*,fit_spader_seed$*
 
 # On every core (at most 4 workers: each holds torch and its models), a test module per worker at a
 # time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).
