@@ -30,7 +30,7 @@ help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
-	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control, ~2 h)"
+	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"

@@ -38,6 +38,22 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules that run a whole pipeline (``e2e``) first, then those with ``slow`` tests, then the rest,
+    each group in collection order. Under ``--dist loadscope`` a worker takes the next module when it
+    is free, so the long modules start at once and the short ones fill in behind them, instead of one
+    long module starting last and running alone at the end."""
+    def rank(module: str) -> int:
+        marks = {mark.name for item in by_module[module] for mark in item.iter_markers()}
+        return 0 if "e2e" in marks else 1 if "slow" in marks else 2
+
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(by_module, key=rank)  # stable: collection order within a rank
+    items[:] = [item for module in order for item in by_module[module]]
+
+
 def pytest_report_header(config):
     from spader_pipeline.modeling.precision import FORCE_ENV, cpu_has_bf16, forced_bf16
 
