@@ -70,7 +70,7 @@ compare: $(STAMP)
 # training questions from make compare's warm start; greedy recall on them from step 0
 # (conf/positive_control; docs/results.md). Three phases, as docs/compare.md runs a comparison's cells:
 # the shared part; the cells as two jobs side by side (a seed each, each with half the cores: on 2
-# cores two one-thread cells do ~1.8x the steps of one two-thread cell, docs/results.md); the report.
+# cores two one-thread cells did 1.37x the steps of one two-thread cell, docs/results.md); the report.
 # Resumes as compare does (a finished cell is skipped).
 POSITIVE_CONTROL = $(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
 HALF_THE_CORES = $(shell n=$$(( $$(nproc) / 2 )); echo $$(( n > 0 ? n : 1 )))
