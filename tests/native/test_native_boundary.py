@@ -17,8 +17,8 @@ from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
 from spader_pipeline.native.update import (
     actor_config,
-    all_logprobs,
     length_sorted_micro_batches,
+    response_logprobs,
     update_policy,
 )
 from spader_pipeline.retrieval.service import LocalSearch
@@ -63,6 +63,16 @@ def test_captured_states_equal_a_plain_forward_at_the_boundary(rolled_out):
         with torch.no_grad():
             plain = model(input_ids=torch.tensor([tokens[:n]]), output_hidden_states=True).hidden_states[FIRST][0]
         assert torch.allclose(capture.states, plain, atol=1e-6), float((capture.states - plain).abs().max())
+
+
+def all_logprobs(model, batch, config, bf16) -> torch.Tensor:
+    """Log-probs ``[B, R]`` of the whole batch in one no-grad pass (the straightforward old log-probs)."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    with torch.no_grad():
+        for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
+            out[rows] = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
+                                          with_entropy=False)[0].cpu()
+    return out
 
 
 def _advantages(batch) -> Advantages:
@@ -137,8 +147,6 @@ def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled
     parameters equal those of the straightforward loop that computes them in a pass of their own first."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from spader_pipeline.native.update import response_logprobs
-
     model, tokenizer, gen, group, trajectories = rolled_out
     batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
                         boundary_block=FIRST)
@@ -159,8 +167,7 @@ def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled
         actor = actor_config(config)
         total = float(batch.response_mask.sum())
         actor.global_batch_info.update(dp_size=1, batch_num_tokens=total, global_batch_size=len(batch.uids))
-        with torch.no_grad():
-            old = all_logprobs(policy, batch, config, False)
+        old = all_logprobs(policy, batch, config, False)
         for _ in range(config.ppo_epochs):
             optimizer.zero_grad(set_to_none=True)
             for rows in length_sorted_micro_batches(batch, config.micro_batch_size):

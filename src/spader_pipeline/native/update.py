@@ -80,16 +80,6 @@ def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int 
     return [order[run.start : run.stop] for run in token_budget_runs(lengths[order].tolist(), max_tokens, size)]
 
 
-def all_logprobs(model, batch: RolloutBatch, config: NativeTrainerConfig, bf16: bool | str) -> torch.Tensor:
-    """Log-probs ``[B, R]`` of the whole batch (the behaviour policy's, before any epoch updates)."""
-    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-    for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
-        logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
-                                    with_entropy=False)
-        out[rows] = logp.cpu()
-    return out
-
-
 def actor_config(config: NativeTrainerConfig) -> Any:
     """verl's ``ActorConfig`` for the loss functions (clip ratios, aggregation, KL settings)."""
     from verl.workers.config.actor import ActorConfig
@@ -127,8 +117,9 @@ def update_policy(
     ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step.
 
     The old (behaviour) log-probs are the first epoch's, taken before its optimiser step. With
-    ``batch.boundary`` every pass of the policy starts from the rollout's boundary states; the reference's too when ``reference_shares_boundary`` (its frozen
-    blocks equal the policy's, :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
+    ``batch.boundary`` every pass of the policy starts from the rollout's boundary states; the
+    reference's too when ``reference_shares_boundary`` (its frozen blocks equal the policy's,
+    :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
