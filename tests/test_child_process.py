@@ -1,9 +1,13 @@
-"""``in_child_process``: results, errors and deaths of a real spawned child."""
+"""``in_child_process``: results, errors and deaths of a real child (forked from the fork server)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +100,59 @@ def test_child_logs_reach_the_parents_loggers(caplog):
     records = [r for r in caplog.records if r.name == "spader_pipeline.some_stage"]
     assert [r.getMessage() for r in records] == ["from the child: hello"]
     assert records[0].processName == "log_a_warning"
+
+
+def environment_directory_and_modules(name):
+    return os.environ.get(name), os.getcwd(), sorted(set(sys.modules) & {"torch", "spader_pipeline.native.stages"})
+
+
+def test_child_runs_in_the_callers_environment_and_directory_at_the_call(tmp_path, monkeypatch):
+    in_child_process(pid_and_total)([1])  # the fork server is up, with the environment of then
+    monkeypatch.setenv("SPADER_CHILD_TEST", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    value, directory, modules = in_child_process(environment_directory_and_modules)("SPADER_CHILD_TEST")
+    assert value == "set after the server started" and Path(directory) == tmp_path
+    assert modules == ["spader_pipeline.native.stages", "torch"]  # imported by the server, not by the child
+
+
+PARENT = """
+import sys, time
+from spader_pipeline.child_process import in_child_process
+from test_child_process import sleep_and_report
+in_child_process(sleep_and_report)(sys.argv[1])
+"""
+
+
+def sleep_and_report(path):
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_child_ends_when_its_caller_is_killed(tmp_path):
+    """The child's parent is the fork server: SIGKILL on the caller ends the server, then the child."""
+    pid_file = tmp_path / "child.pid"
+    caller = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)], cwd=Path(__file__).parent,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    try:
+        for _ in range(600):  # the caller starts the server (its imports) and the child
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        caller.kill()
+        caller.wait()
+        for _ in range(300):
+            if not _alive(child):
+                break
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        caller.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

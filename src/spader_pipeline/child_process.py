@@ -6,11 +6,22 @@ the operating system (small blocks fragment the heap; caches and imports stay), 
 resident memory grows from one stage to the next (docs/reliability.md). A child process returns all
 of it when it ends, whatever kept it.
 
-How: ``multiprocessing``'s *spawn* start method (a new interpreter, no copy of the parent's heap or
-threads), the function and its arguments pickled to it, the result or the exception pickled back.
+How: ``multiprocessing``'s *forkserver* start method (*spawn* where there is none). A server
+process, started with the first child and kept for this process's life, imports the modules every
+heavy stage needs (:data:`PRELOADED`: torch, transformers, the trainer, the evaluator) once; each
+child is a fork of that server: a process with those imports and nothing else (no copy of this
+process's heap or threads), so it starts in a fraction of a second instead of the ~5-10 s a fresh
+interpreter spends importing. The function and its arguments are pickled to it, the result or the
+exception pickled back. The child runs in this process's current directory, ``sys.path`` and
+environment (``os.environ`` as it is at the call; a variable a library reads when it is imported
+counts as it was when the server started).
+
 The child:
 
-* dies with the parent (Linux ``PR_SET_PDEATHSIG``), and is terminated if the parent is interrupted;
+* ends (SIGTERM) when this process ends, however it ends: it holds the reading end of a pipe whose
+  only writer is this process, and a thread of its own waits for that pipe's end of file (its parent
+  is the fork server, which outlives this process while a child holds the server's lifeline; under
+  spawn Linux's ``PR_SET_PDEATHSIG`` does the same); it is terminated if this process is interrupted;
 * logs through the parent: its records go back over a queue to the parent's loggers (Kedro's
   handlers, a test's ``caplog``), filtered by the parent's logger levels; it runs with the parent's torch
   thread count;
@@ -18,8 +29,8 @@ The child:
   that ends without a result (killed: ``-9`` is SIGKILL, often the out-of-memory killer) raises
   :class:`ChildProcessDied`.
 
-The price is the child's imports (~5–10 s of a CPU) and pickling the arguments: worth it for calls
-of minutes. MLflow's active run is not inherited: a function that logs takes the run's id
+The price is pickling the arguments, and once per process the server's imports: worth it for calls
+of seconds. MLflow's active run is not inherited: a function that logs takes the run's id
 (:func:`spader_pipeline.tracking_buffer.run_writer`).
 """
 
@@ -29,6 +40,7 @@ import functools
 import logging
 import logging.handlers
 import multiprocessing
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -39,6 +51,10 @@ from spader_pipeline.host_memory import bound_heap
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Imported once by the fork server, so that no child imports them again (each child's target module
+#: is among them or imports little more).
+PRELOADED = ("torch", "transformers", "spader_pipeline.native.stages", "spader_pipeline.evaluation.suite")
 
 
 class ChildProcessDied(RuntimeError):
@@ -67,16 +83,27 @@ class _ToParentLoggers(logging.Handler):
         logging.getLogger(record.name).handle(record)
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))  # read when the server starts (the first child)
+    return context
+
+
 def _run(label: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     receive, send = context.Pipe(duplex=False)
     records = context.Queue()
     listener = logging.handlers.QueueListener(records, _ToParentLoggers())
-    settings = {"log_levels": _log_levels(), "torch_threads": _torch_threads(), "log_queue": records}
-    child = context.Process(target=_child_main, args=(send, fn, args, kwargs, settings), name=label)
+    settings = {"log_levels": _log_levels(), "torch_threads": _torch_threads(), "log_queue": records,
+                "environ": dict(os.environ)}
+    lifeline, keep_alive = context.Pipe(duplex=False)  # end of file in the child once this process ends
+    child = context.Process(target=_child_main, args=(send, fn, args, kwargs, settings, lifeline), name=label)
     listener.start()
     child.start()
     send.close()  # only the child writes; the parent's recv then sees EOF if the child dies
+    lifeline.close()
     logger.info("%s: running in child process %d", label, child.pid)
     try:
         try:
@@ -97,6 +124,7 @@ def _run(label: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
         raise
     finally:
         receive.close()
+        keep_alive.close()
         listener.stop()  # after the child's last record
         records.close()
     if status == "error":
@@ -118,8 +146,12 @@ def _torch_threads() -> int | None:
     return torch.get_num_threads() if torch is not None else None
 
 
-def _child_main(send, fn: Callable[..., Any], args: tuple, kwargs: dict, settings: dict[str, Any]) -> None:
+def _child_main(send, fn: Callable[..., Any], args: tuple, kwargs: dict, settings: dict[str, Any],
+                lifeline) -> None:
     _die_with_parent()
+    _end_with_caller(lifeline)
+    os.environ.clear()  # the caller's environment now, not the fork server's from its start
+    os.environ.update(settings["environ"])
     root = logging.getLogger()
     for handler in root.handlers[:]:
         root.removeHandler(handler)
@@ -155,6 +187,22 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"in the child process:\n{text}")
     copy.add_note(f"in the child process:\n{text}")
     return copy
+
+
+def _end_with_caller(lifeline) -> None:
+    """SIGTERM to this process once ``lifeline`` (a pipe only the caller writes to) reaches end of file."""
+    import signal
+    import threading
+
+    def wait_for_the_end() -> None:
+        try:
+            while True:
+                lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_for_the_end, name="caller-lifeline", daemon=True).start()
 
 
 def _die_with_parent() -> None:
