@@ -156,3 +156,16 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_elsewhere_than_linux_the_child_is_spawned(tmp_path, monkeypatch):
+    """macOS and Windows spawn (a fork of a process that loaded torch may crash on macOS): a fresh
+    interpreter, with the caller's environment and directory all the same."""
+    from spader_pipeline import child_process
+
+    monkeypatch.setattr(child_process.sys, "platform", "darwin")
+    assert child_process._context().get_start_method() == "spawn"
+    monkeypatch.setenv("SPADER_CHILD_TEST", "spawned")
+    monkeypatch.chdir(tmp_path)
+    value, directory, _ = in_child_process(environment_directory_and_modules)("SPADER_CHILD_TEST")
+    assert value == "spawned" and Path(directory) == tmp_path

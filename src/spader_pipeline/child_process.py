@@ -6,7 +6,7 @@ the operating system (small blocks fragment the heap; caches and imports stay), 
 resident memory grows from one stage to the next (docs/reliability.md). A child process returns all
 of it when it ends, whatever kept it.
 
-How: ``multiprocessing``'s *forkserver* start method (*spawn* where there is none). A server
+How: ``multiprocessing``'s *forkserver* start method on Linux (*spawn* elsewhere). A server
 process, started with the first child and kept for this process's life, imports the modules every
 heavy stage needs (:data:`PRELOADED`: torch, transformers, the trainer, the evaluator) once; each
 child is a fork of that server: a process with those imports and nothing else (no copy of this
@@ -84,7 +84,9 @@ class _ToParentLoggers(logging.Handler):
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    # Linux only: on macOS a fork of a process that loaded torch's system frameworks may crash, which
+    # is why Python spawns there by default
+    if not sys.platform.startswith("linux") or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))  # read when the server starts (the first child)
