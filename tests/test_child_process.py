@@ -117,9 +117,11 @@ def test_child_runs_in_the_callers_environment_and_directory_at_the_call(tmp_pat
 
 PARENT = """
 import sys, time
-from spader_pipeline.child_process import in_child_process
+from spader_pipeline import child_process
 from test_child_process import sleep_and_report
-in_child_process(sleep_and_report)(sys.argv[1])
+if __name__ == "__main__":
+    sys.platform = sys.argv[2]  # "darwin": spawned
+    child_process.in_child_process(sleep_and_report)(sys.argv[1])
 """
 
 
@@ -128,10 +130,11 @@ def sleep_and_report(path):
     time.sleep(120)
 
 
-def test_child_ends_when_its_caller_is_killed(tmp_path):
-    """The child's parent is the fork server: SIGKILL on the caller ends the server, then the child."""
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_child_ends_when_its_caller_is_killed(tmp_path, platform):
+    """SIGKILL on the caller ends the child, forked (its parent is the fork server) or spawned."""
     pid_file = tmp_path / "child.pid"
-    caller = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)], cwd=Path(__file__).parent,
+    caller = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file), platform], cwd=Path(__file__).parent,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
     try:
         for _ in range(600):  # the caller starts the server (its imports) and the child

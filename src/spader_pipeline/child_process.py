@@ -19,9 +19,10 @@ counts as it was when the server started).
 The child:
 
 * ends (SIGTERM) when this process ends, however it ends: it holds the reading end of a pipe whose
-  only writer is this process, and a thread of its own waits for that pipe's end of file (its parent
-  is the fork server, which outlives this process while a child holds the server's lifeline; under
-  spawn Linux's ``PR_SET_PDEATHSIG`` does the same); it is terminated if this process is interrupted;
+  only writer is this process, and a thread of its own waits for that pipe's end of file. The same
+  under either start method; Linux's ``PR_SET_PDEATHSIG`` would not do, since a forked child's
+  parent is the fork server, which outlives this process while a child holds the server's lifeline.
+  It is terminated if this process is interrupted;
 * logs through the parent: its records go back over a queue to the parent's loggers (Kedro's
   handlers, a test's ``caplog``), filtered by the parent's logger levels; it runs with the parent's torch
   thread count;
@@ -150,7 +151,6 @@ def _torch_threads() -> int | None:
 
 def _child_main(send, fn: Callable[..., Any], args: tuple, kwargs: dict, settings: dict[str, Any],
                 lifeline) -> None:
-    _die_with_parent()
     _end_with_caller(lifeline)
     os.environ.clear()  # the caller's environment now, not the fork server's from its start
     os.environ.update(settings["environ"])
@@ -205,16 +205,3 @@ def _end_with_caller(lifeline) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait_for_the_end, name="caller-lifeline", daemon=True).start()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this process when its parent dies (a no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
