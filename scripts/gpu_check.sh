@@ -32,6 +32,7 @@ install() {
   tar xJf "$STAGE"/ray-trim.tar.xz -C "$SITE"
 }
 step install install
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export PYTHONPATH="$SITE:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 step versions python3 -c "import torch, transformers, verl; print(torch.__version__, torch.cuda.get_device_name(0), 'transformers', transformers.__version__, 'verl', verl.__version__)"
 

@@ -11,6 +11,7 @@ from spader_pipeline.modeling.decode import (
     decode_batch,
     generation_processors,
     left_aligned_positions,
+    retire_rows,
     sample_categorical,
     supports_decode_batch,
 )
@@ -70,6 +71,41 @@ def test_decode_batch_equals_generate_and_continues(gqa_model_dir):
     again = decode_batch(model, fresh_ids, fresh_mask, GrowingKVCache(), [6] * 4, eos_ids={2}, pad_id=0,
                          processors=processors, do_sample=False)
     assert continued.tokens == again.tokens
+
+
+def test_rows_finishing_in_one_step_leave_together(gqa_model_dir):
+    """Several rows ending at the same step, in the middle and at the end of the active rows, move
+    behind the going rows in one exchange; every row still gets ``generate``'s tokens."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 64, (8, 7))
+    mask = torch.ones_like(ids)
+    mask[2, :4] = 0
+    budgets = [3, 10, 3, 6, 3, 10, 6, 3]
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=[],
+                  return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        reference = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    expected = [row[:b] for row, b in zip(reference.sequences[:, ids.shape[1]:].tolist(), budgets, strict=True)]
+    processors, do_sample = generation_processors(model, kwargs, ids)
+    result = decode_batch(model, ids, mask, GrowingKVCache(), budgets, eos_ids=set(), pad_id=0,
+                          processors=processors, do_sample=do_sample)
+    assert result.tokens == expected
+    assert result.row_steps == sum(budgets)
+    assert sorted(result.cache_rows) == list(range(8))
+    for row in range(8):  # each row's cached ids are its prompt and all but its last token
+        kept = result.ids[row][result.mask[row] == 1].tolist()
+        assert kept == ids[row][mask[row] == 1].tolist() + expected[row][:-1]
+
+
+def test_retire_rows_pairs_finished_rows_with_going_rows_behind_them():
+    assert retire_rows([1, 4, 6], 7) == ([1], [5])
+    assert retire_rows([0, 2], 4) == ([0], [3])
+    assert retire_rows([5, 6], 7) == ([], [])  # already the last rows
+    assert retire_rows([0, 1, 2], 3) == ([], [])
+    holes, fillers = retire_rows([0, 1, 3, 8], 10)
+    assert holes == [0, 1, 3] and fillers == [6, 7, 9]
 
 
 def test_left_aligned_positions():

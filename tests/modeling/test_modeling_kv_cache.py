@@ -77,6 +77,23 @@ def test_active_rows_and_swaps_leave_the_other_rows_alone():
     assert torch.count_nonzero(layer._key_buffer[:, :, 73:]) == 0
 
 
+def test_move_rows_equals_the_swaps_it_stands_for():
+    """Moving several rows at once (one permutation) leaves every layer, the captured states too, as
+    the same exchanges made one by one."""
+    first = torch.randn(6, 2, 5, 4)
+    one_by_one, at_once = GrowingKVCache(capture_states=True), GrowingKVCache(capture_states=True)
+    for cache in (one_by_one, at_once):
+        cache.update(first, -first, 0)
+        cache.update(2 * first, first, 1)
+        cache.states.append(first[:, 0])
+    one_by_one.swap_rows(0, 5)
+    one_by_one.swap_rows(2, 4)
+    at_once.move_rows(torch.tensor([0, 2, 5, 4]), torch.tensor([5, 4, 0, 2]))
+    for a, b in zip([*one_by_one.layers, one_by_one.states], [*at_once.layers, at_once.states], strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert torch.equal(at_once.layers[1].keys[:, :, :5], 2 * first[[5, 1, 4, 3, 2, 0]])
+
+
 def test_gather_positions_keeps_each_rows_positions():
     cache, keys = GrowingKVCache(), torch.randn(2, 2, 6, 4)
     cache.update(keys, -keys, 0)

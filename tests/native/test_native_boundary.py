@@ -186,6 +186,63 @@ def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled
         assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
 
 
+def test_mini_batches_take_one_step_each_against_the_rollout_policy(rolled_out, tiny_config):
+    """``ppo_mini_batches: 2`` on 2 groups: one optimiser step per group, each a token-mean over its own
+    group, every one weighed against the log-probs before the first step: the parameters equal the
+    straightforward loop's, and two steps were taken."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    model, tokenizer, gen, group, trajectories = rolled_out
+    batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
+                        boundary_block=FIRST)
+    config = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=4, ppo_mini_batches=2, kl_coef=0.0,
+                         max_grad_norm=1e6, trainable_layers=1)
+    assert actor_config(config).ppo_mini_batch_size == 1
+    adv = _advantages(batch)
+    groups = [torch.tensor([r for r, u in enumerate(batch.uids.tolist()) if u == uid])
+              for uid in dict.fromkeys(batch.uids.tolist())]
+    assert len(groups) == 2 and [len(g) for g in groups] == [4, 4]
+    steps = []
+
+    def trained(update):
+        copy_ = copy.deepcopy(model).train()
+        trainable = train_top_layers(copy_, 1)
+        update(copy_, torch.optim.SGD(trainable, lr=0.5), trainable)
+        return {n: p.detach().clone() for n, p in copy_.named_parameters() if p.requires_grad}
+
+    def ours(policy, optimizer, trainable):
+        stats = update_policy(policy, None, optimizer, trainable, batch, adv, config, actor_config(config),
+                              bf16=False, step=1)
+        steps.append(stats.optimizer_steps)
+
+    def one_group_at_a_time(policy, optimizer, trainable):
+        actor = actor_config(config)
+        old = all_logprobs(policy, batch, config, False)
+        for rows in groups:
+            actor.global_batch_info.update(dp_size=1, batch_num_tokens=float(batch.response_mask[rows].sum()),
+                                           global_batch_size=len(rows))
+            optimizer.zero_grad(set_to_none=True)
+            logp, _ = response_logprobs(policy, batch, rows, temperature=config.temperature, bf16=False,
+                                        with_entropy=False)
+            loss, _ = get_policy_loss_fn("vanilla")(
+                old_log_prob=old[rows], log_prob=logp, advantages=adv.advantages[rows],
+                response_mask=batch.response_mask[rows], loss_agg_mode=config.loss_agg_mode, config=actor)
+            loss.backward()
+            optimizer.step()
+
+    expected, got = trained(one_group_at_a_time), trained(ours)
+    assert steps == [2]
+    start = {n: p for n, p in model.named_parameters() if n in expected}
+    assert any(not torch.equal(expected[n], start[n]) for n in expected)
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
+
+
+def test_mini_batches_must_split_the_groups_evenly(tiny_config):
+    with pytest.raises(ValueError, match="ppo_mini_batches=3 must be >= 1 and divide prompts_per_step=4"):
+        tiny_config(prompts_per_step=4, group_size=2, micro_batch_size=2, ppo_mini_batches=3)
+
+
 def test_unusable_captures_fall_back_to_the_full_recompute(rolled_out, caplog):
     _, tokenizer, gen, group, trajectories = rolled_out
     captured = gen.captured_states()

@@ -4,8 +4,9 @@
 end-of-sequence token or used its token budget keeps decoding padding (about a quarter of the row
 steps of an evaluation rollout). :func:`decode_batch` prefills the batch as
 ``generate`` does, then samples one token per step for the rows still going only. Finished rows are
-swapped behind the active ones in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
-(two rows copied, :meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.swap_rows`) and the model
+exchanged with going rows behind them in a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
+(all of a step's pairs in one indexed copy per buffer,
+:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.move_rows`) and the model
 sees the active prefix of the cache, so the cache of every row stays in one piece for the next turn.
 
 A continued turn's prefill (each row's new tokens: its last sampled token and an observation of its
@@ -141,13 +142,32 @@ def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None
     return index
 
 
-def _swap(i: int, j: int, tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...], cache: GrowingKVCache) -> None:
-    """Exchange rows ``i`` and ``j`` of ``tensors`` (dim 0), ``lists`` and ``cache``."""
+def retire_rows(finished: list[int], active: int) -> tuple[list[int], list[int]]:
+    """Pairs of rows to exchange so that the rows ``finished`` (ascending, each ``< active``) end up
+    behind the ``active - len(finished)`` rows that go on: each finished row among the first
+    ``active - len(finished)`` with a going row among the rest, in order. Returns ``(holes,
+    fillers)``, equally long (both empty when the finished rows are already the last ones)."""
+    kept = active - len(finished)
+    holes = [row for row in finished if row < kept]
+    done = set(finished)
+    fillers = [row for row in range(kept, active) if row not in done]
+    return holes, fillers
+
+
+def _exchange(holes: list[int], fillers: list[int], tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...],
+              cache: GrowingKVCache) -> None:
+    """Exchange rows ``holes[k]`` and ``fillers[k]`` of ``tensors`` (dim 0), ``lists`` and ``cache``, all
+    pairs at once (one indexed copy per tensor and cache buffer, whatever the number of pairs)."""
+    if not holes:
+        return
+    rows, sources = torch.tensor(holes + fillers), torch.tensor(fillers + holes)
     for tensor in tensors:
-        tensor[[i, j]] = tensor[[j, i]]
+        index, source = rows.to(tensor.device), sources.to(tensor.device)
+        tensor[index] = tensor[source]
     for items in lists:
-        items[i], items[j] = items[j], items[i]
-    cache.swap_rows(i, j)
+        for i, j in zip(holes, fillers, strict=True):
+            items[i], items[j] = items[j], items[i]
+    cache.move_rows(rows, sources)
 
 
 def _can_block(cache: Any, past: int, processors: Any) -> bool:
@@ -267,11 +287,11 @@ def decode_batch(
             tokens[order[row]].append(token)
             if token in eos_ids or budget[row] <= step:
                 finished.append(row)
-        for row in reversed(finished):  # behind the active rows; its last token is never fed
-            active -= 1
-            seq[row, width + step - 1] = pad_id
-            if row != active:
-                _swap(row, active, (seq, mask, next_position), (order, budget), cache)
+        if finished:  # behind the active rows; a finished row's last token is never fed
+            seq[torch.tensor(finished, device=seq.device), width + step - 1] = pad_id
+            holes, fillers = retire_rows(finished, active)
+            _exchange(holes, fillers, (seq, mask, next_position), (order, budget), cache)
+            active -= len(finished)
         if active == 0:
             break
         mask[:active, width + step - 1] = 1

@@ -16,8 +16,8 @@ a cache across calls of different widths, which our KV reuse between turns needs
 
 For decoding that drops finished rows (:func:`spader_pipeline.modeling.decode.decode_batch`) the
 cache can expose only its first ``rows`` rows to the model (:meth:`GrowingKVCache.set_active_rows`)
-and exchange two rows in place (:meth:`GrowingKVCache.swap_rows`): finished rows are swapped behind
-the active ones and stop being computed, without copying the cache of the rows that go on. Positions
+and move rows in place (:meth:`GrowingKVCache.move_rows`, one indexed copy per buffer for any number
+of rows): finished rows are exchanged with going rows behind them and stop being computed, without copying the cache of the rows that go on. Positions
 past a row's last write hold zeros (never uninitialised memory), so a masked position can never
 turn attention into NaN.
 
@@ -111,11 +111,17 @@ class GrowingLayer(DynamicLayer):
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows ``i`` and ``j`` of the filled positions (two rows copied)."""
-        if self._key_buffer is not None and i != j:
-            rows = torch.tensor([i, j], device=self._key_buffer.device)
-            swapped = torch.tensor([j, i], device=self._key_buffer.device)
+        if i != j:
+            self.move_rows(torch.tensor([i, j]), torch.tensor([j, i]))
+
+    def move_rows(self, rows: torch.Tensor, sources: torch.Tensor) -> None:
+        """Make row ``rows[k]`` of the filled positions what row ``sources[k]`` was, for every ``k``
+        (long ``[n]``; ``sources`` a permutation of ``rows``): one gather and one scatter per buffer."""
+        if self._key_buffer is not None and len(rows):
+            device = self._key_buffer.device
+            rows, sources = rows.to(device), sources.to(device)
             for buffer in (self._key_buffer, self._value_buffer):
-                buffer[rows, :, : self._length] = buffer[swapped, :, : self._length]
+                buffer[rows, :, : self._length] = buffer[sources, :, : self._length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[B, H_kv, T, D]``; return the whole cache (views).
@@ -289,6 +295,16 @@ class GrowingKVCache(DynamicCache):
         """Exchange rows ``i`` and ``j`` in every layer."""
         for layer in [*self.layers, *self._extra()]:
             layer.swap_rows(i, j)
+
+    def move_rows(self, rows: torch.Tensor, sources: torch.Tensor) -> None:
+        """Make row ``rows[k]`` what row ``sources[k]`` was in every layer (``sources``: a permutation
+        of ``rows``, :meth:`GrowingLayer.move_rows`); the index moves to the device once."""
+        layers = [*self.layers, *self._extra()]
+        buffers = [layer._key_buffer for layer in layers if layer._key_buffer is not None]
+        if buffers and len(rows):
+            rows, sources = rows.to(buffers[0].device), sources.to(buffers[0].device)
+        for layer in layers:
+            layer.move_rows(rows, sources)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)

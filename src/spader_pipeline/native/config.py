@@ -59,6 +59,12 @@ class NativeTrainerConfig:
     verl's counterpart is ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``"""
     ppo_epochs: int = 1
     """passes over each rollout batch (1 = on-policy, the SPADER setting)"""
+    ppo_mini_batches: int = 1
+    """optimiser steps per pass: the step's groups split into this many mini-batches of whole groups,
+    one clipped step each against the rollout policy's log-probs (verl's ``ppo_mini_batch_size`` =
+    ``prompts_per_step / ppo_mini_batches``; 1 = the SPADER setting, one step per rollout batch). A
+    rollout batch costs about as much to decode at 256 rows as at 1,024 on a GPU (docs/gpu.md): more
+    mini-batches turn a wider batch into more optimiser steps"""
     rollout_kv_cache_budget_mb: float | None = None
     """MiB the rollout's KV caches may take at their longest (``max_prompt_tokens`` +
     ``rollout.max_response_tokens`` per row, :mod:`spader_pipeline.modeling.memory_budget`): the
@@ -162,6 +168,11 @@ class NativeTrainerConfig:
             raise ValueError("rollout_kv_cache_budget_mb must be > 0 or null")
         if self.ppo_epochs < 1:
             raise ValueError("ppo_epochs must be >= 1")
+        if self.ppo_mini_batches < 1 or self.prompts_per_step % self.ppo_mini_batches:
+            raise ValueError(
+                f"ppo_mini_batches={self.ppo_mini_batches} must be >= 1 and divide prompts_per_step="
+                f"{self.prompts_per_step} (mini-batches of whole groups)"
+            )
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError("warmup_ratio must be in [0, 1)")
         if self.learning_rate <= 0 or self.max_grad_norm <= 0:

@@ -348,6 +348,7 @@ def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.
     metrics.update(mechanism_metrics(batch, rollouts.trajectories, adv, grpo))
     metrics.update({
         "optim/grad_norm": update.grad_norm,
+        "optim/steps": float(update.optimizer_steps),
         "optim/lr": run.scheduler.get_last_lr()[0],
         "loss/total": (update.sums["policy"] + config.kl_coef * update.sums["kl"]) / config.ppo_epochs,
         "perf/rollout_seconds": rollouts.seconds,

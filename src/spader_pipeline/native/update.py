@@ -65,19 +65,35 @@ def response_logprobs(
     return out, entropy
 
 
-def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Row indices of the micro-batches: rows sorted by length, at most ``size`` per micro-batch
-    and, with ``max_tokens``, at most ``max_tokens`` padded tokens (rows × the longest row; a row
-    longer than that is a micro-batch alone).
+def mini_batches(batch: RolloutBatch, count: int) -> list[torch.Tensor]:
+    """Row indices of ``count`` mini-batches of whole groups (``batch.uids``), the groups in the
+    order they first appear, dealt out in equal runs (``count`` divides the number of groups)."""
+    groups: dict[Any, list[int]] = {}
+    for row, uid in enumerate(batch.uids.tolist()):
+        groups.setdefault(uid, []).append(row)
+    members = list(groups.values())
+    if len(members) % count:
+        raise ValueError(f"{len(members)} groups cannot be split into {count} equal mini-batches")
+    per = len(members) // count
+    return [torch.tensor([row for group in members[i * per : (i + 1) * per] for row in group]) for i in range(count)]
+
+
+def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int | None = None,
+                                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Row indices of the micro-batches: rows (all, or ``rows``) sorted by length, at most ``size`` per
+    micro-batch and, with ``max_tokens``, at most ``max_tokens`` padded tokens (rows × the longest row;
+    a row longer than that is a micro-batch alone).
 
     Each micro-batch is trimmed to its longest sequence, so sorting keeps padding (wasted decoder
     work) small, and the token budget keeps long rows in small passes, where attention's
     quadratic cost and the padding to the longest row would otherwise dominate. The loss is a
     token-weighted sum over the whole batch, so the grouping of rows does not change the gradient.
     """
-    lengths = batch.attention_mask.sum(dim=1)
-    order = torch.argsort(lengths, stable=True)
-    return [order[run.start : run.stop] for run in token_budget_runs(lengths[order].tolist(), max_tokens, size)]
+    rows = torch.arange(batch.attention_mask.shape[0]) if rows is None else rows
+    lengths = batch.attention_mask[rows].sum(dim=1)
+    order = rows[torch.argsort(lengths, stable=True)]
+    sorted_lengths = batch.attention_mask[order].sum(dim=1).tolist()
+    return [order[run.start : run.stop] for run in token_budget_runs(sorted_lengths, max_tokens, size)]
 
 
 def actor_config(config: NativeTrainerConfig) -> Any:
@@ -86,7 +102,7 @@ def actor_config(config: NativeTrainerConfig) -> Any:
 
     return ActorConfig(
         strategy="fsdp",
-        ppo_mini_batch_size=config.prompts_per_step,
+        ppo_mini_batch_size=config.prompts_per_step // config.ppo_mini_batches,
         ppo_micro_batch_size_per_gpu=config.micro_batch_size,
         rollout_n=config.group_size,
         clip_ratio=config.clip_ratio_low,
@@ -102,68 +118,94 @@ def actor_config(config: NativeTrainerConfig) -> Any:
 
 @dataclass
 class UpdateStats:
-    """Loss terms summed over micro-batches (divide by epochs for the logged means) and the grad norm."""
+    """Loss terms summed over epochs (each epoch's terms are token-weighted means over the whole
+    batch; divide by epochs for the logged means), the gradient norm (the mean over the step's
+    optimiser steps, before clipping) and the number of optimiser steps."""
 
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("policy", "kl", "entropy", "clipfrac", "clipfrac_lower", "approx_kl"), 0.0))
     grad_norm: float = 0.0
+    optimizer_steps: int = 0
 
 
 def update_policy(
     model, reference, optimizer, trainable, batch: RolloutBatch, adv: Advantages, config: NativeTrainerConfig,
     actor_cfg: Any, *, bf16: bool | str, step: int, reference_shares_boundary: bool = False,
 ) -> UpdateStats:
-    """``config.ppo_epochs`` passes of the clipped PPO loss (token-mean over the whole batch) plus
-    ``kl_coef`` × KL to ``reference``, each followed by one clipped optimiser step.
+    """``config.ppo_epochs`` passes over the batch, each in ``config.ppo_mini_batches`` mini-batches of
+    whole groups; per mini-batch the clipped PPO loss (token-mean over the mini-batch) plus
+    ``kl_coef`` × KL to ``reference``, then one clipped optimiser step (verl's actor update with
+    ``ppo_mini_batch_size = prompts_per_step / ppo_mini_batches``).
 
-    The old (behaviour) log-probs are the first epoch's, taken before its optimiser step. With
-    ``batch.boundary`` every pass of the policy starts from the rollout's boundary states; the
-    reference's too when ``reference_shares_boundary`` (its frozen blocks equal the policy's,
-    :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
+    The old (behaviour) log-probs are the rollout policy's: with one mini-batch, the first epoch's
+    own, taken before its optimiser step; with several, a no-grad pass over the batch first (the
+    parameters move after the first mini-batch). With ``batch.boundary`` every pass of the policy
+    starts from the rollout's boundary states; the reference's too when ``reference_shares_boundary``
+    (its frozen blocks equal the policy's, :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     device = next(model.parameters()).device
     policy_loss_fn = get_policy_loss_fn("vanilla")
     total_tokens = float(batch.response_mask.sum().clamp(min=1))
-    actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=total_tokens, global_batch_size=len(batch.uids))
-    # The behaviour policy's log-probs are the first epoch's own (the parameters have not moved yet):
-    # kept from that pass for the later epochs instead of a separate forward over the batch.
-    old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32) if config.ppo_epochs > 1 else None
+    parts = mini_batches(batch, config.ppo_mini_batches) if config.ppo_mini_batches > 1 else [None]
+    micro = [length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens, rows)
+             for rows in parts]
+    old_logp = None
+    if config.ppo_mini_batches > 1:  # the behaviour policy, before any optimiser step of this batch
+        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for rows in (r for runs in micro for r in runs):
+                logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
+                                            with_entropy=False)
+                old_logp[rows] = logp.cpu()
+    elif config.ppo_epochs > 1:  # kept from the first epoch's own pass (the parameters have not moved yet)
+        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     stats = UpdateStats()
+    norms = []
     for epoch in range(config.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        for rows in length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens):
-            mask = batch.response_mask[rows].to(device)
-            if mask.sum() == 0:
-                continue
-            logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
-                                              bf16=bf16, with_entropy=True)
-            if epoch == 0:
-                old = logp.detach()
-                if old_logp is not None:
-                    old_logp[rows] = old.cpu()
+        for part, runs in zip(parts, micro, strict=True):
+            part_tokens = float(batch.response_mask[part].sum().clamp(min=1)) if part is not None else total_tokens
+            part_size = len(part) if part is not None else len(batch.uids)
+            actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=part_tokens, global_batch_size=part_size)
+            share = part_tokens / total_tokens
+            optimizer.zero_grad(set_to_none=True)
+            for rows in runs:
+                mask = batch.response_mask[rows].to(device)
+                if mask.sum() == 0:
+                    continue
+                logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
+                                                  bf16=bf16, with_entropy=True)
+                if config.ppo_mini_batches == 1 and epoch == 0:
+                    old = logp.detach()
+                    if old_logp is not None:
+                        old_logp[rows] = old.cpu()
+                else:
+                    old = old_logp[rows].to(device)
+                pg_loss, pg_metrics = policy_loss_fn(
+                    old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
+                    loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
+                )
+                loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats,
+                                          use_boundary=reference_shares_boundary, share=share)
+                loss.backward()
+                _accumulate(stats, pg_loss, pg_metrics, entropy, mask, weight=float(mask.sum()) / total_tokens,
+                            share=share)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
+            norms.append(grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+                stats.optimizer_steps += 1
             else:
-                old = old_logp[rows].to(device)
-            pg_loss, pg_metrics = policy_loss_fn(
-                old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
-                loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
-            )
-            loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats,
-                                      use_boundary=reference_shares_boundary)
-            loss.backward()
-            _accumulate(stats, pg_loss, pg_metrics, entropy, mask, weight=float(mask.sum()) / total_tokens)
-        stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
-        if math.isfinite(stats.grad_norm):
-            optimizer.step()
-        else:
-            logger.warning("step %d: non-finite gradient norm, update skipped", step)
+                logger.warning("step %d: non-finite gradient norm, update skipped", step)
+    stats.grad_norm = sum(norms) / len(norms)
     return stats
 
 
 def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats: UpdateStats, *,
-             use_boundary: bool) -> torch.Tensor | float:
-    """``kl_coef`` × KL(policy ‖ reference) of the micro-batch (0 without a reference model)."""
+             use_boundary: bool, share: float = 1.0) -> torch.Tensor | float:
+    """``kl_coef`` × KL(policy ‖ reference) of the micro-batch (0 without a reference model);
+    ``share``: the mini-batch's part of the batch's tokens (the logged sum is over the batch)."""
     if reference is None:
         return 0.0
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
@@ -173,13 +215,13 @@ def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats:
                                         bf16=bf16, with_entropy=False, use_boundary=use_boundary)
     kl = kl_penalty(logp, ref_logp, config.kl_type)
     kl_loss = agg_loss(kl, mask, config.loss_agg_mode, **actor_cfg.global_batch_info)
-    stats.sums["kl"] += float(kl_loss.detach())
+    stats.sums["kl"] += share * float(kl_loss.detach())
     return config.kl_coef * kl_loss
 
 
-def _accumulate(stats: UpdateStats, pg_loss, pg_metrics, entropy, mask, *, weight: float) -> None:
+def _accumulate(stats: UpdateStats, pg_loss, pg_metrics, entropy, mask, *, weight: float, share: float = 1.0) -> None:
     sums = stats.sums
-    sums["policy"] += float(pg_loss.detach())
+    sums["policy"] += share * float(pg_loss.detach())
     sums["entropy"] += weight * float((entropy * mask).sum() / mask.sum())
     sums["clipfrac"] += weight * pg_metrics["actor/pg_clipfrac"]
     sums["clipfrac_lower"] += weight * pg_metrics["actor/pg_clipfrac_lower"]

@@ -28,7 +28,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +109,19 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
     with search_backend({"mode": "local"}, index_dir, where="portable.search") as search:
         with clock("validate_warm_start"):
             start_validation = _start_validation(warm_start_dir, validation_frame, search, settings, template, device)
-        with clock(f"evaluate_{REFERENCE}"):
-            records += _evaluate(REFERENCE, warm_start_dir, heldout, search, settings, template, device)
-        report()
+
+        def evaluate_reference() -> None:
+            with clock(f"evaluate_{REFERENCE}"):
+                records.extend(_evaluate(REFERENCE, warm_start_dir, heldout, search, settings, template, device))
+            report()
+
         stage = MethodStage(index_dir=index_dir, warm_start_dir=str(warm_start_dir), settings=settings, out=str(out),
                             device=device, start_validation=start_validation, rl_seconds=rl_seconds,
                             train=train, validation=validation_frame, heldout=heldout)
-        if parallel_methods and len(methods) > 1:
-            results = _run_side_by_side(stage, methods)
+        if parallel_methods and len(methods) > 1:  # the warm start's evaluation beside the methods' RL
+            results = _run_side_by_side(stage, methods, meanwhile=evaluate_reference)
         else:
+            evaluate_reference()
             results = (run_method(stage, method, search) for method in methods)
         for result in results:  # each as it finishes
             timings.update(result.seconds)
@@ -197,9 +201,12 @@ def _run_method_in_child(stage: MethodStage, method: str, threads: int) -> Metho
     return run_method(stage, method)
 
 
-def _run_side_by_side(stage: MethodStage, methods: Sequence[str]) -> Iterator[MethodResult]:
+def _run_side_by_side(stage: MethodStage, methods: Sequence[str],
+                      meanwhile: Callable[[], None] | None = None) -> Iterator[MethodResult]:
     """Each method in its own spawned process, all at once; results in the order they finish. A child
-    that dies (killed, out of memory) is reported as that method's failure."""
+    that dies (killed, out of memory) is reported as that method's failure. ``meanwhile`` runs in this
+    process once the children are started, before any result is yielded (the warm start's held-out
+    evaluation: it needs none of the methods' results, and the device has room beside them)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -208,6 +215,8 @@ def _run_side_by_side(stage: MethodStage, methods: Sequence[str]) -> Iterator[Me
     with ProcessPoolExecutor(max_workers=len(methods), mp_context=context) as pool:
         futures = {pool.submit(_run_method_in_child, stage, method, threads): method for method in methods}
         logger.info("methods side by side: %s (%d CPU threads each)", ", ".join(methods), threads)
+        if meanwhile is not None:
+            meanwhile()
         for future in as_completed(futures):
             method = futures[future]
             try:
