@@ -374,26 +374,44 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
 
 
 def plot_curves(curves: Mapping[str, Sequence[Mapping[str, float]]], start: Mapping[str, float], path: Path) -> None:
-    """Validation recall per RL step, one line per method, the warm start's level dashed."""
+    """Two panels per RL step, one line per method: validation recall (greedy), the warm start's level
+    dashed; and the training batch's recall (sampled, fresh questions each step until the training
+    split repeats) beside the policy's entropy, the mechanism behind a sampled gain that greedy
+    decoding does not show (a sharper policy samples closer to its greedy answer)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:  # the plot is a convenience; curves.json holds the numbers
         logger.warning("matplotlib is not installed: no %s", path.name)
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, history in curves.items():
+    fig, (validation, training) = plt.subplots(1, 2, figsize=(11, 4))
+    entropy = training.twinx()
+    for i, (method, history) in enumerate(curves.items()):
+        color = f"C{i}"
         points = [(h["step"], v) for h in history for k, v in h.items() if k.startswith("val/") and k.endswith("/recall")]
         if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=method)
+            validation.plot(*zip(*points, strict=True), marker="o", color=color, label=method)
+        sampled = [(h["step"], h["answer/recall"]) for h in history if "answer/recall" in h]
+        if sampled:
+            training.plot(*zip(*sampled, strict=True), marker="o", color=color, label=f"{method} recall")
+        spread = [(h["step"], h["policy/entropy"]) for h in history if "policy/entropy" in h]
+        if spread:
+            entropy.plot(*zip(*spread, strict=True), marker="x", linestyle=":", color=color, label=f"{method} entropy")
     for key, value in start.items():
         if key.endswith("/recall"):
-            ax.axhline(value, linestyle="--", color="grey", label="warm start")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("validation recall (greedy)")
-    ax.legend()
+            validation.axhline(value, linestyle="--", color="grey", label="warm start")
+    validation.set(xlabel="RL step", ylabel="validation recall (greedy)", title="held-out validation questions")
+    training.set(xlabel="RL step", ylabel="training batch recall (sampled)", title="the step's rollouts")
+    entropy.set_ylabel("policy entropy (dotted)")
+    for ax in (validation, training):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    validation.legend()
+    lines, labels = training.get_legend_handles_labels()
+    more, more_labels = entropy.get_legend_handles_labels()
+    training.legend(lines + more, labels + more_labels, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
