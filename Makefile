@@ -131,7 +131,7 @@ mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -48,7 +48,7 @@ def main() -> None:
                 {
                     "id": f"mintaka_embedded:{row['id']}",
                     "question": row["question"],
-                    "ground_truth": [dedupe_forms([*entity, *title_aliases(title)]) for entity, title in zip(entities, titles)],
+                    "ground_truth": [dedupe_forms([*entity, *title_aliases(title)]) for entity, title in zip(entities, titles, strict=True)],
                     "data_source": "mintaka_embedded",
                     "split": "test",
                     "meta": {"source": f"Mintaka ({path.name}), CC BY 4.0", "mintaka_id": row["id"], **row.get("meta", {})},
