@@ -13,6 +13,7 @@
 #    tiny model on CUDA): last, so that a call cut at its limit has the run's results already
 #    (SKIP_TESTS=1: not at all).
 # EXTRA: more arguments for the run (e.g. "--max-heldout 120 --set training.validation.every=0").
+# PROFILE=1: then time one training rollout in two weight layouts (benchmarks/profile_rollout.py).
 # Logs and results go to OUT (the device tool's $OUT by default). Each step's failure is reported
 # and the next step still runs; the exit code is the first failure's.
 set -uo pipefail
@@ -45,6 +46,14 @@ grep -v "Loading weights\|shards\|Continuous Token\|GGUF" "$OUT/one_gpu.log" | t
 (cd /tmp/one_gpu 2>/dev/null && tar czf "$OUT/one_gpu.tar.gz" --ignore-failed-read summary.json summary.md curves.json \
   curves.png heldout_records.jsonl train_*/metrics.jsonl)
 cat /tmp/one_gpu/summary.md 2>/dev/null
+
+# PROFILE=1: one training rollout from the run's warm start, with fp32 weights under autocast and with a
+# bf16 copy, timed per decoding step (benchmarks/profile_rollout.py; PROFILE_ARGS adds e.g. --profile).
+if [ "${PROFILE:-0}" = 1 ]; then
+  # shellcheck disable=SC2086
+  step profile_rollout python3 benchmarks/profile_rollout.py --model-dir /tmp/one_gpu/warm_start \
+    --bundle "$STAGE/bundle" --questions 48 --group 16 --device cuda ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_rollout.log" | tail -n 60
+fi
 
 [ "${SKIP_TESTS:-0}" = 1 ] && exit $status  # a short lease: the run only
 # The CUDA tests that need only these packages (the others import kedro, mlflow or fastapi).

@@ -1,0 +1,118 @@
+"""One RL rollout as the native trainer runs it, timed per decoding step, in two weight layouts.
+
+The native trainer's step on a GPU is its rollout, and a real rollout's decoding step costs three to
+four times what ``bench_gpu_decode_step.py`` gives for the same shape (docs/gpu.md, "Rollout speed on
+one GPU"). This runs what ``native.trainer.collect_rollouts`` runs (``HFGenerator`` on the training
+questions of a bundle, sampled at T = 1, groups of ``--group``, the bundle's rollout limits and search,
+boundary states captured as with ``trainable_layers: 8``) for each layout:
+
+- ``autocast``: fp32 weights under bf16 autocast where ``bf16: auto`` turns it on (a GPU, a CPU with
+  bf16 units; plain fp32 elsewhere), as the trainer decodes today;
+- ``bf16``: a bf16 copy of the weights, no autocast (what a rollout copy refreshed after each update
+  would decode with);
+
+and prints per layout the rollout's wall time, the time in the model's turns, its decoding steps and
+the time per step. ``--profile`` adds torch.profiler's top operations of the first layout's rollout
+(CPU and, on CUDA, device time), to place the time a step spends beyond the decoding benchmark.
+Same questions and seed for every layout; the straightforward layout (today's) is the first row.
+
+    python benchmarks/profile_rollout.py --model-dir /tmp/one_gpu/warm_start --bundle /tmp/stage/bundle \\
+        --questions 48 --group 16 --device cuda [--max-turns 6] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.data.formats import samples_from_verl
+from spader_pipeline.modeling import load_model_and_tokenizer
+from spader_pipeline.modeling.precision import resolve_bf16
+from spader_pipeline.retrieval.settings import search_backend
+
+
+def rollout(model, tokenizer, group, search, limits, template, *, bf16: bool, capture: int | None, device: str):
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    generator = HFGenerator(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=96, seed=1),
+                            max_prompt_tokens=1024, micro_batch_size=len(group), bf16=bf16,
+                            capture_states_from_layer=capture)
+    torch.manual_seed(0)
+    sync()
+    started = time.perf_counter()
+    run_rollouts_sync(group, generator, search, limits, template)
+    sync()
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "model_seconds": generator.model_seconds, "decode_steps": generator.decode_steps,
+            "ms_per_step": 1000 * generator.model_seconds / max(generator.decode_steps, 1),
+            "model_tokens": generator.generated_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True, help="a Hugging Face folder (the warm start)")
+    parser.add_argument("--bundle", required=True, help="a portable bundle (questions, index, settings)")
+    parser.add_argument("--questions", type=int, default=48)
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-turns", type=int, default=None, help="default: the bundle's training rollout")
+    parser.add_argument("--layouts", default="autocast,bf16")
+    parser.add_argument("--capture-block", type=int, default=21,
+                        help="decoder block whose output is captured (trainable_layers 8 of 30: 21); -1: none")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    bundle = Path(args.bundle)
+    settings = json.loads((bundle / "settings.json").read_text())
+    limits = dict(settings["training"]["native"]["rollout"])
+    if args.max_turns is not None:
+        limits["max_turns"] = args.max_turns
+    limits = RolloutConfig.from_mapping(limits)
+    samples = samples_from_verl(pd.read_parquet(bundle / "train.parquet"))[: args.questions]
+    group = [{**q, "uid": f"1-{k}"} for k, q in enumerate(samples) for _ in range(args.group)]
+    model, tokenizer = load_model_and_tokenizer(args.model_dir, device=args.device)
+    capture = None if args.capture_block < 0 else args.capture_block
+    rows = []
+    with search_backend({"mode": "local"}, str(bundle / "index"), where="profile_rollout") as search:
+        for i, layout in enumerate(args.layouts.split(",")):
+            policy = model if layout == "autocast" else copy.deepcopy(model).to(torch.bfloat16)
+            bf16 = layout == "autocast" and resolve_bf16("auto", args.device, model)
+            profiler = None
+            if args.profile and i == 0:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if args.device.startswith("cuda"):
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                # the generator decodes in a worker thread (the rollout's event loop stays free)
+                profiler = torch.profiler.profile(
+                    activities=activities,
+                    experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+                profiler.__enter__()
+            result = rollout(policy, tokenizer, group, search, limits, settings["prompt_template"], bf16=bf16,
+                             capture=capture, device=args.device)
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                for key in ("self_cpu_time_total", "self_device_time_total" if args.device != "cpu" else None):
+                    if key:
+                        print(profiler.key_averages().table(sort_by=key, row_limit=25))
+            rows.append({"layout": layout, **result})
+            if policy is not model:
+                del policy
+    print(f"{len(group)} trajectories ({args.questions} questions x {args.group}), {args.device}, "
+          f"{limits.max_turns} turns, capture block {capture}")
+    print(f"{'layout':10s} {'rollout s':>10s} {'model s':>8s} {'steps':>6s} {'ms/step':>8s} {'tokens':>7s}")
+    for row in rows:
+        print(f"{row['layout']:10s} {row['seconds']:10.1f} {row['model_seconds']:8.1f} {row['decode_steps']:6d} "
+              f"{row['ms_per_step']:8.1f} {row['model_tokens']:7d}")
+    if len(rows) > 1:
+        print(f"ratio {rows[0]['model_seconds'] / rows[1]['model_seconds']:.2f}x ({rows[0]['layout']} / {rows[1]['layout']})")
+
+
+if __name__ == "__main__":
+    main()
