@@ -229,3 +229,35 @@ def test_a_time_budget_stops_before_a_step_that_would_pass_it_and_validates_the_
     )
     assert result.steps == 1 and [s for s, _ in logged] == [1] and "val/embedded/recall" in logged[0][1]
     AutoModelForCausalLM.from_pretrained(result.final_model_dir)
+
+
+def test_a_bf16_rollout_copy_follows_the_trained_weights(tmp_path, native_model_dir, toy_index_dir, tiny_config):
+    """``rollout_weights: bf16``: the rollout decodes from a bf16 copy, with no autocast and no boundary
+    states (the update runs the frozen blocks itself); after an optimiser step the copy holds the
+    trained weights in bf16, and a two-step run trains and saves as usual."""
+    from spader_pipeline.native.trainer import collect_rollouts, refresh_rollout_copy, start_run
+    from spader_pipeline.retrieval import load_retriever
+
+    config = tiny_config(total_steps=2, trainable_layers=1, learning_rate=1e-2, kl_coef=0.0, rollout_weights="bf16")
+    run = start_run(config, native_model_dir, tmp_path / "state")
+    assert run.boundary_block is not None  # the trained model could start its update from states ...
+    copy_params = dict(run.rollout_model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy_params.values())
+    search = LocalSearch(load_retriever(toy_index_dir))
+    rollouts = collect_rollouts(run, QUESTIONS, search, TEMPLATE, step=1)
+    assert rollouts.batch.boundary is None and rollouts.batch.response_mask.sum() > 0  # ... the copy captures none
+    with torch.no_grad():
+        for param in run.trainable:
+            param.add_(1.0)
+    refresh_rollout_copy(run)
+    for name, param in run.model.named_parameters():
+        assert torch.equal(copy_params[name], param.detach().to(torch.bfloat16)), name
+
+    result = _one_step(tmp_path / "run", native_model_dir, toy_index_dir, config)
+    assert [h["step"] for h in result.history] == [1, 2]
+    assert all(h["perf/reused_rollout_states"] == 0.0 for h in result.history)
+
+
+def test_rollout_weights_are_model_or_bf16(tiny_config):
+    with pytest.raises(ValueError, match="rollout_weights='fp16': use 'model' or 'bf16'"):
+        tiny_config(rollout_weights="fp16")

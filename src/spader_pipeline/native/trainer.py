@@ -105,6 +105,8 @@ class RunState:
     """first trained block when the update starts from the rollout's states (``reuse_rollout_states``)"""
     reference_shares_boundary: bool = False
     """the reference's frozen blocks equal the policy's: its pass starts from the same states"""
+    rollout_model: Any = None
+    """the bf16 copy the rollout decodes with (``rollout_weights: bf16``); ``None``: ``model`` itself"""
 
     @property
     def fingerprint(self) -> str:
@@ -187,6 +189,7 @@ def train_native(
                                reference_shares_boundary=run.reference_shares_boundary)
         run.scheduler.step()
         run.model.eval()
+        refresh_rollout_copy(run)
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
         metrics = step_report(run, rollouts, adv, grpo, update, timing)
         metrics.update(host_memory_report())
@@ -239,12 +242,25 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     run = RunState(config, run_dir, settings, model, tokenizer, reference, trainable, optimizer, scheduler,
                    actor_config(config), bf16, history=[], start_step=0, resumed_from=resume[0] if resume else None)
     run.boundary_block = _boundary_block(config, model)
+    if config.rollout_weights == "bf16":
+        run.rollout_model = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
     run.reference_shares_boundary = bool(
         reference is not None and run.boundary_block and shares_frozen_blocks(model, reference, run.boundary_block))
     if resume:
         _restore(run, resume[1])
     write_history(run_dir, run.history)
     return run
+
+
+def refresh_rollout_copy(run: RunState) -> None:
+    """Bring the bf16 rollout copy up to the trained weights (only the trained parameters move)."""
+    if run.rollout_model is None:
+        return
+    copies = dict(run.rollout_model.named_parameters())
+    with torch.no_grad():
+        for name, param in run.model.named_parameters():
+            if param.requires_grad:
+                copies[name].copy_(param)
 
 
 def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any], run_dir: Path) -> tuple[int, Path] | None:
@@ -312,12 +328,14 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     sampling = SamplingParams(
         temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
     )
-    block = run.boundary_block
+    # A bf16 rollout copy decodes without autocast and captures no states (not the frozen blocks' own).
+    policy = run.rollout_model if run.rollout_model is not None else run.model
+    block = run.boundary_block if run.rollout_model is None else None
     # One decoding pass per `rows` trajectories (whole groups), each pass keeping its KV cache
     # between turns; the generator's captures stay in start order across passes.
     rows = config.rollout_rows(run.model.config)
-    generator = HFGenerator(run.model, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
-                            micro_batch_size=rows, bf16=run.bf16,
+    generator = HFGenerator(policy, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
+                            micro_batch_size=rows, bf16=run.bf16 and run.rollout_model is None,
                             capture_states_from_layer=block - 1 if block else None)
     started = time.perf_counter()
     trajectories = [trajectory for first in range(0, len(group), rows)
