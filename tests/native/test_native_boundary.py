@@ -142,23 +142,41 @@ def test_a_token_budget_per_micro_batch_leaves_loss_and_gradients_unchanged(roll
         assert split_stats.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+def _trained_copy(model, update) -> dict[str, torch.Tensor]:
+    """The trainable parameters of a copy of ``model`` (top block) after ``update(copy, SGD, trainable)``."""
+    copy_ = copy.deepcopy(model).train()
+    trainable = train_top_layers(copy_, 1)
+    update(copy_, torch.optim.SGD(trainable, lr=0.5), trainable)
+    return {n: p.detach().clone() for n, p in copy_.named_parameters() if p.requires_grad}
+
+
+def _plain_loss_backward(policy, batch, rows, old, adv, config, actor) -> None:
+    """The straightforward loop's clipped loss on ``rows`` against ``old`` log-probs, backpropagated."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    logp, _ = response_logprobs(policy, batch, rows, temperature=config.temperature, bf16=False, with_entropy=False)
+    loss, _ = get_policy_loss_fn("vanilla")(
+        old_log_prob=old[rows], log_prob=logp, advantages=adv.advantages[rows],
+        response_mask=batch.response_mask[rows], loss_agg_mode=config.loss_agg_mode, config=actor)
+    loss.backward()
+
+
+def _assert_moved_and_equal(model, expected: dict, got: dict) -> None:
+    start = {n: p for n, p in model.named_parameters() if n in expected}
+    assert any(not torch.equal(expected[n], start[n]) for n in expected)  # the updates moved the parameters
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
+
+
 def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled_out, tiny_config):
     """With several epochs the behaviour policy's log-probs are kept from the first epoch's pass: the
     parameters equal those of the straightforward loop that computes them in a pass of their own first."""
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
     model, tokenizer, gen, group, trajectories = rolled_out
     batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
                         boundary_block=FIRST)
     config = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=4, ppo_epochs=3, kl_coef=0.0,
                          max_grad_norm=1e6, trainable_layers=1)
     adv = _advantages(batch)
-
-    def trained(update):
-        copy_ = copy.deepcopy(model).train()
-        trainable = train_top_layers(copy_, 1)
-        update(copy_, torch.optim.SGD(trainable, lr=0.5), trainable)
-        return {n: p.detach().clone() for n, p in copy_.named_parameters() if p.requires_grad}
 
     def ours(policy, optimizer, trainable):
         update_policy(policy, None, optimizer, trainable, batch, adv, config, actor_config(config), bf16=False, step=1)
@@ -171,27 +189,16 @@ def test_later_epochs_weigh_against_the_log_probs_before_the_first_update(rolled
         for _ in range(config.ppo_epochs):
             optimizer.zero_grad(set_to_none=True)
             for rows in length_sorted_micro_batches(batch, config.micro_batch_size):
-                logp, _ = response_logprobs(policy, batch, rows, temperature=config.temperature, bf16=False,
-                                         with_entropy=False)
-                loss, _ = get_policy_loss_fn("vanilla")(
-                    old_log_prob=old[rows], log_prob=logp, advantages=adv.advantages[rows],
-                    response_mask=batch.response_mask[rows], loss_agg_mode=config.loss_agg_mode, config=actor)
-                loss.backward()
+                _plain_loss_backward(policy, batch, rows, old, adv, config, actor)
             optimizer.step()
 
-    expected, got = trained(separate_pass_first), trained(ours)
-    start = {n: p for n, p in model.named_parameters() if n in expected}
-    assert any(not torch.equal(expected[n], start[n]) for n in expected)  # the epochs moved the parameters
-    for name, value in expected.items():
-        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
+    _assert_moved_and_equal(model, _trained_copy(model, separate_pass_first), _trained_copy(model, ours))
 
 
 def test_mini_batches_take_one_step_each_against_the_rollout_policy(rolled_out, tiny_config):
     """``ppo_mini_batches: 2`` on 2 groups: one optimiser step per group, each a token-mean over its own
     group, every one weighed against the log-probs before the first step: the parameters equal the
     straightforward loop's, and two steps were taken."""
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
     model, tokenizer, gen, group, trajectories = rolled_out
     batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
                         boundary_block=FIRST)
@@ -203,12 +210,6 @@ def test_mini_batches_take_one_step_each_against_the_rollout_policy(rolled_out, 
               for uid in dict.fromkeys(batch.uids.tolist())]
     assert len(groups) == 2 and [len(g) for g in groups] == [4, 4]
     steps = []
-
-    def trained(update):
-        copy_ = copy.deepcopy(model).train()
-        trainable = train_top_layers(copy_, 1)
-        update(copy_, torch.optim.SGD(trainable, lr=0.5), trainable)
-        return {n: p.detach().clone() for n, p in copy_.named_parameters() if p.requires_grad}
 
     def ours(policy, optimizer, trainable):
         stats = update_policy(policy, None, optimizer, trainable, batch, adv, config, actor_config(config),
@@ -222,20 +223,11 @@ def test_mini_batches_take_one_step_each_against_the_rollout_policy(rolled_out, 
             actor.global_batch_info.update(dp_size=1, batch_num_tokens=float(batch.response_mask[rows].sum()),
                                            global_batch_size=len(rows))
             optimizer.zero_grad(set_to_none=True)
-            logp, _ = response_logprobs(policy, batch, rows, temperature=config.temperature, bf16=False,
-                                        with_entropy=False)
-            loss, _ = get_policy_loss_fn("vanilla")(
-                old_log_prob=old[rows], log_prob=logp, advantages=adv.advantages[rows],
-                response_mask=batch.response_mask[rows], loss_agg_mode=config.loss_agg_mode, config=actor)
-            loss.backward()
+            _plain_loss_backward(policy, batch, rows, old, adv, config, actor)
             optimizer.step()
 
-    expected, got = trained(one_group_at_a_time), trained(ours)
+    _assert_moved_and_equal(model, _trained_copy(model, one_group_at_a_time), _trained_copy(model, ours))
     assert steps == [2]
-    start = {n: p for n, p in model.named_parameters() if n in expected}
-    assert any(not torch.equal(expected[n], start[n]) for n in expected)
-    for name, value in expected.items():
-        assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
 
 
 def test_mini_batches_must_split_the_groups_evenly(tiny_config):
