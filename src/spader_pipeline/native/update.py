@@ -91,9 +91,9 @@ def length_sorted_micro_batches(batch: RolloutBatch, size: int, max_tokens: int 
     """
     rows = torch.arange(batch.attention_mask.shape[0]) if rows is None else rows
     lengths = batch.attention_mask[rows].sum(dim=1)
-    order = rows[torch.argsort(lengths, stable=True)]
-    sorted_lengths = batch.attention_mask[order].sum(dim=1).tolist()
-    return [order[run.start : run.stop] for run in token_budget_runs(sorted_lengths, max_tokens, size)]
+    by_length = torch.argsort(lengths, stable=True)
+    order = rows[by_length]
+    return [order[run.start : run.stop] for run in token_budget_runs(lengths[by_length].tolist(), max_tokens, size)]
 
 
 def actor_config(config: NativeTrainerConfig) -> Any:
@@ -148,7 +148,8 @@ def update_policy(
     device = next(model.parameters()).device
     policy_loss_fn = get_policy_loss_fn("vanilla")
     total_tokens = float(batch.response_mask.sum().clamp(min=1))
-    parts = mini_batches(batch, config.ppo_mini_batches) if config.ppo_mini_batches > 1 else [None]
+    parts = (mini_batches(batch, config.ppo_mini_batches) if config.ppo_mini_batches > 1
+             else [torch.arange(len(batch.uids))])
     micro = [length_sorted_micro_batches(batch, config.micro_batch_size, config.micro_batch_max_tokens, rows)
              for rows in parts]
     old_logp = None
@@ -165,9 +166,8 @@ def update_policy(
     norms = []
     for epoch in range(config.ppo_epochs):
         for part, runs in zip(parts, micro, strict=True):
-            part_tokens = float(batch.response_mask[part].sum().clamp(min=1)) if part is not None else total_tokens
-            part_size = len(part) if part is not None else len(batch.uids)
-            actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=part_tokens, global_batch_size=part_size)
+            part_tokens = float(batch.response_mask[part].sum().clamp(min=1))
+            actor_cfg.global_batch_info.update(dp_size=1, batch_num_tokens=part_tokens, global_batch_size=len(part))
             share = part_tokens / total_tokens
             optimizer.zero_grad(set_to_none=True)
             for rows in runs:
