@@ -29,3 +29,24 @@ def test_make_test_fast_leaves_out_gpu_slow_and_e2e_tests(markers):
     expression = Expression.compile(_marker_expression("test-fast"))
     assert not expression.evaluate(lambda name: name in markers)
     assert expression.evaluate(lambda name: False)  # unmarked tests still run
+
+
+def _kedro_runs(target: str) -> list[list[str]]:
+    """The ``kedro run`` command lines ``make -n target`` prints (sub-makes included), as arguments."""
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    runs = [shlex.split(line) for line in out.splitlines() if "kedro run" in line]
+    return [args[args.index("run") + 1:] for args in runs]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_is_the_default_chain_with_its_default_methods_side_by_side():
+    """The part before the methods, one job per default method (the registry's), the part after:
+    what ``around_methods`` splits the default chain into (tests/test_pipeline_registry.py)."""
+    from spader_pipeline.algorithms.methods import default_methods
+
+    runs = _kedro_runs("run")
+    assert runs[0] == ["--pipeline", "default_before_methods"]
+    assert runs[-1] == ["--pipeline", "default_after_methods"]
+    assert sorted(runs[1:-1]) == sorted(["--nodes", f"train_{m}.train_policy"] for m in default_methods())
+    assert all(["--env", "long"] == args[:2] for args in _kedro_runs("run-long"))

@@ -53,3 +53,34 @@ def test_a_train_method_pipeline_can_be_requested_by_name(project_root):
         assert "train_spader.merge_policy" in {n.name for n in pipelines["merge"].nodes}
     finally:
         pipelines.set_requested(None)
+
+
+def test_the_default_chain_splits_around_its_methods_into_jobs_that_meet_on_disk(project_root):
+    """``make run``'s three phases: the part before the methods, each method's training node alone,
+    the part after. Together they are the default chain, node for node; the part before needs no
+    method's output, and every dataset one phase hands to a later one is saved (a separate
+    ``kedro run`` reads it from disk, none is a MemoryDataset)."""
+    bootstrap_project(project_root)
+    from kedro.framework.session import KedroSession
+    from kedro.io import MemoryDataset
+
+    from spader_pipeline.algorithms.methods import default_methods
+    from spader_pipeline.pipeline_registry import register_pipelines
+
+    pipelines = register_pipelines()
+    default, before, after = (pipelines[n] for n in ("__default__", "default_before_methods", "default_after_methods"))
+    methods = {f"train_{m}.train_policy" for m in default_methods()}
+    names = [n.name for n in before.nodes] + sorted(methods) + [n.name for n in after.nodes]
+    assert sorted(names) == sorted(n.name for n in default.nodes)  # each node once
+    assert {"warm_start", "validate_warm_start"} <= {n.name for n in before.nodes}
+    assert {"run_evaluations", "build_report"} <= {n.name for n in after.nodes}
+    method_nodes = [n for n in default.nodes if n.name in methods]
+    method_inputs = {i for n in method_nodes for i in n.inputs}
+    method_outputs = {o for n in method_nodes for o in n.outputs}
+    assert not method_outputs & before.all_inputs()
+    handed_on = (before.all_outputs() & (method_inputs | after.inputs())) | (method_outputs & after.inputs())
+    assert {"warm_start_manifest", "train_grpo.policy_manifest"} <= handed_on
+    with KedroSession.create(project_path=project_root) as session:
+        catalog = session.load_context().catalog
+        for dataset in sorted(handed_on):
+            assert not isinstance(catalog.get(dataset), MemoryDataset | type(None)), dataset

@@ -47,9 +47,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: Kedro tag of a compare cell's nodes: a run made only of such nodes writes only their namespaces,
-#: and holds their cell locks (the pipeline tags its nodes, the hooks read the tags).
-CELL_TAG = "compare_cell"
+#: Kedro tag of a cell's nodes (a compare cell, a method's training run of the default chain): a run
+#: made only of such nodes writes only their namespaces, and holds their cell locks (the pipelines
+#: tag their nodes, the hooks read the tags).
+CELL_TAG = "cell"
 LOCK_NAME = ".kedro-run.lock"
 #: The folder of the cell locks, beside the root lock.
 CELLS_DIR = ".kedro-run.cells"

@@ -113,3 +113,23 @@ def test_an_override_for_a_model_the_catalog_does_not_have_is_an_error(tmp_path)
     params = {"trained_models": TRAINED, "catalog_overrides": {"bsae": {"rollout": {"max_turns": 2}}}}
     with pytest.raises(ValueError, match=r"catalog_overrides names \['bsae'\], not models of the catalog"):
         run_evaluations({}, {}, {}, params, {}, base={"path": str(_checkpoint(tmp_path / "base"))})
+
+
+@pytest.mark.parametrize(("setting", "forced", "expected"),
+                         [("auto", "on", True), ("auto", "off", False), (True, "off", True), (False, "on", False)])
+def test_a_checkpoint_decodes_in_the_precision_its_bf16_option_resolves_to(tmp_path, monkeypatch, setting, forced,
+                                                                           expected):
+    """``bf16: auto`` follows the machine as validation does (forced here through SPADER_BF16, as
+    ``pytest --bf16`` forces it); ``true``/``false`` are taken as given."""
+    from spader_pipeline.evaluation.models import open_generator
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+
+    texts = [f"Ghana {i} is a country in West Africa." for i in range(20)]
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)
+    model_dir = build_base_model(texts, tmp_path / "tiny", spec=spec, vocab_size=300, min_frequency=1)
+    monkeypatch.setenv("SPADER_BF16", forced)
+    model = ModelSpec.from_mapping({"name": "tiny", "kind": "hf", "path": str(model_dir), "bf16": setting,
+                                    "device": "cpu"})
+    with open_generator(model) as generator:
+        assert generator.bf16 is expected

@@ -245,3 +245,19 @@ def test_a_lock_written_by_a_newer_version_still_names_its_holder(tmp_path):
                                 "started": "2026-11-25T03:00:00+00:00", "cells": [], "priority": "high"}))
     with pytest.raises(DataRootBusy, match="pid 1 on host node-z, pipeline 'compare'"):
         run_lock.acquire(tmp_path, "compare", "compare", cells=["grpo_seed0"])
+
+
+def test_make_runs_methods_side_by_side_as_cells_while_the_parts_around_them_hold_the_root(kedro_project):
+    """``make run``'s middle phase: each method's training node alone is a cell of the default chain's
+    root, so the two run side by side; the parts before and after hold the whole root and wait."""
+    data = kedro_project / "data"
+    first = HeldRun(kedro_project, "test", "__default__", node_names=["train_grpo.train_policy"])
+    try:
+        assert json.loads((data / CELLS_DIR / "train_grpo.lock").read_text())["cells"] == ["train_grpo"]
+        _run_now(kedro_project, "test", "__default__", node_names=["train_spader.train_policy"])  # beside it
+        for phase in ("default_before_methods", "default_after_methods"):
+            with pytest.raises(DataRootBusy, match=re.escape(f"data root {data} has a cell running")):
+                _run_now(kedro_project, "test", phase)
+    finally:
+        first.finish()
+    assert not list((data / CELLS_DIR).glob("*.lock"))

@@ -37,7 +37,7 @@ CLIENT_OPTIONS = ("max_retries", "backoff", "timeout", "api_key", "extra_body")
 #: options a model entry may add, by kind: what :func:`open_generator` hands to its generator
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "scripted": ("follow_up", "min_overlap", "query_style", "seed", "max_searches"),
-    "hf": ("device", "max_prompt_tokens", "chat_template_kwargs", "kv_cache_budget_mb"),
+    "hf": ("device", "bf16", "max_prompt_tokens", "chat_template_kwargs", "kv_cache_budget_mb"),
     "openai": CLIENT_OPTIONS,
     "served": (*CLIENT_OPTIONS, "server_args"),
 }
@@ -158,9 +158,15 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
         from spader_pipeline.modeling.base_model import load_model_and_tokenizer
         from spader_pipeline.modeling.device import resolve_device
 
-        model, tokenizer = load_model_and_tokenizer(spec.path, device=resolve_device(spec.options.get("device")))
-        kwargs = {k: v for k, v in spec.options.items() if k not in ("device", "kv_cache_budget_mb")}
-        yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), **kwargs)
+        from spader_pipeline.modeling.precision import resolve_bf16
+
+        device = resolve_device(spec.options.get("device"))
+        model, tokenizer = load_model_and_tokenizer(spec.path, device=device)
+        # bf16 autocast as validation decides it (auto: on a GPU or a CPU with bf16 units), so the
+        # held-out score and the validation curve measure a policy the same way
+        bf16 = resolve_bf16(spec.options.get("bf16", False), device, model)
+        kwargs = {k: v for k, v in spec.options.items() if k not in ("device", "bf16", "kv_cache_budget_mb")}
+        yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), bf16=bf16, **kwargs)
     elif spec.kind == "openai":
         from spader_pipeline.agent.openai_backend import OpenAIChatGenerator
 

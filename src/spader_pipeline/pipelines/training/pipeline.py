@@ -14,6 +14,7 @@
 from kedro.pipeline import Pipeline, node, pipeline
 
 from spader_pipeline.algorithms.methods import default_methods
+from spader_pipeline.run_lock import CELL_TAG
 from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from .nodes import train_policy, validate_warm_start, warm_start
@@ -53,7 +54,9 @@ def method_pipeline(method: str) -> Pipeline:
                         "params:training", "params:prompt", "verl_validation", "warm_start_validation"],
                 outputs=["policy_manifest", "training_history", "training_metrics"],
                 name="train_policy",
-                tags=[METHOD_RUN_TAG],  # one MLflow run per method's training (spader_pipeline.hooks)
+                # one MLflow run per method's training; a cell: it writes only its namespace, so two
+                # methods can train side by side on one data root (spader_pipeline.hooks)
+                tags=[METHOD_RUN_TAG, CELL_TAG],
             )
         ],
         tags="training",
