@@ -157,7 +157,6 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
         from spader_pipeline.agent.hf_backend import HFGenerator
         from spader_pipeline.modeling.base_model import load_model_and_tokenizer
         from spader_pipeline.modeling.device import resolve_device
-
         from spader_pipeline.modeling.precision import resolve_bf16
 
         device = resolve_device(spec.options.get("device"))
