@@ -25,7 +25,7 @@ The child:
   It is terminated if this process is interrupted;
 * logs through the parent: its records go back over a queue to the parent's loggers (Kedro's
   handlers, a test's ``caplog``), filtered by the parent's logger levels; it runs with the parent's torch
-  thread count;
+  thread count, or the count the caller gives (children run side by side share the cores);
 * re-raises in the parent as the child's own exception, its traceback attached as a note; a child
   that ends without a result (killed: ``-9`` is SIGKILL, often the out-of-memory killer) raises
   :class:`ChildProcessDied`.
@@ -62,17 +62,19 @@ class ChildProcessDied(RuntimeError):
     """The child ended without sending a result or an exception (killed, or it crashed)."""
 
 
-def in_child_process(fn: Callable[..., T], *, enabled: bool = True, name: str | None = None) -> Callable[..., T]:
+def in_child_process(fn: Callable[..., T], *, enabled: bool = True, name: str | None = None,
+                     threads: int | None = None) -> Callable[..., T]:
     """``fn`` wrapped so that a call runs it in a fresh child process (or in this one when not
     ``enabled``). ``fn`` must be importable (a module-level function) and its arguments and
-    result picklable; ``name`` labels the child in logs and errors (default: ``fn``'s name)."""
+    result picklable; ``name`` labels the child in logs and errors (default: ``fn``'s name);
+    ``threads``: the child's torch thread count (default: this process's), for children run side by side."""
     if not enabled:
         return fn
     label = name or fn.__name__
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> T:
-        return _run(label, fn, args, kwargs)
+        return _run(label, fn, args, kwargs, threads)
 
     return call
 
@@ -94,12 +96,12 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _run(label: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+def _run(label: str, fn: Callable[..., T], args: tuple, kwargs: dict, threads: int | None = None) -> T:
     context = _context()
     receive, send = context.Pipe(duplex=False)
     records = context.Queue()
     listener = logging.handlers.QueueListener(records, _ToParentLoggers())
-    settings = {"log_levels": _log_levels(), "torch_threads": _torch_threads(), "log_queue": records,
+    settings = {"log_levels": _log_levels(), "torch_threads": threads or _torch_threads(), "log_queue": records,
                 "environ": dict(os.environ)}
     lifeline, keep_alive = context.Pipe(duplex=False)  # end of file in the child once this process ends
     child = context.Process(target=_child_main, args=(send, fn, args, kwargs, settings, lifeline), name=label)

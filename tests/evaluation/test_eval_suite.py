@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.models import ModelSpec, ModelUnavailableError
-from spader_pipeline.evaluation.suite import evaluate_models, select_models
+from spader_pipeline.evaluation.suite import _expected_cost, evaluate_models, select_models
 
 TRAINED = {"kind": "hf", "batch_size": 4, "sampling": {"max_new_tokens": 8}}
 
@@ -133,3 +134,57 @@ def test_a_checkpoint_decodes_in_the_precision_its_bf16_option_resolves_to(tmp_p
                                     "device": "cpu"})
     with open_generator(model) as generator:
         assert generator.bf16 is expected
+
+
+def test_checkpoints_evaluated_side_by_side_give_the_records_of_one_after_another(tmp_path, caplog):
+    """``runner.workers: 2``: two child processes at a time, the costliest models started first (the
+    order of their start logs is the forkserver's), each with one of the two torch threads; the
+    results are those of ``workers: 1``, in the models' order."""
+    import torch
+
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+    from spader_pipeline.retrieval.index import build_index_from_file
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "title": t, "contents": "Country in West Africa."}) + "\n"
+                              for i, t in enumerate(["Ghana", "Togo", "Benin"])))
+    build_index_from_file(corpus, tmp_path / "index", "bm25", show_progress=False)
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=512)
+    model_dir = build_base_model([f"Ghana {i} is a country in West Africa." for i in range(20)], tmp_path / "tiny",
+                                 spec=spec, vocab_size=300, min_frequency=1)
+    hf = {"kind": "hf", "path": str(model_dir), "batch_size": 4, "bf16": False,
+          "sampling": {"temperature": 0.0, "max_new_tokens": 6}}
+    models = [{"name": "short", **hf, "rollout": {"max_turns": 1}}, {"name": "long_a", **hf, "rollout": {"max_turns": 3}},
+              {"name": "scripted", "kind": "scripted"}, {"name": "long_b", **hf, "rollout": {"max_turns": 2}}]
+    datasets = {"west": [{"id": f"q{i}", "question": f"Which countries are in West Africa {i}?",
+                          "ground_truth": [["Ghana"], ["Togo"]]} for i in range(3)]}
+    prompt = {"template": "t", "templates": {"t": "Question: {question}"}}
+
+    def evaluate(workers: int) -> tuple[list, list[str]]:
+        config = EvaluationConfig.from_mapping({"models": models, "runner": {
+            "work_dir": str(tmp_path / f"work{workers}"), "progress": False, "workers": workers}})
+        seen: list[str] = []
+        results = evaluate_models(config, select_models(config), datasets, {}, prompt=prompt,
+                                  index_manifest={"index_dir": str(tmp_path / "index")},
+                                  on_result=lambda r: seen.append(r.model.name))
+        return results, seen
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone, _ = evaluate(1)
+        with caplog.at_level(logging.INFO, logger="spader_pipeline.child_process"):
+            caplog.clear()
+            side_by_side, seen = evaluate(2)
+    finally:
+        torch.set_num_threads(threads)
+    def records(results):  # as JSON: a NaN metric (no answer) equals itself
+        return [(r.model.name, json.dumps(r.records, sort_keys=True)) for r in results]
+
+    assert records(side_by_side) == records(alone)
+    assert [r.model.name for r in side_by_side] == ["short", "long_a", "scripted", "long_b"]
+    assert sorted(seen) == ["long_a", "long_b", "scripted", "short"]
+    assert len(re.findall(r"evaluate_\w+: running in child process", caplog.text)) == 3
+    checkpoints = [m for m in select_models(EvaluationConfig.from_mapping({"models": models})) if m.kind == "hf"]
+    assert [m.name for m in sorted(checkpoints, key=_expected_cost, reverse=True)] == ["long_a", "long_b", "short"]

@@ -33,6 +33,9 @@ class RunnerSettings:
     subprocess: bool = True
     """each in-process (``hf``) model is evaluated in a child process, which returns its memory to
     the operating system when it ends (:mod:`spader_pipeline.child_process`)"""
+    workers: int = 1
+    """with ``subprocess``: how many of those children run at once, each with its share of this
+    process's torch threads (at least one); the costliest models start first"""
 
 
 @dataclass(frozen=True)

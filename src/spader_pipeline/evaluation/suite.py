@@ -12,6 +12,7 @@ model is done (the Kedro node logs it to MLflow there).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -100,22 +101,52 @@ def evaluate_models(
     prompt: Mapping[str, Any],
     on_result: Callable[[EvaluationResult], None] | None = None,
 ) -> list[EvaluationResult]:
-    """Evaluate every model on every dataset (see the module docstring); results in that order."""
-    results: list[EvaluationResult] = []
+    """Evaluate every model on every dataset (see the module docstring); results in that order.
+
+    An in-process checkpoint runs in a child process (``runner.subprocess``): its memory returns
+    when it ends. ``runner.workers`` > 1 runs that many such children at once, each with its share
+    of the torch threads, the costliest first (:func:`_expected_cost`); ``on_result`` then sees each
+    model's results as its child ends. Served and scripted models run here, one after another.
+    """
     if not models or not datasets:
-        return results
+        return []
+    done: dict[str, list[EvaluationResult]] = {}
+
+    def finished(model: ModelSpec, results: list[EvaluationResult]) -> None:
+        for result in results:
+            _log_summary(result)
+            if on_result is not None:
+                on_result(result)
+        done[model.name] = results
+
     with service_url(config.retrieval, index_manifest["index_dir"]) as url:
+        arguments = (datasets, frequencies, url, index_manifest, prompt)
+        children = [m for m in models if config.runner.subprocess and m.kind == "hf"]
+        import torch
+
+        cores = torch.get_num_threads()  # at least one thread per child
+        workers = min(max(1, config.runner.workers), len(children), cores)
+        if workers > 1:
+            threads = cores // workers
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="evaluate") as pool:
+                futures = {
+                    pool.submit(in_child_process(_evaluate_model, name=f"evaluate_{m.name}", threads=threads),
+                                config, m, *arguments): m
+                    for m in sorted(children, key=_expected_cost, reverse=True)
+                }
+                for future in concurrent.futures.as_completed(futures):
+                    finished(futures[future], future.result())
         for model in models:
-            # an in-process checkpoint in a child process (runner.subprocess): its memory returns
-            # when it ends; a served model's generator is only an HTTP client
-            evaluate = in_child_process(_evaluate_model, enabled=config.runner.subprocess and model.kind == "hf",
-                                        name=f"evaluate_{model.name}")
-            for result in evaluate(config, model, datasets, frequencies, url, index_manifest, prompt):
-                _log_summary(result)
-                results.append(result)
-                if on_result is not None:
-                    on_result(result)
-    return results
+            if model.name not in done:
+                evaluate = in_child_process(_evaluate_model, enabled=model in children, name=f"evaluate_{model.name}")
+                finished(model, evaluate(config, model, *arguments))
+    return [result for model in models for result in done[model.name]]
+
+
+def _expected_cost(model: ModelSpec) -> int:
+    """A model's rollout budget in generated tokens (turns × tokens per turn): which child to start first."""
+    turns = int(model.rollout.get("max_turns", 1) or 1)
+    return turns * int(model.sampling.get("max_new_tokens", 1) or 1)
 
 
 def _evaluate_model(config: EvaluationConfig, model: ModelSpec, datasets: Mapping[str, list[dict[str, Any]]],
