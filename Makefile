@@ -57,7 +57,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The default chain (what `kedro run` runs) in three phases, so that its methods train side by side,
-# each with half the cores (on 2 cores 6:00 for both against 4:18 for one alone; docs/results.md):
+# each with half the cores (faster than one after the other: docs/results.md, make run):
 # the part before the methods (data, index, warm start, its validation), one
 # `kedro run --nodes train_<method>.train_policy` job per method at once (each a cell of the data root:
 # its own lock and its own MLflow run), then the part after (merges, evaluation, report). The phases

@@ -122,12 +122,8 @@ def evaluate_models(
     with service_url(config.retrieval, index_manifest["index_dir"]) as url:
         arguments = (datasets, frequencies, url, index_manifest, prompt)
         children = [m for m in models if config.runner.subprocess and m.kind == "hf"]
-        import torch
-
-        cores = torch.get_num_threads()  # at least one thread per child
-        workers = min(max(1, config.runner.workers), len(children), cores)
+        workers, threads = _side_by_side(config.runner.workers, len(children))
         if workers > 1:
-            threads = cores // workers
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="evaluate") as pool:
                 futures = {
                     pool.submit(in_child_process(_evaluate_model, name=f"evaluate_{m.name}", threads=threads),
@@ -141,6 +137,20 @@ def evaluate_models(
                 evaluate = in_child_process(_evaluate_model, enabled=model in children, name=f"evaluate_{model.name}")
                 finished(model, evaluate(config, model, *arguments))
     return [result for model in models for result in done[model.name]]
+
+
+def _side_by_side(wanted: int, children: int) -> tuple[int, int]:
+    """(children at once, torch threads each): ``wanted`` at most, one per child and at least one
+    thread each. torch is imported only when more than one child could run (a served model's
+    evaluation needs none)."""
+    workers = min(max(1, wanted), children)
+    if workers < 2:
+        return 1, 0
+    import torch
+
+    cores = torch.get_num_threads()
+    workers = min(workers, cores)
+    return workers, cores // workers
 
 
 def _expected_cost(model: ModelSpec) -> int:
