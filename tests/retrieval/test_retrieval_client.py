@@ -152,3 +152,19 @@ def test_a_slow_search_does_not_block_the_event_loop(bm25_index):
         server.should_exit = True
         thread.join(timeout=10)
     assert response.json()["result"][0][0]["document"]["title"] == "Ghana"
+
+
+def test_one_client_serves_one_event_loop_after_another():
+    """A rollout runs each batch under its own ``asyncio.run``; the pooled connections of a closed loop
+    must not serve the next one (they failed as ``Event loop is closed``, one search per batch)."""
+    with FlakyServer([]) as url:
+        client = RetrievalClient(url, max_retries=0)
+
+        async def batch():
+            return await asyncio.gather(*(client.search([f"q{k}"], topk=1) for k in range(8)),
+                                        return_exceptions=True)
+
+        outcomes = [asyncio.run(batch()) for _ in range(3)]
+        asyncio.run(client.aclose())
+    failures = [repr(o) for batch_outcomes in outcomes for o in batch_outcomes if isinstance(o, BaseException)]
+    assert failures == []

@@ -118,6 +118,7 @@ class RetrievalClient:
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._trust_env = trust_env  # False: HTTP(S)_PROXY variables never reroute the (local) service
         self._async: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None  # the loop ``_async``'s connections live in
         self._sync: httpx.Client | None = None
 
     def _delay(self, attempt: int) -> float:
@@ -146,9 +147,7 @@ class RetrievalClient:
     async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None,
                      initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
         payload = _payload(queries, topk, max_chars, initial_k, use_reranker)
-        if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
-        return await self._request(payload, self._async.post, asyncio.sleep)
+        return await self._request(payload, self._client_of_this_loop().post, asyncio.sleep)
 
     def search_sync(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None,
                     initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
@@ -159,16 +158,26 @@ class RetrievalClient:
         return _run_blocking(self._request(payload, _blocking(self._sync.post), _blocking(time.sleep)))
 
     async def health(self) -> dict[str, Any]:
-        if self._async is None:
-            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
-        response = await self._async.get(self.base_url + "/health")
+        response = await self._client_of_this_loop().get(self.base_url + "/health")
         response.raise_for_status()
         return response.json()
 
+    def _client_of_this_loop(self) -> httpx.AsyncClient:
+        """The pooled async client of the running event loop. A pooled connection belongs to the loop
+        that opened it: a rollout runs each batch under its own ``asyncio.run``, and a connection kept
+        from a closed loop fails the next loop's request with ``Event loop is closed``. So each loop
+        gets its own client; a closed loop's client is dropped (its sockets close with the loop's
+        transports, and awaiting its ``aclose`` in another loop would fail the same way)."""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop:
+            self._async = httpx.AsyncClient(timeout=self.timeout, limits=self._limits, trust_env=self._trust_env)
+            self._async_loop = loop
+        return self._async
+
     async def aclose(self) -> None:
-        if self._async is not None:
+        if self._async is not None and self._async_loop is asyncio.get_running_loop():
             await self._async.aclose()
-            self._async = None
+        self._async = self._async_loop = None
         self.close()
 
     def close(self) -> None:
