@@ -60,8 +60,9 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
 def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design: Mapping[str, Any]
                  ) -> tuple[str, Any, dict[str, float]]:
     """Markdown, figure and metrics of the positive control. ``design``: ``questions`` (fitted-set
-    size), ``validation_questions``, ``target_gain`` and ``cells`` ([method, seed] pairs)."""
+    size, unless ``question_ids`` names them), ``validation_questions``, ``target_gain`` and ``cells`` ([method, seed] pairs)."""
     target = float(design["target_gain"])
+    fitted = len(design.get("question_ids") or ()) or int(design["questions"])
     rows = cell_outcomes(histories, target)
     held = held_out_source(histories)
     held_column = f"validation recall ({held or '—'}): warm start → last"
@@ -73,10 +74,10 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
         columns=["cell", "steps", "fitted recall: warm start → last", "gain", f"≥ +{target:.2f}", held_column]))
     reached = sum(r["reached"] for r in rows)
     verdict = (f"**{reached} of {len(rows)} cells** gained at least +{target:.2f} greedy recall on the "
-               f"{design['questions']} questions they trained on.")
+               f"{fitted} questions they trained on.")
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",
-        f"Each cell trained from the shared warm start on the same {design['questions']} training questions "
+        f"Each cell trained from the shared warm start on the same {fitted} training questions "
         f"and was scored greedy on them from step 0; the validation split's first "
         f"{design['validation_questions']} questions are held out (no target).", "",
         verdict, "", table,

@@ -44,6 +44,17 @@ def test_the_fitted_set_is_one_draw_for_every_cell_scored_under_its_own_source()
         fitted_set(_verl(10, "train"), _verl(5, "validation"), {**DESIGN, "questions": 11})
 
 
+def test_a_fitted_set_named_by_id_keeps_its_order_and_refuses_an_unknown_id():
+    design = {**DESIGN, "question_ids": ["train7", "train2"]}
+    train, validation = fitted_set(_verl(10, "train"), _verl(5, "validation"), design)
+    assert [e["id"] for e in train["extra_info"]] == ["train7", "train2"]
+    assert list(validation["data_source"]) == ["fitted", "fitted", "embedded", "embedded"]
+    with pytest.raises(ValueError, match=r"\['validation1'\]"):
+        fitted_set(_verl(10, "train"), _verl(5, "validation"), {**design, "question_ids": ["train1", "validation1"]})
+    with pytest.raises(ValueError, match="duplicates"):
+        fitted_set(_verl(10, "train"), _verl(5, "validation"), {**design, "question_ids": ["train1", "train1"]})
+
+
 def test_a_cell_trains_on_every_fitted_question_and_validates_every_row():
     training = {"native": {"seed": 0}, "max_train_questions": 40, "validation": {"every": 4, "max_questions": 16}}
     settings = cell_settings(training, "out", seed=1)
@@ -59,6 +70,8 @@ def test_the_report_counts_the_cells_that_reach_the_target():
     assert metrics["cells_reached"] == 1 and metrics["fit_grpo_seed0/gain"] == pytest.approx(0.25)
     assert metrics["fit_spader_seed0/validation_gain"] == pytest.approx(-0.05)
     assert len(figure.axes) == 2
+    named, _, _ = build_report(histories, {**DESIGN, "question_ids": ["a", "b", "c"]})
+    assert "on the 3 questions they trained on" in named
     with pytest.raises(ValueError, match="not at the warm start"):
         build_report({"fit_grpo_seed0": _history([0.5, 0.6], [0.1, 0.1])[1:]}, DESIGN)
 

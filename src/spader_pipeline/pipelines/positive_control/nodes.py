@@ -33,21 +33,38 @@ def cell_name(method: str, seed: int) -> str:
 
 def fitted_set(verl_train: pd.DataFrame, verl_validation: pd.DataFrame,
                design: Mapping[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The training rows every cell trains on (``design.questions`` of ``verl_train``, drawn with
-    ``design.question_seed``, the same for every cell) and the validation rows that score them: those
+    """The training rows every cell trains on and the validation rows that score them: those
     questions again with ``data_source`` ``fitted`` (``val/fitted/…``), then the first
-    ``design.validation_questions`` of ``verl_validation`` (held out)."""
-    count = int(design["questions"])
-    if not 1 <= count <= len(verl_train):
-        raise ValueError(f"positive_control.questions={count}: choose 1..{len(verl_train)} (the training split)")
-    picked = np.sort(np.random.default_rng(int(design.get("question_seed", 0))).choice(len(verl_train), count,
-                                                                                      replace=False))
-    train = verl_train.iloc[picked].reset_index(drop=True)
+    ``design.validation_questions`` of ``verl_validation`` (held out).
+
+    The training rows are ``design.question_ids`` (in that order) when given, else ``design.questions``
+    of ``verl_train`` drawn with ``design.question_seed``; the same for every cell either way."""
+    ids = [str(i) for i in design.get("question_ids") or ()]
+    if ids:
+        train = _rows_with_ids(verl_train, ids)
+    else:
+        count = int(design["questions"])
+        if not 1 <= count <= len(verl_train):
+            raise ValueError(f"positive_control.questions={count}: choose 1..{len(verl_train)} (the training split)")
+        picked = np.sort(np.random.default_rng(int(design.get("question_seed", 0))).choice(len(verl_train), count,
+                                                                                          replace=False))
+        train = verl_train.iloc[picked].reset_index(drop=True)
     held = verl_validation.head(int(design.get("validation_questions") or 0))
     validation = pd.concat([train.assign(data_source=FITTED_SOURCE), held], ignore_index=True)
-    logger.info("positive control: fitting %d training questions (%s), %d validation questions held out", count,
+    logger.info("positive control: fitting %d training questions (%s), %d validation questions held out", len(train),
                 ", ".join(str((e or {}).get("id")) for e in train["extra_info"]), len(held))
     return train, validation
+
+
+def _rows_with_ids(verl_train: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
+    """The rows of ``verl_train`` whose ``extra_info.id`` are ``ids``, in that order; an id that is
+    not in the training split stops the run (a fitted set is never silently smaller)."""
+    position = {str((e or {}).get("id")): k for k, e in enumerate(verl_train["extra_info"])}
+    missing = [i for i in ids if i not in position]
+    if missing or len(set(ids)) != len(ids):
+        raise ValueError(f"positive_control.question_ids: {missing or 'duplicates'} — each id once, from the "
+                         f"training split ({len(verl_train)} questions; scripts/select_fitted_set.py lists candidates)")
+    return verl_train.iloc[[position[i] for i in ids]].reset_index(drop=True)
 
 
 def cell_settings(training: Mapping[str, Any], output_dir: str, seed: int) -> dict[str, Any]:
