@@ -99,7 +99,8 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     assert result.steps == 2 and [s for s, _ in logged] == [1, 2]
     assert {"method_reward/mean", "answer/f1", "retrieval/recall", "adv/std", "loss/kl", "policy/entropy",
             "perf/generate_tokens_per_second", "adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac", "group/distinct_query_seqs",
-            "group/distinct_docs", "group/entity_recall_union", "group/first_divergence_turn"} <= set(logged[0][1])
+            "group/distinct_docs", "group/entity_recall_union", "group/first_divergence_turn",
+            "rollout/search_failed"} <= set(logged[0][1])
     perf = logged[0][1]
     assert 0 < perf["perf/rollout_model_seconds"] <= perf["perf/rollout_seconds"]
     assert perf["perf/rollout_decode_steps"] >= 1
@@ -107,6 +108,29 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     step, path = latest_checkpoint(tmp_path)
     assert step == 2 and load_trainer_state(path)["extra"]["method"] == method
     AutoModelForCausalLM.from_pretrained(result.final_model_dir)
+
+
+class DownSearch:
+    """A retrieval service that is down: every search raises."""
+
+    async def search(self, queries, topk=5, max_chars=None):
+        raise ConnectionError("retrieval service down")
+
+
+def test_a_step_counts_its_failed_searches(toy_index_dir):
+    """A rollout never stops for a failed search (the model sees an error observation), so the step's
+    metrics say how many searches failed: rewards earned against a broken tool are visible."""
+    from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
+    from spader_pipeline.agent.scripted import ScriptedPolicy
+    from spader_pipeline.native.metrics import search_failures
+    from spader_pipeline.retrieval import load_retriever
+
+    served = run_rollouts_sync(QUESTIONS, ScriptedPolicy(), LocalSearch(load_retriever(toy_index_dir)), RolloutConfig(),
+                               TEMPLATE)
+    down = run_rollouts_sync(QUESTIONS, ScriptedPolicy(), DownSearch(), RolloutConfig(), TEMPLATE)
+    assert all(any(s.kind == "search" for s in t.steps) for t in served + down)
+    assert search_failures(served) == {"rollout/search_failed": 0.0}
+    assert search_failures(down) == {"rollout/search_failed": 1.0}
 
 
 def _one_step(tmp_path, model_dir, index_dir, config):

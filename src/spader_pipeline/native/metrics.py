@@ -72,6 +72,15 @@ def retrieved_documents(trajectory: Any) -> list[str]:
     return [doc for step in trajectory.steps for per_query in step.doc_ids for doc in per_query]
 
 
+def search_failures(trajectories: Sequence[Any]) -> dict[str, float]:
+    """``rollout/search_failed``: the share of the step's search turns whose search failed (the
+    service or index raised; the model saw an error observation instead of passages). Anything above 0
+    means the rewards were earned against a broken tool: the retrieval log says why."""
+    searches = [s for t in trajectories for s in t.steps if s.kind == "search"]
+    failed = sum(s.error_kind == "search_failed" for s in searches)
+    return {"rollout/search_failed": failed / max(len(searches), 1)}
+
+
 def mechanism_metrics(
     batch: RolloutBatch, trajectories: Sequence[Any], adv: Advantages, grpo: torch.Tensor
 ) -> dict[str, float]:

@@ -55,7 +55,7 @@ from spader_pipeline.native.checkpoint import (
     supersede_checkpoints,
 )
 from spader_pipeline.native.config import NativeTrainerConfig
-from spader_pipeline.native.metrics import mechanism_metrics, step_metrics
+from spader_pipeline.native.metrics import mechanism_metrics, search_failures, step_metrics
 from spader_pipeline.native.records import (
     append_history,
     history_path,
@@ -364,6 +364,7 @@ def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.
     config, batch = run.config, rollouts.batch
     metrics = step_metrics(batch, adv, update, config.ppo_epochs)
     metrics.update(mechanism_metrics(batch, rollouts.trajectories, adv, grpo))
+    metrics.update(search_failures(rollouts.trajectories))
     metrics.update({
         "optim/grad_norm": update.grad_norm,
         "optim/steps": float(update.optimizer_steps),
