@@ -70,6 +70,8 @@ def test_the_report_counts_the_cells_that_reach_the_target():
     assert metrics["cells_reached"] == 1 and metrics["fit_grpo_seed0/gain"] == pytest.approx(0.25)
     assert metrics["fit_spader_seed0/validation_gain"] == pytest.approx(-0.05)
     assert len(figure.axes) == 2
+    exact = {"fit_grpo_seed0": _history([0.5, 0.6, 0.7], [0.1, 0.1, 0.1])}  # 0.7 - 0.5 is 0.19999999999999996
+    assert build_report(exact, DESIGN)[2]["cells_reached"] == 1
     named, _, _ = build_report(histories, {**DESIGN, "question_ids": ["a", "b", "c"]})
     assert "on the 3 questions they trained on" in named
     with pytest.raises(ValueError, match="not at the warm start"):
