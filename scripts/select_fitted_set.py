@@ -48,8 +48,9 @@ from measure_warm_start_diversity import _context  # noqa: E402
 
 def rank_by_spread(rows: list[dict]) -> list[dict]:
     """``rows`` (each with ``sampled``: the recalls of its samples) ordered by the spread of ``sampled``
-    (population standard deviation), then by its mean, both descending; the order is stable."""
-    return sorted(rows, key=lambda r: (-statistics.pstdev(r["sampled"]), -statistics.mean(r["sampled"])))
+    (population standard deviation), then by its mean, both descending; the order is stable. Spreads
+    equal up to float rounding (recalls are fractions of answers) count as ties."""
+    return sorted(rows, key=lambda r: (-round(statistics.pstdev(r["sampled"]), 9), -statistics.mean(r["sampled"])))
 
 
 def main() -> None:

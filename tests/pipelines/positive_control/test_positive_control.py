@@ -105,3 +105,18 @@ def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                 filter_string="metrics.`positive_control/cells_reached` = 4")
     assert run.data.metrics["positive_control/min_gain"] == pytest.approx(0.25)
+
+
+def test_the_selection_script_ranks_by_the_spread_of_sampled_recall_not_by_greedy():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "select_fitted_set.py"
+    spec = importlib.util.spec_from_file_location("select_fitted_set", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = [{"id": "tied", "sampled": [0.2] * 8, "greedy": 0.0},           # one recall for all: no signal
+            {"id": "spread", "sampled": [0.0, 0.6] * 4, "greedy": 0.6},
+            {"id": "less", "sampled": [0.2, 0.4] * 4, "greedy": 0.0},
+            {"id": "less_higher", "sampled": [0.4, 0.6] * 4, "greedy": 1.0}]
+    assert [r["id"] for r in script.rank_by_spread(rows)] == ["spread", "less_higher", "less", "tied"]
