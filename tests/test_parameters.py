@@ -21,9 +21,10 @@ def test_every_environment_builds_a_valid_native_trainer_for_every_method(projec
     14-minute warm start."""
     import pytest
 
+    from spader_pipeline.algorithms.validation import ValidationSettings
     from spader_pipeline.native import NativeTrainerConfig
     from spader_pipeline.settings import CONFIG_LOADER_ARGS
-    from spader_pipeline.typed_config import method_settings
+    from spader_pipeline.typed_config import from_mapping, method_settings
 
     envs = sorted(p.name for p in (project_root / "conf").iterdir()
                   if p.is_dir() and p.name not in ("base", "local"))
@@ -32,6 +33,10 @@ def test_every_environment_builds_a_valid_native_trainer_for_every_method(projec
         params = OmegaConfigLoader(str(project_root / "conf"), **{**CONFIG_LOADER_ARGS, "default_run_env": env})[
             "parameters"]
         training = params["training"]
+        try:
+            from_mapping(ValidationSettings, training.get("validation"), where="training.validation")
+        except (TypeError, ValueError) as err:
+            pytest.fail(f"conf/{env}, training.validation: {err}")
         methods = {k: v["method"] for k, v in params.items() if k.startswith("train_") and "method" in (v or {})}
         assert methods, env
         for name, method in methods.items():

@@ -190,3 +190,5 @@ def test_validation_block_sets_verls_schedule_subset_and_greedy_decoding():
     assert never.trainer.test_freq == -1 and never.data.val_max_samples == -1
     with pytest.raises(ValueError, match="validation"):
         build_overrides({"method": "spader", "validation": {"every": -1}})
+    with pytest.raises(ValueError, match="one batch"):  # a native-only setting is refused, not dropped
+        build_overrides({"method": "spader", "validation": {"batch_size": {"fitted": 1}}})

@@ -207,6 +207,51 @@ def test_validation_metrics_are_means_per_data_source():
         ValidationSettings(max_questions=0)
 
 
+def test_validation_batches_follow_batch_size():
+    """None: one batch; an int: batches of that many in order; {source: n}: that source's questions in
+    batches of their own, every other question in one batch. Each question exactly once."""
+    from spader_pipeline.algorithms.validation import ValidationSettings, validation_batches
+
+    sources = ["fitted", "embedded", "fitted", "embedded", "other"]
+    assert validation_batches(sources, None) == [[0, 1, 2, 3, 4]]
+    assert validation_batches(sources, 2) == [[0, 1], [2, 3], [4]]
+    assert validation_batches(sources, {"fitted": 1}) == [[0], [2], [1, 3, 4]]
+    assert validation_batches(sources, {"embedded": 2, "fitted": 1}) == [[0], [2], [1, 3], [4]]
+    assert validation_batches(sources, {"absent": 1}) == [[0, 1, 2, 3, 4]]
+    assert validation_batches([], 1) == []
+    for bad in (0, True, {"fitted": 0}, {"fitted": 1.5}):
+        with pytest.raises(ValueError, match="batch_size"):
+            ValidationSettings(batch_size=bad)
+
+
+def test_a_question_validated_alone_decodes_as_it_does_without_the_others(native_model_dir, toy_index_dir,
+                                                                          tiny_config):
+    """With ``batch_size: {fitted: 1}`` each fitted question is its own rollout, whatever is validated
+    beside it, and every trajectory comes back in its question's place."""
+    from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.native.validation import greedy_trajectories
+    from spader_pipeline.retrieval import load_retriever
+
+    config = tiny_config(method="grpo", total_steps=1, options={}, bf16=False)
+    model, tokenizer = load_model_and_tokenizer(native_model_dir)
+    search = LocalSearch(load_retriever(toy_index_dir))
+    samples = [{**q, "id": f"v{i}", "data_source": "fitted" if i % 2 else "embedded"} for i, q in enumerate(QUESTIONS)]
+
+    def texts(rows, batch_size=None):
+        trajectories = greedy_trajectories(model.eval(), tokenizer, rows, search, config.rollout, TEMPLATE,
+                                           max_new_tokens=config.max_new_tokens,
+                                           max_prompt_tokens=config.max_prompt_tokens, batch_size=batch_size)
+        return [[step.text for step in t.steps] for t in trajectories]
+
+    mixed = texts(samples, {"fitted": 1})
+    fitted = [i for i, s in enumerate(samples) if s["data_source"] == "fitted"]
+    embedded = [i for i in range(len(samples)) if i not in fitted]
+    assert fitted and embedded
+    for i in fitted:
+        assert mixed[i] == texts([samples[i]])[0]
+    assert [mixed[i] for i in embedded] == texts([samples[i] for i in embedded])
+
+
 def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(tmp_path, native_model_dir,
                                                                                toy_index_dir, tiny_config):
     """Both methods start from one warm start: its validation is computed once (validate_warm_start)
@@ -232,6 +277,10 @@ def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(t
         return logged[0][1]
 
     assert step0(tmp_path / "shared", {"identity": identity, "metrics": planted}) == planted
+    alone = validation_identity(native_model_dir, validation[:2], config.rollout, TEMPLATE,
+                                max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                bf16=False, batch_size={"embedded": 1})
+    assert alone != identity and alone["batch_size"] == {"embedded": 1}  # another batching: scored again
     other = {"identity": {**identity, "questions": ["v0"]}, "metrics": planted}
     assert step0(tmp_path / "other", other)["val/embedded/recall"] != 0.123  # scored by the trainer itself
 

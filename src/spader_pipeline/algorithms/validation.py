@@ -6,7 +6,8 @@ Both trainers validate on the same schedule and log the same names (docs/metrics
   last step — verl's ``trainer.val_before_train`` / ``trainer.test_freq``;
 - on the first ``max_questions`` questions of ``verl_validation`` (a fixed subset, so every point of
   a curve scores the same questions; verl's ``data.val_max_samples`` without shuffling);
-- greedy (temperature 0, one trajectory per question: verl's ``val_kwargs``);
+- greedy (temperature 0, one trajectory per question: verl's ``val_kwargs``), in one batch or, on the
+  native trainer, in batches of ``batch_size`` questions (1: each question's score batch-invariant);
 - as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` (means over questions).
 
 The test split is never scored during training: hyperparameters and stopping steps are chosen on these
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VAL_PREFIX", "ValidationSettings", "validation_metrics", "validation_subset"]
+__all__ = ["VAL_PREFIX", "ValidationSettings", "validation_batches", "validation_metrics", "validation_subset"]
 
 VAL_PREFIX = "val"
 
@@ -36,12 +37,25 @@ class ValidationSettings:
     """validate the starting policy as step 0 (verl ``trainer.val_before_train``)"""
     max_questions: int | None = 24
     """the first this-many validation questions (verl ``data.val_max_samples``); ``None``: all"""
+    batch_size: int | Mapping[str, int] | None = None
+    """how many questions are decoded together (native trainer). ``None``: all in one batch, the fastest.
+    An int: batches of that many, in order. A mapping ``{data_source: n}``: that source's questions in
+    batches of ``n`` of their own, every other question in one batch. ``1`` makes a question's greedy
+    trajectory independent of the questions validated beside it: a batch's shape and padding change
+    floating-point sums (much more under bf16 autocast), and that can turn a near-tied greedy token.
+    verl decodes its validation set as one batch and has no such setting (``launch.overrides``
+    refuses it)."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"validation.every={self.every}: use 0 (never) or a positive step interval")
         if self.max_questions is not None and self.max_questions < 1:
             raise ValueError(f"validation.max_questions={self.max_questions}: use null (all) or at least 1")
+        sizes = self.batch_size.values() if isinstance(self.batch_size, Mapping) else [self.batch_size]
+        if any(size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
+               for size in sizes):
+            raise ValueError(f"validation.batch_size={self.batch_size!r}: use null (one batch), a count of at least "
+                             "1, or {data_source: count}")
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether step ``step`` (0 = before training) is validated."""
@@ -53,6 +67,26 @@ class ValidationSettings:
 def validation_subset(samples: Sequence[Mapping[str, Any]], max_questions: int | None) -> list[Mapping[str, Any]]:
     """The fixed validation subset: the first ``max_questions`` samples in file order."""
     return list(samples if max_questions is None else samples[:max_questions])
+
+
+def validation_batches(data_sources: Sequence[str], batch_size: int | Mapping[str, int] | None) -> list[list[int]]:
+    """The questions of each validation batch, as indices into ``data_sources`` (``[Q]``, one per
+    question), following :attr:`ValidationSettings.batch_size`: every index once, in order within a
+    batch; with a mapping, each named source's batches first (in order of the source's first
+    question), then one batch of every other question."""
+    indices = list(range(len(data_sources)))
+    if not indices:
+        return []
+    if not isinstance(batch_size, Mapping):
+        size = batch_size or len(indices)
+        return [indices[k : k + size] for k in range(0, len(indices), size)]
+    batches: list[list[int]] = []
+    for source in dict.fromkeys(data_sources):
+        if source in batch_size:
+            rows = [i for i in indices if data_sources[i] == source]
+            batches += [rows[k : k + int(batch_size[source])] for k in range(0, len(rows), int(batch_size[source]))]
+    rest = [i for i in indices if data_sources[i] not in batch_size]
+    return batches + ([rest] if rest else [])
 
 
 def validation_metrics(

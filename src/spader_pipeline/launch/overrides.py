@@ -18,7 +18,7 @@ Parameter dict (all keys optional except ``method``)::
     tool_config_path, agent_loop_config_path
     reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
     options: {...}            # the method's options dataclass → algorithm[.<estimator>] (estimators.verl_options_path)
-    validation: {every, before_train, max_questions}  # algorithms.validation.ValidationSettings →
+    validation: {every, before_train, max_questions, batch_size}  # algorithms.validation.ValidationSettings →
                               # trainer.test_freq / val_before_train, data.val_max_samples, greedy val_kwargs
     overrides: ["key=value"]  # appended last, verbatim
 
@@ -186,6 +186,9 @@ def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
 
     settings = validation if isinstance(validation, ValidationSettings) else from_mapping(
         ValidationSettings, validation, where="training.validation")
+    if settings.batch_size is not None:
+        raise ValueError(f"training.validation.batch_size={settings.batch_size}: verl validates its questions in "
+                         "one batch; remove the setting (null) for the verl backend")
     return [
         f"trainer.test_freq={settings.every or -1}",
         f"trainer.val_before_train={_value(settings.before_train)}",

@@ -39,15 +39,16 @@ def run_warm_start(model_path: str, verl_train: pd.DataFrame, verl_validation: p
 
 def validate_start_model(model_path: str, samples: Sequence[Mapping[str, Any]], *, native: Mapping[str, Any] | None,
                          search: Mapping[str, Any] | None, index_dir: str,
-                         template: str) -> tuple[dict[str, float], dict[str, Any]]:
+                         template: str, batch_size: int | Mapping[str, int] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """``(metrics, identity)`` of the model at ``model_path``, greedy on the validation ``samples``
     with the trainer's turn limits and precision (``native``: the ``training.native`` settings;
-    ``search``: ``training.search`` over the index at ``index_dir``)."""
+    ``search``: ``training.search`` over the index at ``index_dir``), ``batch_size`` questions at a
+    time (``training.validation.batch_size``)."""
     from spader_pipeline.native.validation import validate_model_at
 
     config = NativeTrainerConfig.from_mapping(dict(native or {}))
     with search_backend(search, index_dir, where="training.search") as backend:
-        return validate_model_at(model_path, samples, backend, config, template)
+        return validate_model_at(model_path, samples, backend, config, template, batch_size=batch_size)
 
 
 def run_training(native: Mapping[str, Any], *, model_path: str, verl_train: pd.DataFrame,

@@ -16,9 +16,9 @@ from typing import Any
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms import score_answers
-from spader_pipeline.algorithms.validation import validation_metrics
+from spader_pipeline.algorithms.validation import validation_batches, validation_metrics
 
-__all__ = ["validate_model_at", "validate_policy", "validation_identity", "weights_stamp"]
+__all__ = ["greedy_trajectories", "validate_model_at", "validate_policy", "validation_identity", "weights_stamp"]
 
 
 def weights_stamp(model_path: str | Path) -> list[list[Any]]:
@@ -28,30 +28,54 @@ def weights_stamp(model_path: str | Path) -> list[list[Any]]:
     return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
 
 
+def greedy_trajectories(
+    model: Any, tokenizer: Any, samples: Sequence[Mapping[str, Any]], search: Any, rollout: RolloutConfig,
+    prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int, bf16: bool | str = False,
+    batch_size: int | Mapping[str, int] | None = None,
+) -> list[Any]:
+    """One greedy trajectory of ``model`` per sample, in the samples' order, decoded in the batches of
+    :func:`~spader_pipeline.algorithms.validation.validation_batches` (``batch_size``: ``None``, one
+    batch; an int or ``{data_source: n}``, batches of their own, each a rollout of its own)."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    samples = list(samples)
+    trajectories: list[Any] = [None] * len(samples)
+    for batch in validation_batches([_source(s) for s in samples], batch_size):
+        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=max_prompt_tokens,
+                                micro_batch_size=len(batch), bf16=bf16)
+        done = run_rollouts_sync([samples[i] for i in batch], generator, search, rollout, prompt_template)
+        for i, trajectory in zip(batch, done, strict=True):
+            trajectories[i] = trajectory
+    return trajectories
+
+
 def validate_policy(
     model: Any, tokenizer: Any, samples: Sequence[Mapping[str, Any]], search: Any, rollout: RolloutConfig,
     prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int, bf16: bool | str = False,
+    batch_size: int | Mapping[str, int] | None = None,
 ) -> dict[str, float]:
-    """Greedy trajectories of ``model`` on ``samples`` (one batch), scored as ``val/<source>/…``."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=max_prompt_tokens,
-                            micro_batch_size=len(samples), bf16=bf16)
-    trajectories = run_rollouts_sync(list(samples), generator, search, rollout, prompt_template)
+    """:func:`greedy_trajectories` of ``model`` on ``samples``, scored as ``val/<source>/…``."""
+    trajectories = greedy_trajectories(model, tokenizer, samples, search, rollout, prompt_template,
+                                       max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, bf16=bf16,
+                                       batch_size=batch_size)
     scores = [score_answers(list(t.predicted or ()), s["ground_truth"]) for t, s in zip(trajectories, samples, strict=True)]
     return validation_metrics(
-        [str(s.get("data_source") or "unknown") for s in samples],
+        [_source(s) for s in samples],
         [x.recall for x in scores],
         [x.f1 for x in scores],
         [sum(step.kind == "search" for step in t.steps) for t in trajectories],
     )
 
 
+def _source(sample: Mapping[str, Any]) -> str:
+    return str(sample.get("data_source") or "unknown")
+
+
 def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, Any]], rollout: RolloutConfig,
                         prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int,
-                        bf16: bool | str) -> dict[str, Any]:
+                        bf16: bool | str, batch_size: int | Mapping[str, int] | None = None) -> dict[str, Any]:
     """What determines a greedy validation of the model at ``model_path``: its weights (name, size,
-    mtime), the questions, the turn limits, the prompt and the precision. Two methods starting from
-    the same warm start share their step-0 validation when these are equal."""
+    mtime), the questions, the turn limits, the prompt, the precision and the batching. Two methods
+    starting from the same warm start share their step-0 validation when these are equal."""
     return json.loads(json.dumps({  # as stored in the catalog's JSON (tuples become lists)
         "model": str(Path(model_path).resolve()),
         "weights": weights_stamp(model_path),
@@ -61,14 +85,16 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
         "max_new_tokens": int(max_new_tokens),
         "max_prompt_tokens": int(max_prompt_tokens),
         "bf16": bool(bf16),
+        "batch_size": dict(batch_size) if isinstance(batch_size, Mapping) else batch_size,
     }, default=str))
 
 
 def validate_model_at(model_path: str | Path, samples: Sequence[Mapping[str, Any]], search: Any, config: Any,
-                      prompt_template: str) -> tuple[dict[str, float], dict[str, Any]]:
+                      prompt_template: str, *, batch_size: int | Mapping[str, int] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """``(metrics, identity)`` of the model at ``model_path``, greedy on ``samples`` with the trainer
     settings ``config`` (a :class:`~spader_pipeline.native.NativeTrainerConfig`: turn limits, device,
-    precision): the step-0 validation every method of one start model shares."""
+    precision) in batches of ``batch_size`` questions: the step-0 validation every method of one start
+    model shares."""
     from spader_pipeline.modeling import load_model_and_tokenizer
     from spader_pipeline.modeling.device import resolve_device
     from spader_pipeline.modeling.precision import resolve_bf16
@@ -76,7 +102,8 @@ def validate_model_at(model_path: str | Path, samples: Sequence[Mapping[str, Any
     device = resolve_device(config.device)
     model, tokenizer = load_model_and_tokenizer(model_path, device=device)
     bf16 = resolve_bf16(config.bf16, device, model)
-    limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens}
+    limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens,
+              "batch_size": batch_size}
     metrics = validate_policy(model.eval(), tokenizer, samples, search, config.rollout, prompt_template, bf16=bf16,
                               **limits)
     identity = validation_identity(model_path, samples, config.rollout, prompt_template, bf16=bf16, **limits)

@@ -277,7 +277,7 @@ def _start_validation(model_dir: str, validation: pd.DataFrame, search: Any, set
     if not schedule.before_train or not samples:
         return {}
     config = NativeTrainerConfig.from_mapping({**(training.get("native") or {}), "device": device})
-    metrics, identity = validate_model_at(model_dir, samples, search, config, template)
+    metrics, identity = validate_model_at(model_dir, samples, search, config, template, batch_size=schedule.batch_size)
     _free(device)
     return {"identity": identity, "metrics": metrics}
 

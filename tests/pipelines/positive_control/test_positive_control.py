@@ -56,10 +56,12 @@ def test_a_fitted_set_named_by_id_keeps_its_order_and_refuses_an_unknown_id():
 
 
 def test_a_cell_trains_on_every_fitted_question_and_validates_every_row():
-    training = {"native": {"seed": 0}, "max_train_questions": 40, "validation": {"every": 4, "max_questions": 16}}
+    validation = {"every": 4, "max_questions": 16, "batch_size": {"fitted": 1}}
+    training = {"native": {"seed": 0}, "max_train_questions": 40, "validation": validation}
     settings = cell_settings(training, "out", seed=1)
     assert settings["native"]["seed"] == 1 and settings["output_dir"] == "out/seed1"
-    assert settings["max_train_questions"] is None and settings["validation"] == {"every": 4, "max_questions": None}
+    assert settings["max_train_questions"] is None
+    assert settings["validation"] == {**validation, "max_questions": None}  # each fitted question still alone
 
 
 def test_the_report_counts_the_cells_that_reach_the_target():

@@ -179,7 +179,8 @@ def validate_warm_start(
                                 name="validate_warm_start")
     metrics, identity = validate(warm_start_manifest["path"], samples, native=training.get("native"),
                                  search=training.get("search"), index_dir=index_manifest["index_dir"],
-                                 template=_template(prompt, training.get("prompt_template")))
+                                 template=_template(prompt, training.get("prompt_template")),
+                                 batch_size=settings.batch_size)
     logger.info("warm start validation (step 0 of every method): %s",
                 ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return {"identity": identity, "metrics": metrics}
