@@ -93,3 +93,52 @@ def test_the_pytest_option_forces_auto_for_the_session_and_its_child_processes(t
                          capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"bf16 auto: {forced} (forced by {FORCE_ENV})" in run.stdout
+
+
+def _half_frozen_lm() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    model.model.layers[0].requires_grad_(False)  # the frozen bottom, as RL trains only the top blocks
+    return model
+
+
+def test_bf16_inference_casts_a_frozen_weight_once_per_block_and_gives_the_same_logits():
+    """Inside ``bf16_inference`` autocast keeps its bf16 copy of every weight, frozen ones too (a change
+    to the fp32 weight inside the block is not seen: the cast was made once), the logits are the bits of
+    plain no-grad autocast, no graph is built, and the frozen weights are frozen again after."""
+    from spader_pipeline.modeling.precision import bf16_inference
+
+    model = _half_frozen_lm()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    frozen = model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(ids).logits
+    with bf16_inference(model, "cpu", enabled=True):
+        cached = model(ids).logits
+        assert frozen.requires_grad and not cached.requires_grad
+        frozen.mul_(2.0)  # the cast made by the first forward is reused: the same logits
+        assert torch.equal(model(ids).logits, cached)
+    frozen.div_(2.0)
+    assert torch.equal(cached, plain)
+    assert not frozen.requires_grad and model.model.layers[1].mlp.down_proj.weight.requires_grad
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        frozen.mul_(2.0)  # plain autocast casts a frozen weight at every forward: the change is seen
+        assert not torch.equal(model(ids).logits, plain)
+        frozen.div_(2.0)
+
+
+def test_bf16_inference_restores_the_frozen_weights_after_an_error_and_is_plain_no_grad_when_off():
+    from spader_pipeline.modeling.precision import bf16_inference
+
+    model = _half_frozen_lm()
+    with pytest.raises(RuntimeError, match="stop"), bf16_inference(model, "cpu", enabled=True):
+        raise RuntimeError("stop")
+    assert not any(p.requires_grad for p in model.model.layers[0].parameters())
+    with bf16_inference(model, "cpu", enabled=False):
+        logits = model(torch.tensor([[1, 2]])).logits
+        assert logits.dtype == torch.float32 and not logits.requires_grad
+    assert not any(p.requires_grad for p in model.model.layers[0].parameters())

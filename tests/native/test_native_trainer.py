@@ -281,6 +281,7 @@ def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(t
                                 max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
                                 bf16=False, batch_size={"embedded": 1})
     assert alone != identity and alone["batch_size"] == {"embedded": 1}  # another batching: scored again
+    assert "batch_size" not in identity  # one batch: as stored before the setting existed
     other = {"identity": {**identity, "questions": ["v0"]}, "metrics": planted}
     assert step0(tmp_path / "other", other)["val/embedded/recall"] != 0.123  # scored by the trainer itself
 

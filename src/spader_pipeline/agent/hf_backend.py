@@ -27,6 +27,7 @@ from spader_pipeline.modeling.decode import (
     supports_decode_batch,
 )
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.precision import bf16_inference
 from spader_pipeline.modeling.shared_prefix import common_prefix_length
 
 __all__ = ["HFGenerator", "encode_dialogue", "make_token_builder"]
@@ -282,7 +283,7 @@ class HFGenerator(Generator):
         body = self.model.base_model
         context_ids, context_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
         positions = (context_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
-        with torch.no_grad(), self._autocast(device):
+        with self._autocast(device):
             cache = self._new_cache()
             if prefix:
                 cache = body(input_ids=context_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
@@ -305,8 +306,9 @@ class HFGenerator(Generator):
         return next(self.model.parameters()).device
 
     def _autocast(self, device: torch.device):
-        """bf16 autocast on ``device`` when ``bf16`` is set (prefill and generation alike)."""
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        """No-grad, under bf16 autocast on ``device`` when ``bf16`` is set (prefill and generation
+        alike), every weight cast once per turn (:func:`~spader_pipeline.modeling.precision.bf16_inference`)."""
+        return bf16_inference(self.model, device.type, bool(self.bf16))
 
     @torch.no_grad()
     def _generate_batch(self, states: list[RolloutState]) -> list[GeneratedTurn]:

@@ -85,7 +85,9 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
         "max_new_tokens": int(max_new_tokens),
         "max_prompt_tokens": int(max_prompt_tokens),
         "bf16": bool(bf16),
-        "batch_size": dict(batch_size) if isinstance(batch_size, Mapping) else batch_size,
+        # only when set: an identity stored before the setting existed (one batch) still matches
+        **({} if batch_size is None else {"batch_size": dict(batch_size) if isinstance(batch_size, Mapping)
+                                          else int(batch_size)}),
     }, default=str))
 
 
