@@ -89,22 +89,27 @@ compare: $(STAMP)
 # Does the loop learn what it is rewarded for? GRPO and SPADER, seeds 0 and 1, each fit the same 4
 # training questions from make compare's warm start; greedy recall on them from step 0
 # (conf/positive_control; docs/results.md). Three phases, as docs/compare.md runs a comparison's cells:
-# the shared part; the 4 cells as 4 jobs at once, each with a quarter of the cores and at least one
-# thread (on 2 cores two one-thread cells did 1.37x the steps of one two-thread cell, docs/results.md;
-# 4 at once share the cores however unequal the cells' lengths, where two jobs of two cells each left
-# a core idle for 5 minutes); the report.
+# the shared part; the 4 cells, a job each, as many at once as memory allows (POSITIVE_CONTROL_JOBS),
+# each with its share of the cores and at least one thread (on 2 cores two one-thread cells did 1.37x
+# the steps of one two-thread cell, docs/results.md; 4 at once share the cores however unequal the
+# cells' lengths, where two jobs of two cells each left a core idle for 5 minutes); the report.
 # Resumes as compare does (a finished cell is skipped).
 POSITIVE_CONTROL = $(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
 POSITIVE_CONTROL_CELLS := fit_grpo_seed0 fit_spader_seed0 fit_grpo_seed1 fit_spader_seed1
-QUARTER_THE_CORES = $(shell n=$$(( $$(nproc) / 4 )); echo $$(( n > 0 ? n : 1 )))
+# Cells at once: one job per cell where the available memory holds 5 GB per job (a cell's Kedro
+# process, fork server and training child peaked at ~4.4 GB together, docs/results.md), else fewer
+# (2 on a 16 GB laptop), at least 1; without /proc/meminfo, 2. Each job gets its share of the cores.
+POSITIVE_CONTROL_JOBS ?= $(shell awk '/^MemAvailable:/ {j = int($$2 / 5242880); print (j < 1 ? 1 : (j > 4 ? 4 : j))}' /proc/meminfo 2>/dev/null || echo 2)
+CELL_THREADS = $(shell n=$$(( $$(nproc) / $(POSITIVE_CONTROL_JOBS) )); echo $$(( n > 0 ? n : 1 )))
 positive-control: $(STAMP)
 	mkdir -p mlruns
 	$(POSITIVE_CONTROL) --to-nodes validate_warm_start_on_fitted_set
-	$(MAKE) --no-print-directory -j4 $(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS))
+	jobs=$(POSITIVE_CONTROL_JOBS); $(MAKE) --no-print-directory -j$$jobs POSITIVE_CONTROL_JOBS=$$jobs \
+		$(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS))
 	$(POSITIVE_CONTROL) --nodes positive_control_report
 
 $(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS)): positive-control-%: $(STAMP)
-	OMP_NUM_THREADS=$(QUARTER_THE_CORES) $(POSITIVE_CONTROL) --namespaces $*
+	OMP_NUM_THREADS=$(CELL_THREADS) $(POSITIVE_CONTROL) --namespaces $*
 
 # On every core (at most 4 workers: each holds torch and its models), a test module per worker at a
 # time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).

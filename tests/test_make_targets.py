@@ -50,3 +50,18 @@ def test_make_run_is_the_default_chain_with_its_default_methods_side_by_side():
     assert runs[-1] == ["--pipeline", "default_after_methods"]
     assert sorted(runs[1:-1]) == sorted(["--nodes", f"train_{m}.train_policy"] for m in default_methods())
     assert all(["--env", "long"] == args[:2] for args in _kedro_runs("run-long"))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_positive_control_runs_every_cell_of_the_pipeline_once_as_a_job_of_its_own():
+    """The shared part, one job per cell of the pipeline's design (``CELLS``), the report: a cell added
+    to the pipeline and not to the Makefile would otherwise stop the report, or run in no job."""
+    from spader_pipeline.pipelines.positive_control.nodes import cell_name
+    from spader_pipeline.pipelines.positive_control.pipeline import CELLS
+
+    runs = _kedro_runs("positive-control")
+    common = ["--env", "positive_control", "--pipeline", "positive_control", "--only-missing-outputs"]
+    assert all(args[:5] == common for args in runs)
+    assert runs[0][5:] == ["--to-nodes", "validate_warm_start_on_fitted_set"]
+    assert runs[-1][5:] == ["--nodes", "positive_control_report"]
+    assert sorted(args[5:] for args in runs[1:-1]) == sorted(["--namespaces", cell_name(m, s)] for m, s in CELLS)
