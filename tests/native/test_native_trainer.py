@@ -218,7 +218,7 @@ def test_validation_batches_follow_batch_size():
     assert validation_batches(sources, {"fitted": 1}) == [[0], [2], [1, 3, 4]]
     assert validation_batches(sources, {"embedded": 2, "fitted": 1}) == [[0], [2], [1, 3], [4]]
     assert validation_batches(sources, {"absent": 1}) == [[0, 1, 2, 3, 4]]
-    assert validation_batches([], 1) == []
+    assert validation_batches([], 1) == validation_batches([], None) == validation_batches([], {"fitted": 1}) == []
     for bad in (0, True, {"fitted": 0}, {"fitted": 1.5}):
         with pytest.raises(ValueError, match="batch_size"):
             ValidationSettings(batch_size=bad)

@@ -283,7 +283,7 @@ class HFGenerator(Generator):
         body = self.model.base_model
         context_ids, context_att = ids[unique_rows, :-1].to(device), att[unique_rows, :-1].to(device)
         positions = (context_att.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
-        with self._autocast(device):
+        with self._inference(device):
             cache = self._new_cache()
             if prefix:
                 cache = body(input_ids=context_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
@@ -305,7 +305,7 @@ class HFGenerator(Generator):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _autocast(self, device: torch.device):
+    def _inference(self, device: torch.device):
         """No-grad, under bf16 autocast on ``device`` when ``bf16`` is set (prefill and generation
         alike), every weight cast once per turn (:func:`~spader_pipeline.modeling.precision.bf16_inference`)."""
         return bf16_inference(self.model, device.type, bool(self.bf16))
@@ -337,7 +337,7 @@ class HFGenerator(Generator):
         if cache is not None:
             kwargs["past_key_values"] = cache
         try:
-            with self._autocast(device):
+            with self._inference(device):
                 out = self.model.generate(
                     input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
                 )
@@ -378,7 +378,7 @@ class HFGenerator(Generator):
         device = self._device()
         processors, do_sample = self._processors
         cache = cache if cache is not None else self._new_cache()
-        with self._autocast(device):
+        with self._inference(device):
             result = decode_batch(
                 self.model, input_ids.to(device), attention.to(device), cache, budgets,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, processors=processors, do_sample=do_sample,

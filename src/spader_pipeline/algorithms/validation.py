@@ -75,18 +75,18 @@ def validation_batches(data_sources: Sequence[str], batch_size: int | Mapping[st
     batch; with a mapping, each named source's batches first (in order of the source's first
     question), then one batch of every other question."""
     indices = list(range(len(data_sources)))
-    if not indices:
-        return []
     if not isinstance(batch_size, Mapping):
-        size = batch_size or len(indices)
-        return [indices[k : k + size] for k in range(0, len(indices), size)]
+        return _chunks(indices, batch_size or len(indices))
     batches: list[list[int]] = []
     for source in dict.fromkeys(data_sources):
         if source in batch_size:
-            rows = [i for i in indices if data_sources[i] == source]
-            batches += [rows[k : k + int(batch_size[source])] for k in range(0, len(rows), int(batch_size[source]))]
-    rest = [i for i in indices if data_sources[i] not in batch_size]
-    return batches + ([rest] if rest else [])
+            batches += _chunks([i for i in indices if data_sources[i] == source], int(batch_size[source]))
+    return batches + _chunks([i for i in indices if data_sources[i] not in batch_size], len(indices))
+
+
+def _chunks(rows: list[int], size: int) -> list[list[int]]:
+    """``rows`` in consecutive pieces of ``size`` (the last one shorter); none for no rows."""
+    return [rows[k : k + size] for k in range(0, len(rows), size)] if rows else []
 
 
 def validation_metrics(
