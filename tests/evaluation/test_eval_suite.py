@@ -139,7 +139,9 @@ def test_a_checkpoint_decodes_in_the_precision_its_bf16_option_resolves_to(tmp_p
 def test_checkpoints_evaluated_side_by_side_give_the_records_of_one_after_another(tmp_path, caplog):
     """``runner.workers: 2``: two child processes at a time, the costliest models started first (the
     order of their start logs is the forkserver's), each with one of the two torch threads; the
-    results are those of ``workers: 1``, in the models' order."""
+    results are those of ``workers: 1``, in the models' order. With ``shards: 2`` each checkpoint is
+    two children, one per half of the questions, and its records and metrics are those of one child
+    (fp32: a batch's composition does not change the tokens)."""
     import torch
 
     from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
@@ -161,9 +163,10 @@ def test_checkpoints_evaluated_side_by_side_give_the_records_of_one_after_anothe
                           "ground_truth": [["Ghana"], ["Togo"]]} for i in range(3)]}
     prompt = {"template": "t", "templates": {"t": "Question: {question}"}}
 
-    def evaluate(workers: int) -> tuple[list, list[str]]:
+    def evaluate(workers: int, shards: int = 1) -> tuple[list, list[str]]:
         config = EvaluationConfig.from_mapping({"models": models, "runner": {
-            "work_dir": str(tmp_path / f"work{workers}"), "progress": False, "workers": workers}})
+            "work_dir": str(tmp_path / f"work{workers}_{shards}"), "progress": False, "workers": workers,
+            "shards": shards}})
         seen: list[str] = []
         results = evaluate_models(config, select_models(config), datasets, {}, prompt=prompt,
                                   index_manifest={"index_dir": str(tmp_path / "index")},
@@ -177,14 +180,26 @@ def test_checkpoints_evaluated_side_by_side_give_the_records_of_one_after_anothe
         with caplog.at_level(logging.INFO, logger="spader_pipeline.child_process"):
             caplog.clear()
             side_by_side, seen = evaluate(2)
+            started = re.findall(r"(evaluate_\w+): running in child process", caplog.text)
+            caplog.clear()
+            in_parts, seen_in_parts = evaluate(2, shards=2)
+            started_in_parts = re.findall(r"(evaluate_\w+): running in child process", caplog.text)
     finally:
         torch.set_num_threads(threads)
     def records(results):  # as JSON: a NaN metric (no answer) equals itself
-        return [(r.model.name, json.dumps(r.records, sort_keys=True)) for r in results]
+        return [(r.model.name, json.dumps(r.records, sort_keys=True), json.dumps(r.metrics)) for r in results]
 
     assert records(side_by_side) == records(alone)
     assert [r.model.name for r in side_by_side] == ["short", "long_a", "scripted", "long_b"]
     assert sorted(seen) == ["long_a", "long_b", "scripted", "short"]
-    assert len(re.findall(r"evaluate_\w+: running in child process", caplog.text)) == 3
+    assert len(started) == 3
+    # in parts: the same records and metrics, each model handed over once, when its last part ends
+    assert records(in_parts) == records(alone)
+    assert sorted(seen_in_parts) == sorted(seen)
+    assert sorted(started_in_parts) == sorted(f"evaluate_{m}_part{k}of2" for m in ("short", "long_a", "long_b")
+                                              for k in (1, 2))
+    # each part resumes from its own work file: questions 0 (first part) and 1-2 (second)
+    work = sorted((tmp_path / "work2_2").glob("long_a__west__*.jsonl"))
+    assert sorted(len(f.read_text().splitlines()) for f in work) == [1, 2]
     checkpoints = [m for m in select_models(EvaluationConfig.from_mapping({"models": models})) if m.kind == "hf"]
     assert [m.name for m in sorted(checkpoints, key=_expected_cost, reverse=True)] == ["long_a", "long_b", "short"]

@@ -36,6 +36,11 @@ class RunnerSettings:
     workers: int = 1
     """with ``subprocess``: how many of those children run at once, each with its share of this
     process's torch threads (at least one); the costliest models start first"""
+    shards: int = 1
+    """with ``workers`` > 1: each of those models is this many children, one per contiguous part of
+    every dataset (its records joined in input order), so that the last model does not run alone while
+    the other workers idle. A part is decoded in batches of its own: under bf16, where a batch's
+    composition changes the sums, its trajectories can differ from those of the whole set in one child"""
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,10 @@ def evaluate_models(
     An in-process checkpoint runs in a child process (``runner.subprocess``): its memory returns
     when it ends. ``runner.workers`` > 1 runs that many such children at once, each with its share
     of the torch threads, the costliest first (:func:`_expected_cost`); ``on_result`` then sees each
-    model's results as its child ends. Served and scripted models run here, one after another.
+    model's results as its last child ends. With ``runner.shards`` > 1 each of those models is that
+    many children, one per contiguous part of every dataset, so that the last model does not run
+    alone while the other workers idle; its records are joined in input order and its metrics
+    aggregated over all of them. Served and scripted models run here, one after another.
     """
     if not models or not datasets:
         return []
@@ -120,27 +123,68 @@ def evaluate_models(
         done[model.name] = results
 
     with service_url(config.retrieval, index_manifest["index_dir"]) as url:
-        arguments = (datasets, frequencies, url, index_manifest, prompt)
+        rest = (frequencies, url, index_manifest, prompt)
         children = [m for m in models if config.runner.subprocess and m.kind == "hf"]
-        workers, threads = _side_by_side(config.runner.workers, len(children))
+        parts = _parts(config.runner.shards, datasets)
+        workers, threads = _side_by_side(config.runner.workers, len(children) * parts)
         if workers > 1:
+            # one job per model and part, the costliest models first; a model is done when its parts are
+            jobs = [(m, k) for m in sorted(children, key=_expected_cost, reverse=True) for k in range(parts)]
+            pieces: dict[str, dict[int, list[EvaluationResult]]] = {m.name: {} for m in children}
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="evaluate") as pool:
                 futures = {
-                    pool.submit(in_child_process(_evaluate_model, name=f"evaluate_{m.name}", threads=threads),
-                                config, m, *arguments): m
-                    for m in sorted(children, key=_expected_cost, reverse=True)
+                    pool.submit(in_child_process(_evaluate_model, name=_job_name(m, k, parts), threads=threads),
+                                config, m, _part(datasets, k, parts), *rest): (m, k)
+                    for m, k in jobs
                 }
                 for future in concurrent.futures.as_completed(futures):
-                    finished(futures[future], future.result())
+                    model, k = futures[future]
+                    pieces[model.name][k] = future.result()
+                    if len(pieces[model.name]) == parts:
+                        finished(model, _joined([pieces[model.name][i] for i in range(parts)], config))
         for model in models:
             if model.name not in done:
                 evaluate = in_child_process(_evaluate_model, enabled=model in children, name=f"evaluate_{model.name}")
-                finished(model, evaluate(config, model, *arguments))
+                finished(model, evaluate(config, model, datasets, *rest))
     return [result for model in models for result in done[model.name]]
 
 
+def _parts(shards: int, datasets: Mapping[str, Sequence[Any]]) -> int:
+    """Parts per model: ``shards``, at most one per question of the largest dataset (no empty child)."""
+    return max(1, min(shards, max((len(samples) for samples in datasets.values()), default=1)))
+
+
+def _part(datasets: Mapping[str, list[dict[str, Any]]], k: int, parts: int) -> dict[str, list[dict[str, Any]]]:
+    """The ``k``-th of ``parts`` contiguous slices of every dataset (sizes differ by one at most)."""
+    return {name: samples[k * len(samples) // parts:(k + 1) * len(samples) // parts]
+            for name, samples in datasets.items()}
+
+
+def _job_name(model: ModelSpec, k: int, parts: int) -> str:
+    return f"evaluate_{model.name}" + (f"_part{k + 1}of{parts}" if parts > 1 else "")
+
+
+def _joined(parts: Sequence[list[EvaluationResult]], config: EvaluationConfig) -> list[EvaluationResult]:
+    """One model's results from its parts (each a list over the datasets, in order): the records
+    concatenated in input order and the metrics aggregated over all of them."""
+    if len(parts) == 1:
+        return list(parts[0])
+    joined = []
+    for same in zip(*parts, strict=True):  # one dataset's result in every part
+        first, records = same[0], [record for part in same for record in part.records]
+        joined.append(_result(first.model, first.dataset, records, first.template_name, first.rollout, config))
+    return joined
+
+
+def _result(model: ModelSpec, dataset: str, records: list[dict[str, Any]], template_name: str,
+            rollout: RolloutConfig, config: EvaluationConfig) -> EvaluationResult:
+    ok = [r for r in records if r["status"] == "ok"]
+    metrics = aggregate(ok, num_failed=len(records) - len(ok), long_tail_edges=config.long_tail.edges)
+    return EvaluationResult(model, dataset, records, metrics, template_name, rollout)
+
+
 def _side_by_side(wanted: int, children: int) -> tuple[int, int]:
-    """(children at once, torch threads each): ``wanted`` at most, one per child and at least one
+    """(children at once, torch threads each): ``wanted`` at most, one per child job and at least one
     thread each. torch is imported only when more than one child could run (a served model's
     evaluation needs none)."""
     workers = min(max(1, wanted), children)
@@ -175,9 +219,7 @@ def _evaluate_model(config: EvaluationConfig, model: ModelSpec, datasets: Mappin
                 work_file.parent.mkdir(parents=True, exist_ok=True)
             records = asyncio.run(_one(config, model, generator, samples, frequencies.get(dataset), url,
                                        rollout, template, work_file, f"{model.name}/{dataset}"))
-            ok = [r for r in records if r["status"] == "ok"]
-            metrics = aggregate(ok, num_failed=len(records) - len(ok), long_tail_edges=config.long_tail.edges)
-            results.append(EvaluationResult(model, dataset, records, metrics, template_name, rollout))
+            results.append(_result(model, dataset, records, template_name, rollout, config))
     return results
 
 
