@@ -33,7 +33,8 @@ def sample_figure(records: Sequence[Mapping[str, Any]], metrics: Mapping[str, fl
 def comparison_figure(table: pd.DataFrame) -> plt.Figure:
     """Precision, recall and F1 of every model, one panel per dataset."""
     datasets = list(dict.fromkeys(table["dataset"])) if not table.empty else []
-    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(4.5 * max(1, len(datasets)), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(4.5 * max(1, len(datasets)), 3.9), squeeze=False,
+                             layout="constrained")
     if not datasets:
         axes[0][0].text(0.5, 0.5, "no evaluations ran", ha="center", va="center")
         axes[0][0].set_axis_off()
@@ -47,6 +48,7 @@ def comparison_figure(table: pd.DataFrame) -> plt.Figure:
             ax.bar(xs, rows[metric].fillna(0).tolist(), width=width, label=metric)
         ax.set_xticks([j + width for j in range(len(rows))], rows["model"].tolist(), rotation=20)
         ax.set(ylim=(0, 1), title=dataset)
-    axes[0][0].legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
+    # below the panels: inside one, the legend hid a model's bars that reach the top (the scripted baseline's)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncol=len(metrics),
+               fontsize="small", frameon=False)
     return fig
