@@ -67,7 +67,9 @@ install: $(STAMP)
 RUN_METHODS := grpo spader
 RUN_ENV ?=
 KEDRO_RUN = $(strip $(BIN)/kedro run $(if $(RUN_ENV),--env $(RUN_ENV)))
-HALF_THE_CORES = $(shell n=$$(( $$(nproc) / 2 )); echo $$(( n > 0 ? n : 1 )))
+# $(call cores_per,N): the torch threads of one of N jobs side by side, its share of the cores, at least 1
+cores_per = $(shell n=$$(( $$(nproc) / $(1) )); echo $$(( n > 0 ? n : 1 )))
+HALF_THE_CORES = $(call cores_per,2)
 SIDE_BY_SIDE = $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 1)
 run: $(STAMP)
 	mkdir -p mlruns
@@ -102,7 +104,7 @@ POSITIVE_CONTROL_CELLS := fit_grpo_seed0 fit_spader_seed0 fit_grpo_seed1 fit_spa
 # process, fork server and training child peaked at ~4.4 GB together, docs/results.md), else fewer
 # (2 on a 16 GB laptop), at least 1; without /proc/meminfo, 2. Each job gets its share of the cores.
 POSITIVE_CONTROL_JOBS ?= $(shell awk '/^MemAvailable:/ {j = int($$2 / 5242880); print (j < 1 ? 1 : (j > 4 ? 4 : j))}' /proc/meminfo 2>/dev/null || echo 2)
-CELL_THREADS = $(shell n=$$(( $$(nproc) / $(POSITIVE_CONTROL_JOBS) )); echo $$(( n > 0 ? n : 1 )))
+CELL_THREADS = $(call cores_per,$(POSITIVE_CONTROL_JOBS))
 positive-control: $(STAMP)
 	mkdir -p mlruns
 	$(POSITIVE_CONTROL) --to-nodes validate_warm_start_on_fitted_set
