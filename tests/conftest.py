@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_report_header(config):
-    from spader_pipeline.modeling.precision import FORCE_ENV, cpu_has_bf16, forced_bf16
+    from spader_pipeline.bf16_switch import FORCE_ENV, cpu_has_bf16, forced_bf16  # torch-free
 
     forced = forced_bf16()
     if forced is not None:

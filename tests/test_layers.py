@@ -36,7 +36,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "host_memory"),
+    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "host_memory", "bf16_switch"),
     ("child_process", "tracking"),
     ("algorithms", "modeling"),
     ("retrieval",),
