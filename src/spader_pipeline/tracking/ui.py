@@ -23,7 +23,7 @@ def running_ui(
     What ``make mlflow-ui`` runs, on a free loopback port; the server's process group is always
     stopped on exit. MLflow's job execution (a runner and seven Huey consumers, for GenAI jobs such as
     judges) is off unless ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION`` says otherwise: the runs and metrics a
-    training writes need none of it, and each start would cost ~12 s of CPU more.
+    training writes need none of it, and its eight processes would start with every server.
     """
     from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
 
