@@ -12,7 +12,9 @@ the plugin the way a launch's workers do: ``VERL_USE_EXTERNAL_MODULES`` as the l
 (:func:`spader_pipeline.launch.verl.verl_environment`), with verl's entry-point discovery off.
 
 Replaced (see :mod:`verl_cpu_boundary`): the LLM server engine, the FSDP actor/ref worker group and
-the checkpoint (weight-sync) manager. One Ray session serves the four methods.
+the checkpoint (weight-sync) manager. One Ray session serves the four methods and a fifth defined
+outside the project (``tests/algorithms/toy_method.py``, which its workers import as a user's method
+module would be imported).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "algorithms"))
 
 from reference_loops import loop_spa  # noqa: E402
+from toy_method import TOY, WORKER_FLAG, ToyOptions  # noqa: E402
 from verl_cpu_boundary import (  # noqa: E402
     SERVER_NAME,
     CpuResourcePoolManager,
@@ -160,9 +163,11 @@ def ray_for_trainer_loop(model_dir, *, paths=(), modules=(), env=None):
 
 @pytest.fixture(scope="module")
 def ray_session(workspace):
-    """One local Ray for the four methods: the run proves that what the launch forwards registers
-    everything in verl's workers."""
-    with ray_for_trainer_loop(workspace["model"]) as server:
+    """One local Ray for the four methods and the toy: the runs prove that what the launch forwards
+    registers everything in verl's workers, and that a user's method module (``VERL_USE_EXTERNAL_MODULES``)
+    reaches them the same way."""
+    with ray_for_trainer_loop(workspace["model"], paths=[HERE.parent / "algorithms"], modules=["toy_method"],
+                              env={WORKER_FLAG: "1"}) as server:
         yield server
 
 
@@ -412,3 +417,26 @@ def test_global_step_reaches_the_reward(runs, method):
         charged.append(not torch.allclose(assembled(step), assembled(0)))
     assert charged == [False, pays_tool_cost(method)]
 
+
+
+def test_a_method_defined_outside_the_project_trains_through_fit(ray_session, workspace, tmp_path):
+    """Adding a method is one definition: the toy (registered here and, through the module verl's
+    workers import, there) trains in verl's ``fit()`` with its settings from the registry, no overlay
+    file; the actor gets exactly the toy's advantages. Same Ray session as the four methods."""
+    import spader_pipeline.verl_plugin  # noqa: F401  (registers the estimators: the toy's too)
+    from spader_pipeline.algorithms.methods import method_advantages, registered
+
+    block = {"method": "toy", "reward": {"tool_round_cost": 0.0}, "options": {"scale": 2.0}}
+    with registered(TOY):
+        metrics, config = run_trainer_loop("toy", workspace, tmp_path / "run", block=block)
+        calls = list(RecordingWorkerGroup.calls)
+        assert config.algorithm.adv_estimator == "toy_baseline" and config.algorithm.toy_baseline.scale == 2.0
+        assert [m["step"] for m in metrics] == [0, 1, 2]
+        updates = [td for name, td in calls if name == "update_actor"]
+        assert len(updates) == 2
+        for td in updates:
+            rewards, mask = td["token_level_rewards"], td["response_mask"]
+            assert ((rewards != 0).sum(dim=1) <= 1).all()  # the outcome only, on the answer step
+            expected, _ = method_advantages("toy", rewards, mask, list(_non_tensor(td, "uid")), ToyOptions(scale=2.0))
+            torch.testing.assert_close(td["advantages"], expected)
+            assert torch.any(td["advantages"] != 0)
