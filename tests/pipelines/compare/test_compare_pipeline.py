@@ -1,6 +1,6 @@
 """`make compare` as Kedro pipelines: the design check, the cells registered from conf, and real
 KedroSession runs (tiny model, test env): one stopped after its first cell and resumed by
-``--only-missing-outputs``, then every cell again on ParallelRunner from the same shared part."""
+``--only-missing-outputs``, then two cells again side by side on ParallelRunner from the same shared part."""
 
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def _records(root: Path) -> pd.DataFrame:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch):
-    """One run stopped right after its first cell and resumed by Kedro (sequential), then every cell
-    again on ParallelRunner from the same shared part; same records, same report."""
+    """One run stopped right after its first cell and resumed by Kedro (sequential), then two cells
+    again side by side on ParallelRunner from the same shared part; same records, same report."""
     since = f"attributes.start_time >= {int(time.time() * 1000)}"  # this test's MLflow runs only
     # 1. stopped right after the first cell's records are saved, then resumed
     resumed = _project(tmp_path / "resumed", project_root, monkeypatch)
@@ -166,24 +166,27 @@ def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root,
                                   filter_string=f"tags.`kedro.pipeline` = 'compare' and attributes.status = 'FINISHED' and {since}")
     assert "compare/diff/recall/mean" in chain.data.metrics
 
-    # 2. every cell again, uninterrupted on ParallelRunner, from the first run's shared part (its data,
-    # index, warm start and reference records, copied; every cell output and the report removed): the
-    # cells are independent, the records and report the same (workers spawned: this process already
-    # runs torch's thread pools, which a fork would inherit)
+    # 2. seed 1's two cells again, side by side on ParallelRunner, from the first run's data (copied;
+    # their outputs, the gathered records and the report removed): the cells are independent, so the
+    # records and the report are the same (workers spawned: this process already runs torch's thread
+    # pools, which a fork would inherit)
     monkeypatch.setenv("KEDRO_MP_CONTEXT", "spawn")
     parallel = _project(tmp_path / "parallel", project_root, monkeypatch)
     shutil.copytree(resumed / "data", parallel / "data")
     data = parallel / "data"
-    cell_outputs = [data / "06_models/compare", data / "07_model_output/compare_eval_work",
+    again = ["grpo_seed1", "spader_seed1"]
+    cell_outputs = [data / "06_models/compare/seed1", *(data / "07_model_output/compare_eval_work").glob("*_seed1*"),
                     data / "07_model_output/compare_runs.json", data / "07_model_output/compare_eval_samples.jsonl",
-                    *(data / folder / cell for cell in CELLS for folder in ("06_models", "07_model_output", "08_reporting")),
+                    *(data / folder / cell for cell in again for folder in ("06_models", "07_model_output", "08_reporting")),
                     *(data / "08_reporting").glob("compare_*")]
     for path in cell_outputs:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    kept = {path: path.stat().st_mtime_ns for path in (data / "06_models/compare/seed0").rglob("*.safetensors")}
     _run(parallel, runner=ParallelRunner(max_workers=2), only_missing_outputs=True)
-    for cell in CELLS:  # trained and evaluated again, not copied
+    assert kept and all(path.stat().st_mtime_ns == t for path, t in kept.items())  # seed 0's cells: not run
+    for cell in again:  # trained and evaluated again, not copied
         assert (data / f"07_model_output/{cell}/eval_samples.jsonl").is_file()
-        assert next((data / f"06_models/compare/seed{cell[-1]}/train_{cell.split('_')[0]}/final").glob("*.safetensors"))
+        assert next((data / f"06_models/compare/seed1/train_{cell.split('_')[0]}/final").glob("*.safetensors"))
     pd.testing.assert_frame_equal(_records(parallel), samples)
     assert (parallel / "data/08_reporting/compare_report.md").read_text() == report
 
