@@ -103,7 +103,8 @@ def test_child_logs_reach_the_parents_loggers(caplog):
 
 
 def environment_directory_and_modules(name):
-    return os.environ.get(name), os.getcwd(), sorted(set(sys.modules) & {"torch", "spader_pipeline.native.stages"})
+    preloaded = {"torch", "spader_pipeline.native.stages", "spader_pipeline.native.trainer"}
+    return os.environ.get(name), os.getcwd(), sorted(set(sys.modules) & preloaded)
 
 
 def test_child_runs_in_the_callers_environment_and_directory_at_the_call(tmp_path, monkeypatch):
@@ -112,7 +113,8 @@ def test_child_runs_in_the_callers_environment_and_directory_at_the_call(tmp_pat
     monkeypatch.chdir(tmp_path)
     value, directory, modules = in_child_process(environment_directory_and_modules)("SPADER_CHILD_TEST")
     assert value == "set after the server started" and Path(directory) == tmp_path
-    assert modules == ["spader_pipeline.native.stages", "torch"]  # imported by the server, not by the child
+    # imported by the server, not by the child (this module imports neither)
+    assert modules == ["spader_pipeline.native.stages", "spader_pipeline.native.trainer", "torch"]
 
 
 PARENT = """
@@ -172,3 +174,41 @@ def test_elsewhere_than_linux_the_child_is_spawned(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     value, directory, _ = in_child_process(environment_directory_and_modules)("SPADER_CHILD_TEST")
     assert value == "spawned" and Path(directory) == tmp_path
+
+
+def test_the_server_can_start_before_the_first_child_and_serves_it():
+    """``start_server`` starts the fork server (with its preloaded modules) and returns at once;
+    the next child is forked from it; elsewhere than Linux there is none to start."""
+    from multiprocessing import forkserver
+
+    from spader_pipeline import child_process
+
+    assert child_process.start_server() is (sys.platform.startswith("linux"))
+    if sys.platform.startswith("linux"):
+        pid = forkserver._forkserver._forkserver_pid
+        assert pid is not None and _alive(pid)
+        value, _, modules = in_child_process(environment_directory_and_modules)("HOME")
+        assert forkserver._forkserver._forkserver_pid == pid  # the same server: started once
+        assert "spader_pipeline.native.trainer" in modules  # preloaded
+
+
+def test_a_run_starts_the_server_only_for_nodes_that_run_children(monkeypatch):
+    """The hook's decision (``ForkServerHooks``): a pipeline with a node marked
+    ``runs_child_processes`` run here starts it; one without, or run on ParallelRunner, does not."""
+    from kedro.pipeline import Pipeline, node
+
+    from spader_pipeline import child_process
+    from spader_pipeline.hooks import ForkServerHooks
+    from spader_pipeline.pipelines.training.nodes import train_policy
+
+    started = []
+    monkeypatch.setattr(child_process, "start_server", lambda: started.append(True) or True)
+    heavy = Pipeline([node(train_policy, ["a", "b", "c", "d", "e", "f"], ["g", "h", "i"])])
+    light = Pipeline([node(len, "x", "y")])
+    hooks = ForkServerHooks()
+    hooks.before_pipeline_run({"runner": "SequentialRunner"}, light, None)
+    assert started == []
+    hooks.before_pipeline_run({"runner": "<kedro.runner.parallel_runner.ParallelRunner object at 0x1>"}, heavy, None)
+    assert started == []
+    hooks.before_pipeline_run({"runner": "SequentialRunner"}, heavy, None)
+    assert started == [True]

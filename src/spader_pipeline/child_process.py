@@ -7,7 +7,8 @@ resident memory grows from one stage to the next (docs/reliability.md). A child 
 of it when it ends, whatever kept it.
 
 How: ``multiprocessing``'s *forkserver* start method on Linux (*spawn* elsewhere). A server
-process, started with the first child and kept for this process's life, imports the modules every
+process, started with the first child (or earlier: :func:`start_server`) and kept for this process's
+life, imports the modules every
 heavy stage needs (:data:`PRELOADED`: torch, transformers, the trainer, the evaluator) once; each
 child is a fork of that server: a process with those imports and nothing else (no copy of this
 process's heap or threads), so it starts in a fraction of a second instead of the ~5-10 s a fresh
@@ -53,9 +54,35 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Imported once by the fork server, so that no child imports them again (each child's target module
-#: is among them or imports little more).
-PRELOADED = ("torch", "transformers", "spader_pipeline.native.stages", "spader_pipeline.evaluation.suite")
+#: Imported once by the fork server, so that no child imports them again: the stages' entry points
+#: (light modules, which the caller imports too) and what they run (the trainer, the warm start,
+#: validation, the in-process generator; torch and transformers), which the caller need not import.
+PRELOADED = ("torch", "transformers", "spader_pipeline.native.trainer", "spader_pipeline.native.warm_start",
+             "spader_pipeline.native.validation", "spader_pipeline.agent.hf_backend",
+             "spader_pipeline.native.stages", "spader_pipeline.evaluation.suite")
+
+
+def runs_child_processes(fn: Callable[..., T]) -> Callable[..., T]:
+    """Mark ``fn``, a Kedro node's function, as one that runs its heavy work in child processes: a
+    run containing such a node starts the fork server as the run starts (:func:`start_server`,
+    ``spader_pipeline.hooks.ForkServerHooks``). Returns ``fn`` itself."""
+    fn.runs_child_processes = True  # type: ignore[attr-defined]
+    return fn
+
+
+def start_server() -> bool:
+    """Start the fork server now, if it is not running (Linux; elsewhere children are spawned: False).
+
+    Its imports (:data:`PRELOADED`, seconds of one core) then run beside this process's own work (a
+    Kedro run's loading and its first, in-process nodes) instead of before the first child starts.
+    Returns at once, without waiting for them."""
+    context = _context()
+    if context.get_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return True
 
 
 class ChildProcessDied(RuntimeError):

@@ -21,6 +21,10 @@ holds those cells, any other run the whole root; a run in the way stops before a
 context's ``compare`` parameters to the pipeline registry before the registry loads, and stops a
 run whose registered cells differ from its parameters before anything starts.
 
+:class:`ForkServerHooks` starts the fork server of the stages' child processes
+(:mod:`spader_pipeline.child_process`) as a run starts, when the run has a node that uses it, so
+that the server's imports overlap the run's first nodes instead of delaying its first child.
+
 Training and evaluation nodes open their own runs through :mod:`spader_pipeline.tracking` (one per
 method, one per model × dataset): top-level runs linked to the chain run by tags, so the runs
 table shows them at first sight; all other nodes hold no MLflow code.
@@ -249,3 +253,22 @@ class MlflowTrackingHooks:
         if self._started and tracking.active():
             mlflow.end_run(status=status)
         self._started = False
+
+
+class ForkServerHooks:
+    """Starts the fork server of :mod:`spader_pipeline.child_process` when a run that will use it
+    starts: one with a node marked :func:`~spader_pipeline.child_process.runs_child_processes` (the
+    warm start, its validation, training, evaluation), run in this process (not ParallelRunner's
+    workers, which start their own).
+
+    Last of the ``before_pipeline_run`` hooks: a run the lock or the cell check refuses starts none."""
+
+    @hook_impl(trylast=True)
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog) -> None:
+        if "ParallelRunner" in str(run_params.get("runner")):
+            return
+        if any(getattr(node.func, "runs_child_processes", False) for node in pipeline.nodes):
+            from spader_pipeline.child_process import start_server
+
+            if start_server():
+                logger.debug("fork server of the stages' child processes started")

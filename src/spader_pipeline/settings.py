@@ -2,9 +2,9 @@
 
 from kedro.config import OmegaConfigLoader
 
-from spader_pipeline.hooks import CompareCellsHooks, DataRootLockHooks, MlflowTrackingHooks
+from spader_pipeline.hooks import CompareCellsHooks, DataRootLockHooks, ForkServerHooks, MlflowTrackingHooks
 
-HOOKS = (MlflowTrackingHooks(), DataRootLockHooks(), CompareCellsHooks())
+HOOKS = (MlflowTrackingHooks(), DataRootLockHooks(), CompareCellsHooks(), ForkServerHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -18,9 +18,11 @@ from spader_pipeline import tracking
 from spader_pipeline.algorithms.validation import ValidationSettings
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.config import NativeTrainerConfig
-from spader_pipeline.native.trainer import TrainResult, train_native
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.tracking_buffer import run_writer
+
+if TYPE_CHECKING:
+    from spader_pipeline.native.trainer import TrainResult
 
 RunTarget = tuple[str | None, str | None]
 
@@ -65,6 +67,8 @@ def run_training(native: Mapping[str, Any], *, model_path: str, verl_train: pd.D
     settings over the index at ``index_dir``. Step metrics (comparable ones first) and sample files
     go to the MLflow run ``run_target``.
     """
+    from spader_pipeline.native.trainer import train_native
+
     config = NativeTrainerConfig.from_mapping(native)
     samples = samples_from_verl(verl_train, max_train_questions, config.seed)
     validation = samples_from_verl(verl_validation) if verl_validation is not None and len(verl_validation) else []

@@ -9,7 +9,6 @@ from typing import Any
 
 import pandas as pd
 
-from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, validate_model_dir
 from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
 
 logger = logging.getLogger(__name__)
@@ -26,6 +25,8 @@ def provide_base_model(corpus: pd.DataFrame, params: dict[str, Any], prompt: dic
       words and chat roles get their own tokens) and save a randomly initialised tiny Qwen3 to
       ``params.output_dir`` (``source: built``).
     """
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, validate_model_dir  # transformers
+
     if params.get("path"):
         path = Path(params["path"]).expanduser().resolve()
         info = validate_model_dir(path)

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline import tracking
+from spader_pipeline.child_process import runs_child_processes
 from spader_pipeline.data.schema import frame_records
 from spader_pipeline.evaluation.suite import evaluate_manifests, records_frame
 from spader_pipeline.pipelines.evaluate.nodes import count_entity_frequencies
@@ -93,6 +94,7 @@ def _evaluate(heldout: Mapping[str, Any], index_manifest: Mapping[str, Any], par
                               index_manifest=index_manifest, prompt=prompt, on_result=on_result)
 
 
+@runs_child_processes
 def evaluate_references(warm_start_manifest: Mapping[str, Any], heldout: Mapping[str, Any],
                         index_manifest: Mapping[str, Any], evaluate: Mapping[str, Any],
                         compare_evaluation: Mapping[str, Any] | None, prompt: Mapping[str, Any]
@@ -122,6 +124,7 @@ def seed_training(training: Mapping[str, Any], output_dir: str, seed: int) -> di
     return {**training, "output_dir": str(Path(output_dir) / f"seed{seed}"), "native": native, "verl": verl}
 
 
+@runs_child_processes
 def evaluate_cell(model_manifest: Mapping[str, Any], heldout: Mapping[str, Any], index_manifest: Mapping[str, Any],
                   evaluate: Mapping[str, Any], compare_evaluation: Mapping[str, Any] | None,
                   prompt: Mapping[str, Any], method: str, seed: int) -> pd.DataFrame:

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from spader_pipeline import tracking
+from spader_pipeline.child_process import runs_child_processes
 from spader_pipeline.data.schema import frame_records
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import entity_corpus_frequency
@@ -67,6 +68,7 @@ def count_entity_frequencies(
     return out
 
 
+@runs_child_processes
 def run_evaluations(
     selected: Mapping[str, list[dict]],
     frequencies: Mapping[str, Mapping[str, list[int]]],

@@ -15,7 +15,7 @@ import pandas as pd
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
-from spader_pipeline.child_process import in_child_process
+from spader_pipeline.child_process import in_child_process, runs_child_processes
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged
 from spader_pipeline.native.stages import run_training, run_warm_start, validate_start_model
@@ -41,6 +41,7 @@ def _template(prompt: Mapping[str, Any], name: str | None = None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@runs_child_processes
 def warm_start(
     base_model_manifest: Mapping[str, Any],
     verl_train: pd.DataFrame,
@@ -87,6 +88,7 @@ def method_run_identity(
     return f"{label + ' ' if label else ''}{name} seed{seed}", tags, params
 
 
+@runs_child_processes
 def train_policy(
     init_manifest: Mapping[str, Any],
     verl_train: pd.DataFrame,
@@ -160,6 +162,7 @@ def _ways_on(run_dir: Path) -> tuple[str, str]:
             f"{run_dir}/checkpoints.superseded-<time>/ with the run's config.json and metrics.jsonl)")
 
 
+@runs_child_processes
 def validate_warm_start(
     warm_start_manifest: Mapping[str, Any],
     verl_validation: pd.DataFrame,
