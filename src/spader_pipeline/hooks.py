@@ -258,8 +258,8 @@ class MlflowTrackingHooks:
 class ForkServerHooks:
     """Starts the fork server of :mod:`spader_pipeline.child_process` when a run that will use it
     starts: one with a node marked :func:`~spader_pipeline.child_process.runs_child_processes` (the
-    warm start, its validation, training, evaluation), run in this process (not ParallelRunner's
-    workers, which start their own).
+    base model, the warm start, its validation, training, evaluation), run in this process (not
+    ParallelRunner's workers, which start their own).
 
     Last of the ``before_pipeline_run`` hooks: a run the lock or the cell check refuses starts none."""
 
