@@ -13,10 +13,12 @@ summed: the stages' children are forks of a fork server and Ray's workers childr
 working directory or its command line lies inside it.
 
 It prints one Markdown table: the machine (CPU model, family and model number, the bf16 units, cores,
-memory, load before), then per command the wall time, exit status and peak memory; for ``make run``
+memory, load before), then per command the machine's speed right before it (:data:`SPEED_PROBE`, with
+the clone's Python), the wall time, exit status and peak memory; for ``make run``
 the start of each phase (the lines ``make`` echoes), for ``make test`` pytest's summary line. Run it
 on an idle machine: with another process running, every time here grows severalfold
-(docs/results.md). Uses only the standard library and the system's ``python3``.
+(docs/results.md). Uses only the standard library and the system's ``python3`` (the speed probe runs with
+the clone's).
 """
 
 from __future__ import annotations
@@ -56,6 +58,41 @@ def machine() -> dict[str, str]:
         info.setdefault("cpu", "?")
     info["cores"] = str(os.cpu_count())
     return info
+
+
+#: A few seconds of the two kinds of work the commands do, timed on one core: interpreted Python, and
+#: a bf16 matrix product of a SmolLM2-sized layer (576 → 1536) through torch. The same machine's speed
+#: varies by the hour (docs/results.md, make test); a figure next to it says which hour it was.
+SPEED_PROBE = """
+import time
+t = time.perf_counter(); s = 0
+for i in range(10_000_000):
+    s += i
+loop = time.perf_counter() - t
+try:
+    import torch
+except ImportError:
+    print(f"Python loop of 10M additions {loop:.2f} s")
+else:
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+    for _ in range(20):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(400):
+        a @ b
+    rate = 400 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t) / 1e9
+    print(f"Python loop of 10M additions {loop:.2f} s; bf16 matmul on one thread {rate:.0f} GFLOP/s")
+"""
+
+
+def speed_probe(python: Path | str) -> str:
+    """:data:`SPEED_PROBE` run by ``python`` (the clone's venv: its torch), or '?' if it fails."""
+    try:
+        done = subprocess.run([str(python), "-c", SPEED_PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return done.stdout.strip() or "?"
 
 
 def clone_pss_kb(clone: Path) -> int:
@@ -132,6 +169,8 @@ def main() -> int:
     install = 0.0
     try:
         for target in ["install", *args.targets]:
+            if target != "install":
+                rows.append((f"speed before `make {target}`", speed_probe(clone / ".venv/bin/python")))
             result = timed(["make", target], clone, work / f"make_{target}.log", args.sample)
             if target == "install":
                 install, with_install = result["wall"], ""

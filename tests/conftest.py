@@ -39,13 +39,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Modules that run a whole pipeline (``e2e``) first, then those with ``slow`` tests, then the rest,
-    each group in collection order. Under ``--dist loadscope`` a worker takes the next module when it
-    is free, so the long modules start at once and the short ones fill in behind them, instead of one
-    long module starting last and running alone at the end."""
+    """The suite's longest module (``longest``: minutes of one worker) first, then modules that run a
+    whole pipeline (``e2e``), then those with ``slow`` tests, then the rest, each group in collection
+    order. Under ``--dist loadscope`` a worker takes the next module when it is free, so the long
+    modules start at once and the short ones fill in behind them, instead of one long module starting
+    last and running alone at the end."""
     def rank(module: str) -> int:
         marks = {mark.name for item in by_module[module] for mark in item.iter_markers()}
-        return 0 if "e2e" in marks else 1 if "slow" in marks else 2
+        return 0 if "longest" in marks else 1 if "e2e" in marks else 2 if "slow" in marks else 3
 
     by_module: dict[str, list] = {}
     for item in items:

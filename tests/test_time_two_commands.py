@@ -54,3 +54,11 @@ def test_phases_are_the_commands_make_echoes_and_the_pytest_summary_is_kept(tmp_
 def test_the_machine_row_names_the_cpu_and_its_bf16_units():
     info = timing.machine()
     assert info["cores"].isdigit() and "family" in info["cpu"] and info["memory"].endswith("GiB")
+
+
+def test_the_speed_probe_times_python_and_a_bf16_matmul_with_the_given_interpreter():
+    import sys
+
+    probe = timing.speed_probe(sys.executable)  # the test's venv: it has torch
+    assert probe.startswith("Python loop of 10M additions") and probe.endswith("GFLOP/s")
+    assert timing.speed_probe("/nonexistent/python") == "?"

@@ -50,7 +50,8 @@ from verl_cpu_boundary import (  # noqa: E402
     start_scripted_server,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # verl's whole fit() loop, in Ray actors
+# verl's whole fit() loop, in Ray actors, five times in one worker: the suite's longest module
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.longest]
 
 METHODS = ("grpo", "spader", "calibadv", "tspo")
 TOOL_COST = 0.2  # scaled up (the configs use 0.01) so it is visible; only where the method pays one
