@@ -31,7 +31,6 @@ def toy():
     assert "toy" not in method_names()
 
 
-
 def test_the_toy_method_is_registered_only_inside_the_block(toy):
     assert get_method("toy") is TOY and method_names()[-1] == "toy"
     mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)

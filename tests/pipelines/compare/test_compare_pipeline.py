@@ -90,15 +90,6 @@ class _StopAfter:
             raise RuntimeError(f"stopped after {dataset_name}")
 
 
-class _Ran:
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    @hook_impl
-    def before_node_run(self, node) -> None:
-        self.names.append(node.name)
-
-
 def _project(root: Path, project_root: Path, monkeypatch) -> Path:
     """A throw-away project whose test env registers the cells grpo/spader × seeds 0, 1."""
     root.mkdir()
@@ -128,7 +119,7 @@ def _records(root: Path) -> pd.DataFrame:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch):
+def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch, node_starts):
     """One run stopped right after its first cell and resumed by Kedro (sequential), then two cells
     again side by side on ParallelRunner from the same shared part; same records, same report."""
     since = f"attributes.start_time >= {int(time.time() * 1000)}"  # this test's MLflow runs only
@@ -138,10 +129,9 @@ def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root,
         _run(resumed, _StopAfter("grpo_seed0__samples"))
     weights = next((resumed / "data/06_models/compare/seed0/train_grpo/final").glob("*.safetensors"))
     before = weights.stat().st_mtime_ns
-    ran = _Ran()
-    _run(resumed, ran, only_missing_outputs=True)
-    assert not [n for n in ran.names if n.startswith("grpo_seed0.") or n in ("warm_start", "validate_warm_start", "check_compare_design")]
-    assert {"spader_seed1.evaluate_cell", "gather_cells", "compare_report"} <= set(ran.names)
+    _run(resumed, node_starts, only_missing_outputs=True)
+    assert not [n for n in node_starts.names if n.startswith("grpo_seed0.") or n in ("warm_start", "validate_warm_start", "check_compare_design")]
+    assert {"spader_seed1.evaluate_cell", "gather_cells", "compare_report"} <= set(node_starts.names)
     assert weights.stat().st_mtime_ns == before  # the first cell was not trained again
 
     runs = json.loads((resumed / "data/07_model_output/compare_runs.json").read_text())

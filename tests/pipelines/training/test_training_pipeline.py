@@ -7,7 +7,6 @@ import json
 
 import mlflow
 import pytest
-from kedro.framework.hooks import hook_impl
 from kedro.framework.session import KedroSession
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,31 +22,20 @@ def test_method_pipelines_differ_only_in_their_namespaced_method_block():
     assert training.create_pipeline().outputs() >= {"train_grpo.policy_manifest", "train_spader.policy_manifest"}
 
 
-class _Events:
-    """The run's node starts, in order, as Kedro's hooks see them."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    @hook_impl
-    def before_node_run(self, node) -> None:
-        self.events.append(node.name)
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_training_session_run_two_native_steps_per_method(kedro_project, monkeypatch):
+def test_training_session_run_two_native_steps_per_method(kedro_project, monkeypatch, node_starts):
     from spader_pipeline import child_process
 
-    seen = _Events()
+    seen = node_starts.names
     start_server = child_process.start_server
-    monkeypatch.setattr(child_process, "start_server", lambda: seen.events.append("start_server") or start_server())
+    monkeypatch.setattr(child_process, "start_server", lambda: seen.append("start_server") or start_server())
     runtime = {"data_prep": {"wiki": {"limit": 400}}}
     with KedroSession.create(project_path=kedro_project, env="test", runtime_params=runtime) as session:
-        session._hook_manager.register(seen)
+        session._hook_manager.register(node_starts)
         session.run(pipeline_names=["data_prep", "index_build", "base_model", "training"])
     # the fork server of the stages' children starts with the run (ForkServerHooks), before its first node
-    assert seen.events[0] == "start_server" and seen.events.count("start_server") == 1 and len(seen.events) > 5
+    assert seen[0] == "start_server" and seen.count("start_server") == 1 and len(seen) > 5
 
     for method in ("grpo", "spader"):
         manifest = json.loads((kedro_project / f"data/06_models/train_{method}/policy_manifest.json").read_text())
