@@ -10,9 +10,11 @@ boundary states captured as with ``trainable_layers: 8``) for each layout:
   bf16 units; plain fp32 elsewhere), as the trainer decodes today;
 - ``bf16``: a bf16 copy of the weights, no autocast (what a rollout copy refreshed after each update
   would decode with);
+- ``autocast_bf16_values``: ``autocast`` with the KV cache's values kept in bf16 on a CPU (before
+  ``GrowingLayer.fp32_values_on_cpu``: each decoding step then casts every cached value to fp32);
 
 and prints per layout the rollout's wall time, the time in the model's turns, its decoding steps and
-the time per step. ``--profile`` adds torch.profiler's top operations of the first layout's rollout
+the time per step, and whether its trajectories' text equals the first layout's. ``--profile`` adds torch.profiler's top operations of the first layout's rollout
 (CPU and, on CUDA, device time), to place the time a step spends beyond the decoding benchmark.
 Same questions and seed for every layout; the straightforward layout (today's) is the first row.
 
@@ -35,6 +37,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.modeling import load_model_and_tokenizer
+from spader_pipeline.modeling.kv_cache import GrowingLayer
 from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.retrieval.settings import search_backend
 
@@ -47,10 +50,10 @@ def rollout(model, tokenizer, group, search, limits, template, *, bf16: bool, ca
     torch.manual_seed(0)
     sync()
     started = time.perf_counter()
-    run_rollouts_sync(group, generator, search, limits, template)
+    trajectories = run_rollouts_sync(group, generator, search, limits, template)
     sync()
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "model_seconds": generator.model_seconds, "decode_steps": generator.decode_steps,
+    return {"seconds": seconds, "texts": [t.messages for t in trajectories], "model_seconds": generator.model_seconds, "decode_steps": generator.decode_steps,
             "ms_per_step": 1000 * generator.model_seconds / max(generator.decode_steps, 1),
             "model_tokens": generator.generated_tokens}
 
@@ -82,8 +85,9 @@ def main() -> None:
     rows = []
     with search_backend({"mode": "local"}, str(bundle / "index"), where="profile_rollout") as search:
         for i, layout in enumerate(args.layouts.split(",")):
-            policy = model if layout == "autocast" else copy.deepcopy(model).to(torch.bfloat16)
-            bf16 = layout == "autocast" and resolve_bf16("auto", args.device, model)
+            policy = model if layout.startswith("autocast") else copy.deepcopy(model).to(torch.bfloat16)
+            bf16 = layout.startswith("autocast") and resolve_bf16("auto", args.device, model)
+            GrowingLayer.fp32_values_on_cpu = layout != "autocast_bf16_values"
             profiler = None
             if args.profile and i == 0:
                 activities = [torch.profiler.ProfilerActivity.CPU]
@@ -106,10 +110,12 @@ def main() -> None:
                 del policy
     print(f"{len(group)} trajectories ({args.questions} questions x {args.group}), {args.device}, "
           f"{limits.max_turns} turns, capture block {capture}")
-    print(f"{'layout':10s} {'rollout s':>10s} {'model s':>8s} {'steps':>6s} {'ms/step':>8s} {'tokens':>7s}")
+    print(f"{'layout':22s} {'rollout s':>10s} {'model s':>8s} {'steps':>6s} {'ms/step':>8s} {'tokens':>7s} "
+          f"{'same text':>9s}")
     for row in rows:
-        print(f"{row['layout']:10s} {row['seconds']:10.1f} {row['model_seconds']:8.1f} {row['decode_steps']:6d} "
-              f"{row['ms_per_step']:8.1f} {row['model_tokens']:7d}")
+        same = row["texts"] == rows[0]["texts"]
+        print(f"{row['layout']:22s} {row['seconds']:10.1f} {row['model_seconds']:8.1f} {row['decode_steps']:6d} "
+              f"{row['ms_per_step']:8.1f} {row['model_tokens']:7d} {str(same):>9s}")
     if len(rows) > 1:
         print(f"ratio {rows[0]['model_seconds'] / rows[1]['model_seconds']:.2f}x ({rows[0]['layout']} / {rows[1]['layout']})")
 

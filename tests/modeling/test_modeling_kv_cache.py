@@ -142,19 +142,22 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
     assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0
 
 
-def test_fp32_keys_beside_bf16_values_are_cached_in_bf16_off_the_cpu():
+def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache():
     """Under bf16 autocast the keys come fp32 (rotary's fp32 cos/sin) and the values bf16. Off the CPU
-    (the meta device stands in for CUDA here) the keys are cached in bf16, the dtype attention casts
-    them to; on the CPU, where a decoding step attends in fp32, they stay fp32."""
+    (the meta device stands in for CUDA here) both are cached in bf16, the dtype attention casts them
+    to; on the CPU, where a decoding step attends in fp32, both are cached in fp32, holding exactly
+    the values given."""
     for device, expected in (("meta", torch.bfloat16), ("cpu", torch.float32)):
         layer = GrowingLayer()
         keys = torch.randn(2, 3, 5, 4, device=device)
-        layer.update(keys, torch.randn(2, 3, 5, 4, device=device, dtype=torch.bfloat16))
-        layer.update(keys[:, :, :1], torch.randn(2, 3, 1, 4, device=device, dtype=torch.bfloat16))
-        assert layer.keys.dtype == expected and layer.values.dtype == torch.bfloat16
+        values = torch.randn(2, 3, 6, 4, device=device, dtype=torch.bfloat16)
+        layer.update(keys, values[:, :, :5])
+        layer.update(keys[:, :, :1], values[:, :, 5:])
+        assert layer.keys.dtype == expected and layer.values.dtype == expected
         assert layer.get_seq_length() == 6
         if device == "cpu":
             assert torch.equal(layer.keys[:, :, :5], keys)
+            assert torch.equal(layer.values, values.float())
 
 
 @pytest.mark.gpu

@@ -47,6 +47,9 @@ class GrowingLayer(DynamicLayer):
 
     #: spare positions kept after a reallocation, at least (a turn of decoding fits without one)
     min_headroom = 64
+    #: on a CPU, cache bf16 values beside fp32 keys in fp32 (:meth:`update`); ``False`` keeps them bf16
+    #: (the layout ``autocast_bf16_values`` of benchmarks/profile_rollout.py, for comparison)
+    fp32_values_on_cpu = True
 
     def __init__(self, config=None) -> None:
         super().__init__()  # 5.9/5.10: DynamicLayer ignores its config; 5.17: it takes none
@@ -130,11 +133,17 @@ class GrowingLayer(DynamicLayer):
         cos/sin promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast
         casts its inputs to bf16) then read an fp32 key cache and cast all of it again at every step.
         Stored in bf16 the cache is a third smaller and the attention gets the same bf16 keys. On a
-        CPU the fp32 keys stay: a decoding step attends in fp32 there
-        (:func:`spader_pipeline.modeling.attention.sdpa_gqa_attention_forward`) and reads them as they are.
+        CPU a decoding step attends in fp32 (:func:`spader_pipeline.modeling.attention.
+        sdpa_gqa_attention_forward`), so there the values are stored in fp32 beside the fp32 keys: the
+        bf16 values are exact in fp32, and a step reads the cache as it is instead of casting every
+        cached value to a new fp32 tensor (benchmarks/profile_rollout.py). Prefill under autocast
+        casts them back to the same bf16.
         """
-        if key_states.dtype != value_states.dtype and key_states.device.type != "cpu":
-            key_states = key_states.to(value_states.dtype)
+        if key_states.dtype != value_states.dtype:
+            if key_states.device.type != "cpu":
+                key_states = key_states.to(value_states.dtype)
+            elif key_states.dtype == torch.float32 and self.fp32_values_on_cpu:
+                value_states = value_states.float()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
