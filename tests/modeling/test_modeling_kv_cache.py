@@ -160,6 +160,32 @@ def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache():
             assert torch.equal(layer.values, values.float())
 
 
+def test_fp32_values_change_no_logit_under_cpu_autocast(gqa_model_dir, monkeypatch):
+    """The fp32 value cache is a speed-up only: under CPU bf16 autocast, greedy decoding and a
+    continued turn (a prefill over the cache, which autocast casts back to bf16) give the same
+    tokens and logits whether the values are cached in fp32 or in bf16."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    ids = torch.randint(3, 64, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    extra = torch.randint(3, 64, (3, 5))
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    runs = {}
+    for fp32_values in (True, False):
+        monkeypatch.setattr(GrowingLayer, "fp32_values_on_cpu", fp32_values)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=GrowingKVCache(), **kwargs)
+            assert out.past_key_values.layers[0].values.dtype == (torch.float32 if fp32_values else torch.bfloat16)
+            seq = torch.cat([out.sequences, extra], dim=1)
+            att = torch.cat([mask, torch.ones(3, seq.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
+            more = model.generate(input_ids=seq, attention_mask=att, past_key_values=out.past_key_values, **kwargs)
+        runs[fp32_values] = (out.sequences, torch.stack(out.logits), more.sequences, torch.stack(more.logits))
+    for fp32_run, bf16_run in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(fp32_run, bf16_run)
+
+
 @pytest.mark.gpu
 def test_on_cuda_bf16_keys_change_no_logit_under_autocast(gqa_model_dir):  # pragma: no cover - needs a GPU
     """On CUDA, attention under autocast reads bf16 keys whatever the cache holds: the same logits as
