@@ -13,9 +13,10 @@ boundary states captured as with ``trainable_layers: 8``) for each layout:
 - ``autocast_bf16_values``: ``autocast`` with the KV cache's values kept in bf16 on a CPU (before
   ``GrowingLayer.fp32_values_on_cpu``: each decoding step then casts every cached value to fp32);
 
-and prints per layout the rollout's wall time, the time in the model's turns, its decoding steps and
-the time per step, and whether its trajectories' text equals the first layout's. ``--profile`` adds torch.profiler's top operations of the first layout's rollout
-(CPU and, on CUDA, device time), to place the time a step spends beyond the decoding benchmark.
+and prints per layout the rollout's wall time, the time in the model's turns, its decoding steps, the
+time per step, and whether its trajectories' text equals the first layout's. ``--profile`` adds
+torch.profiler's top operations of the first layout's rollout (CPU and, on CUDA, device time), to place
+the time a step spends beyond the decoding benchmark.
 Same questions and seed for every layout; the straightforward layout (today's) is the first row.
 
     python benchmarks/profile_rollout.py --model-dir /tmp/one_gpu/warm_start --bundle /tmp/stage/bundle \\
@@ -53,7 +54,8 @@ def rollout(model, tokenizer, group, search, limits, template, *, bf16: bool, ca
     trajectories = run_rollouts_sync(group, generator, search, limits, template)
     sync()
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "texts": [t.messages for t in trajectories], "model_seconds": generator.model_seconds, "decode_steps": generator.decode_steps,
+    return {"seconds": seconds, "texts": [t.messages for t in trajectories],
+            "model_seconds": generator.model_seconds, "decode_steps": generator.decode_steps,
             "ms_per_step": 1000 * generator.model_seconds / max(generator.decode_steps, 1),
             "model_tokens": generator.generated_tokens}
 
