@@ -132,3 +132,32 @@ def test_sample_categorical_never_picks_a_zero_token_at_the_top_edge(monkeypatch
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))  # u == total
     assert sample_categorical(probs).tolist() == [1]
+
+
+def test_log_probs_of_sampled_tokens_equal_a_teacher_forced_forward(gqa_model_dir):
+    """What a rollout server reports (verl compares it with its actor's log-probs): each sampled token's
+    log-probability at the sampling temperature, before top-k, equal to one forward over the whole
+    sequence; rows of different lengths and left padding included."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 64, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    budgets = [7, 3, 5]
+    temperature = 0.7
+    kwargs = dict(max_new_tokens=7, do_sample=True, temperature=temperature, top_k=20, top_p=None, pad_token_id=0,
+                  eos_token_id=[], return_dict_in_generate=True)
+    processors, do_sample = generation_processors(model, kwargs, ids)
+    result = decode_batch(model, ids, mask, GrowingKVCache(), budgets, eos_ids=set(), pad_id=0,
+                          processors=processors, do_sample=do_sample, log_prob_temperature=temperature)
+    assert [len(lp) for lp in result.log_probs] == [len(t) for t in result.tokens] == budgets
+    for row in range(3):
+        prompt = ids[row][mask[row] == 1].tolist()
+        full = torch.tensor([prompt + result.tokens[row]])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[0, len(prompt) - 1 : -1].float() / temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, full[0, len(prompt):, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(result.log_probs[row]), expected, atol=1e-4, rtol=1e-4)
+    assert decode_batch(model, ids, mask, GrowingKVCache(), budgets, eos_ids=set(), pad_id=0, processors=processors,
+                        do_sample=do_sample).log_probs is None

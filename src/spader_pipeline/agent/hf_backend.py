@@ -66,6 +66,9 @@ class HFGenerator(Generator):
         capture_states_from_layer: keep, per trajectory, decoder block ``k``'s output at its tokens
             (:meth:`captured_states`; the native trainer's boundary states, docs/training.md). Needs
             ``drop_finished_rows``; stops, dropping what it kept, when a turn is decoded with ``generate``.
+        return_log_probs: each turn carries its tokens' log-probabilities at the sampling temperature
+            (``GeneratedTurn.logprobs``; a rollout server reports them). Needs ``drop_finished_rows``:
+            a turn decoded with ``generate`` carries none.
     """
 
     token_level = True
@@ -85,8 +88,10 @@ class HFGenerator(Generator):
         drop_finished_rows: bool = True,
         prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
         capture_states_from_layer: int | None = None,
+        return_log_probs: bool = False,
     ) -> None:
         self.model = model.eval()
+        self.return_log_probs = return_log_probs
         self.growing_kv_cache = growing_kv_cache
         self.drop_finished_rows = drop_finished_rows and self._can_drop_finished_rows()
         self.prefill_block_cost = prefill_block_cost
@@ -383,6 +388,7 @@ class HFGenerator(Generator):
                 self.model, input_ids.to(device), attention.to(device), cache, budgets,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, processors=processors, do_sample=do_sample,
                 prefill_block_cost=self.prefill_block_cost,
+                log_prob_temperature=self.sampling.temperature if self.return_log_probs else None,
             )
         self.sampled_rows += result.row_steps
         self.decode_steps += result.steps
@@ -390,10 +396,11 @@ class HFGenerator(Generator):
         if self.capture is not None:
             self.capture.record([s.uid for s in states], cache, result.ids, result.mask, result.cache_rows)
         turns = []
-        for ids in result.tokens:
+        for row, ids in enumerate(result.tokens):
             self.generated_tokens += len(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            turns.append(GeneratedTurn(text=text, token_ids=tuple(ids)))
+            logprobs = tuple(result.log_probs[row]) if result.log_probs is not None else None
+            turns.append(GeneratedTurn(text=text, token_ids=tuple(ids), logprobs=logprobs))
         if self.reuse_kv_cache and len(states) <= self.micro_batch_size:
             self._kv = {
                 "uids": [s.uid for s in states],

@@ -34,7 +34,7 @@ from spader_pipeline.modeling.batching import padding_blocks
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
 __all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
-           "supports_decode_batch"]
+           "supports_decode_batch", "token_log_probs"]
 
 #: logits processors whose result does not depend on the row's place in the batch (``generate`` builds
 #: them from the sampling settings); any other processor: decode with ``generate``
@@ -63,7 +63,8 @@ class DecodeResult:
     cached positions and 1 where a position holds a real token whose keys are in the cache (a row's
     last sampled token is never fed, so it is not cached). ``cache_rows``: the input row held by each
     cache row (the cache rows are permuted). ``row_steps``: rows sampled over all steps.
-    ``prefill_blocks``: forwards of the prefill (1: the whole batch at once).
+    ``prefill_blocks``: forwards of the prefill (1: the whole batch at once). ``log_probs``: per row,
+    the log-probability of each sampled token (``decode_batch(log_prob_temperature=...)``; else ``None``).
     """
 
     tokens: list[list[int]]
@@ -73,6 +74,7 @@ class DecodeResult:
     row_steps: int
     prefill_blocks: int = 1
     steps: int = 0
+    log_probs: list[list[float]] | None = None
 
 
 def supports_decode_batch(model: Any) -> bool:
@@ -142,6 +144,16 @@ def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None
     return index
 
 
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``tokens``: ``logits`` ``[n, V]``, ``tokens`` long ``[n]``
+    → fp32 ``[n]``. ``temperature <= 0`` (greedy) scores under the unscaled logits."""
+    scaled = logits.to(torch.float32)
+    if temperature > 0 and temperature != 1.0:
+        scaled = scaled / temperature
+    chosen = scaled.gather(-1, tokens[:, None].to(scaled.device)).squeeze(-1)
+    return chosen - torch.logsumexp(scaled, dim=-1)
+
+
 def retire_rows(finished: list[int], active: int) -> tuple[list[int], list[int]]:
     """Pairs of rows to exchange so that the rows ``finished`` (ascending, each ``< active``) end up
     behind the ``active - len(finished)`` rows that go on: each finished row among the first
@@ -208,6 +220,7 @@ def decode_batch(
     processors: Any,
     do_sample: bool,
     prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
+    log_prob_temperature: float | None = None,
 ) -> DecodeResult:
     """Sample up to ``budgets[b]`` tokens for each row ``b``, a row leaving the batch when it ends.
 
@@ -226,6 +239,9 @@ def decode_batch(
         prefill_block_cost: ``(min_tokens, overhead_tokens)`` of
             :func:`~spader_pipeline.modeling.batching.padding_blocks` for a continued cache's prefill;
             ``None``: one forward over the whole left-padded batch.
+        log_prob_temperature: also return each sampled token's log-probability under
+            ``log_softmax(logits / log_prob_temperature)`` (fp32, before top-k/top-p: what a trainer
+            recomputes at its sampling temperature, as vLLM and SGLang report them); ``None``: none.
 
     Position ids follow the mask (``cumsum - 1``, as ``generate``), so the cached rows continue
     correctly in the next call with more tokens appended.
@@ -255,6 +271,7 @@ def decode_batch(
     next_position = attention_mask.long().sum(-1)  # the real tokens so far
     budget = [budgets[row] for row in order]  # per cache row
     tokens: list[list[int]] = [[] for _ in range(batch)]
+    log_probs: list[list[float]] | None = None if log_prob_temperature is None else [[] for _ in range(batch)]
     extra: dict[str, Any] = {"use_cache": True}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         extra["logits_to_keep"] = 1
@@ -280,6 +297,10 @@ def decode_batch(
         else:
             new = torch.argmax(scores, dim=-1)
         seq[:active, width + step] = new
+        if log_probs is not None:
+            chosen = token_log_probs(logits, new, log_prob_temperature).tolist()
+            for row, value in enumerate(chosen):
+                log_probs[order[row]].append(value)
         row_steps += active
         step += 1
         finished = []
@@ -310,5 +331,5 @@ def decode_batch(
     where = where.to(device)
     return DecodeResult(
         tokens=tokens, ids=seq[where, :length], mask=mask[where, :length], cache_rows=order, row_steps=row_steps,
-        prefill_blocks=len(blocks), steps=step,
+        prefill_blocks=len(blocks), steps=step, log_probs=log_probs,
     )
