@@ -4,11 +4,12 @@ a lower layer, never from a higher one (nor from a sibling of its own layer).
 The order below is the one place it is written. Why each layer sits where it does:
 
 * leaves: the package root (``__version__``), strict typed settings, local-server helpers
-  (ports, processes), the buffered MLflow writer, the data-root lock and the host-memory helpers;
-  standard library and third-party code only;
+  (ports, processes), the data-root lock and the host-memory helpers; standard library and
+  third-party code only;
 * over the leaves: ``child_process``, which bounds its children's heap with ``host_memory``; and
-  ``tracking``, MLflow (the store, the runs and what is logged into them, the UI server) for every
-  layer above that logs: the trainers and the verl plugin as well as the Kedro shell;
+  ``tracking``, MLflow (the store, the runs and what is logged into them, the buffered writer, the
+  UI server) for every layer above that logs: the trainers and the verl plugin as well as the Kedro
+  shell; then ``tracking_buffer``, the buffered writer's old import path (a re-export);
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
@@ -36,8 +37,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers", "tracking_buffer", "run_lock", "host_memory", "bf16_switch"),
+    ("", "typed_config", "local_servers", "run_lock", "host_memory", "bf16_switch"),
     ("child_process", "tracking"),
+    ("tracking_buffer",),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),

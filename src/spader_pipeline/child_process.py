@@ -33,7 +33,7 @@ The child:
 
 The price is pickling the arguments, and once per process the server's imports: worth it for calls
 of seconds. MLflow's active run is not inherited: a function that logs takes the run's id
-(:func:`spader_pipeline.tracking_buffer.run_writer`).
+(:func:`spader_pipeline.tracking.buffer.run_writer`).
 """
 
 from __future__ import annotations

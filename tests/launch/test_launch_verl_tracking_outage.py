@@ -16,7 +16,8 @@ from kedro.config import OmegaConfigLoader
 from mlflow_server import StoppableServer, short_client_retries
 
 from spader_pipeline.launch.verl import build_launch
-from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, BufferedMetricsWriter, follow_jsonl
+from spader_pipeline.tracking.buffer import BufferedMetricsWriter
+from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl
 
 pytest.importorskip("verl")
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
         for key in ("VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV, "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
             monkeypatch.setenv(key, launch.env[key])  # verl's process, here in this one
         writer = BufferedMetricsWriter(run_id, server.url, first_backoff=0.2, max_backoff=1.0)
-        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
+        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking.buffer"):
             with follow_jsonl(launch.extra["metrics_files"], writer, poll_seconds=0.1):
                 tracker = Tracking("spader", "train_spader", default_backend=launch.extra["params"]["logger"])
                 for step in range(1, STEPS + 1):

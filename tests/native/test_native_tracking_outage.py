@@ -18,7 +18,7 @@ from native_toy import QUESTIONS, TEMPLATE
 from spader_pipeline.native import train_native
 from spader_pipeline.retrieval import load_retriever
 from spader_pipeline.retrieval.service import LocalSearch
-from spader_pipeline.tracking_buffer import BufferedMetricsWriter
+from spader_pipeline.tracking.buffer import BufferedMetricsWriter
 
 STEPS, DOWN_AT, UP_AT = 4, 1, 3
 
@@ -41,7 +41,7 @@ def test_training_goes_on_while_mlflow_is_down_and_every_step_reaches_the_store(
             elif step == UP_AT:
                 server.start()
 
-        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking_buffer"):
+        with short_client_retries(), caplog.at_level(logging.WARNING, logger="spader_pipeline.tracking.buffer"):
             result = train_native(tiny_config(total_steps=STEPS), model_path=native_model_dir, samples=QUESTIONS,
                                   search=LocalSearch(load_retriever(toy_index_dir)), run_dir=tmp_path / "run",
                                   prompt_template=TEMPLATE, log_metrics=log_metrics,

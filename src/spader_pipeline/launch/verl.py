@@ -48,12 +48,8 @@ import yaml
 
 from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings, service_url
-from spader_pipeline.tracking_buffer import (
-    METRICS_PATH_ENV,
-    active_run_target,
-    active_run_writer,
-    follow_jsonl,
-)
+from spader_pipeline.tracking.buffer import active_run_target, active_run_writer
+from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 if TYPE_CHECKING:

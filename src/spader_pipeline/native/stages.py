@@ -19,7 +19,7 @@ from spader_pipeline.algorithms.validation import ValidationSettings
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.retrieval.settings import search_backend
-from spader_pipeline.tracking_buffer import run_writer
+from spader_pipeline.tracking.buffer import run_writer
 
 if TYPE_CHECKING:
     from spader_pipeline.native.trainer import TrainResult

@@ -19,7 +19,7 @@ from spader_pipeline.child_process import in_child_process, runs_child_processes
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged
 from spader_pipeline.native.stages import run_training, run_warm_start, validate_start_model
-from spader_pipeline.tracking_buffer import active_run_target
+from spader_pipeline.tracking.buffer import active_run_target
 from spader_pipeline.typed_config import from_mapping, method_settings
 
 logger = logging.getLogger(__name__)
