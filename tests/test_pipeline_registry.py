@@ -84,3 +84,15 @@ def test_the_default_chain_splits_around_its_methods_into_jobs_that_meet_on_disk
         catalog = session.load_context().catalog
         for dataset in sorted(handed_on):
             assert not isinstance(catalog.get(dataset), MemoryDataset | type(None)), dataset
+
+
+def test_the_compare_cells_are_passed_to_the_pipeline_factory(project_root):
+    """No module keeps a run's cells: the registry passes them to ``compare.create_pipeline``
+    (those :class:`~spader_pipeline.hooks.CompareCellsHooks` kept from the run's context)."""
+    bootstrap_project(project_root)
+    import spader_pipeline.pipelines.compare.pipeline as compare
+    from spader_pipeline.pipeline_registry import package_pipelines
+
+    pipelines = package_pipelines({"compare": {"cells": [("grpo", 7), ("spader", 7)]}})
+    assert compare.pipeline_cells(pipelines["compare"]) == ["grpo_seed7", "spader_seed7"]
+    assert not [name for name in vars(compare) if name.startswith("_run")]

@@ -17,9 +17,9 @@
 (:mod:`spader_pipeline.run_lock`): a run made only of compare cells (``--namespaces grpo_seed0``)
 holds those cells, any other run the whole root; a run in the way stops before anything starts.
 
-:class:`CompareCellsHooks` makes the run's environment decide the compare cells: it hands the
-context's ``compare`` parameters to the pipeline registry before the registry loads, and stops a
-run whose registered cells differ from its parameters before anything starts.
+:class:`CompareCellsHooks` makes the run's environment decide the compare cells: it keeps the
+cells of the context's ``compare`` parameters for the pipeline registry, which loads after it, and
+stops a run whose registered cells differ from its parameters before anything starts.
 
 :class:`ForkServerHooks` starts the fork server of the stages' child processes
 (:mod:`spader_pipeline.child_process`) as a run starts, when the run has a node that uses it, so
@@ -127,26 +127,29 @@ class CompareCellsHooks:
     """The run's parameters decide the compare cells (docs/compare.md, "Cells come from conf").
 
     Kedro loads the pipeline registry inside ``session.run``, right after the run's context is
-    created (the first ``context.params`` read). This hook runs first and hands the context's
-    parameters, read straight from its config loader, to the registry
-    (:func:`spader_pipeline.pipelines.compare.pipeline.use_run_parameters`); before the pipeline
-    runs it checks that the registered cells are the run's, and stops the run otherwise (a
-    registry built earlier in the same process from other parameters).
+    created (the first ``context.params`` read). This hook runs first and keeps the cells of the
+    context's parameters, read straight from its config loader (:attr:`run_cells`), which the
+    registry passes to the compare pipeline's factory
+    (:func:`spader_pipeline.pipeline_registry.register_pipelines`); before the pipeline runs it
+    checks that the registered cells are the run's, and stops the run otherwise (a registry built
+    earlier in the same process from other parameters).
     """
 
     def __init__(self) -> None:
         self._compare: dict[tuple[str, str], Any] = {}
+        self.run_cells: list[tuple[str, int]] | None = None
+        """(method, seed) of the latest run context's ``compare`` block; ``None`` before any run"""
 
     @hook_impl(tryfirst=True)
     def after_context_created(self, context) -> None:
-        from spader_pipeline.pipelines.compare.pipeline import use_run_parameters
+        from spader_pipeline.pipelines.compare.pipeline import design_cells
 
         try:
             parameters = context.config_loader["parameters"] or {}
         except KeyError:
             parameters = {}
         self._compare[(Path(context.project_path).as_posix(), context.env or "local")] = parameters.get("compare")
-        use_run_parameters(parameters)
+        self.run_cells = design_cells(parameters.get("compare"))
 
     @hook_impl(wrapper=True, tryfirst=True)
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog):

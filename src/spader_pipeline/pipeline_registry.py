@@ -10,11 +10,14 @@ method at once, then ``default_after_methods``; together exactly the nodes of ``
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
+from typing import Any
 
 from kedro.pipeline import Pipeline
 
 from spader_pipeline import pipelines as pipeline_packages
 from spader_pipeline.algorithms.methods import method_names
+from spader_pipeline.hooks import CompareCellsHooks
 from spader_pipeline.pipelines.training import method_pipeline
 from spader_pipeline.tracking import METHOD_RUN_TAG
 
@@ -24,16 +27,30 @@ from spader_pipeline.tracking import METHOD_RUN_TAG
 DEFAULT_CHAIN = ("data_prep", "index_build", "base_model", "training", "merge", "evaluate", "report")
 
 
-def package_pipelines() -> dict[str, Pipeline]:
-    """``create_pipeline()`` of every package under ``pipelines/``, always all of them (an import
-    error raises). Kedro's ``find_pipelines`` imports only the packages named on the command line
-    (``kedro run --pipeline X``, ``kedro registry describe X``) and raises for a name without a
-    package, which every ``train_<method>`` pipeline is."""
+def package_pipelines(arguments: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Pipeline]:
+    """``create_pipeline(**arguments[name])`` of every package ``name`` under ``pipelines/``, always all
+    of them (an import error raises). Kedro's ``find_pipelines`` imports only the packages named on
+    the command line (``kedro run --pipeline X``, ``kedro registry describe X``) and raises for a name
+    without a package, which every ``train_<method>`` pipeline is."""
+    arguments = arguments or {}
     return {
-        info.name: importlib.import_module(f"{pipeline_packages.__name__}.{info.name}").create_pipeline()
+        info.name: importlib.import_module(f"{pipeline_packages.__name__}.{info.name}").create_pipeline(
+            **arguments.get(info.name, {}))
         for info in pkgutil.iter_modules(pipeline_packages.__path__)
         if info.ispkg
     }
+
+
+def run_compare_cells() -> list[tuple[str, int]] | None:
+    """The compare cells of the run whose context was created last (``None`` outside a run: the
+    compare pipeline then reads them from conf), as :class:`~spader_pipeline.hooks.CompareCellsHooks`
+    kept them."""
+    from kedro.framework.project import settings
+
+    for hook in settings.HOOKS:
+        if isinstance(hook, CompareCellsHooks):
+            return hook.run_cells
+    return None
 
 
 def around_methods(chain: Pipeline) -> tuple[Pipeline, Pipeline]:
@@ -48,7 +65,7 @@ def around_methods(chain: Pipeline) -> tuple[Pipeline, Pipeline]:
 
 
 def register_pipelines() -> dict[str, Pipeline]:
-    pipelines = package_pipelines()
+    pipelines = package_pipelines({"compare": {"cells": run_compare_cells()}})
     for method in method_names():
         pipelines.setdefault(f"train_{method}", method_pipeline(method))
     pipelines["__default__"] = sum((pipelines[name] for name in DEFAULT_CHAIN if name in pipelines), Pipeline([]))

@@ -3,13 +3,14 @@ the shared warm start and the held-out questions, then one namespace per method 
 train → merge → evaluate, writing the cell's per-question records), then the report gathering
 every cell.
 
-The cells are ``compare.methods`` × ``compare.seeds`` of the run's parameters, fixed when Kedro
-loads the pipeline registry (Kedro's dynamic pipelines). Kedro loads it inside ``session.run``,
-right after the run's context is created; :class:`spader_pipeline.hooks.CompareCellsHooks` hands
-that context's parameters over first (:func:`use_run_parameters`), so ``kedro run --env <env>``
-builds the cells of ``<env>``, and stops a run whose registry was built from other parameters
-(:func:`check_registered_cells`). Outside a run (``kedro registry list``, ``kedro viz``) the cells
-are read from conf (:func:`registered_cells`). One cell runs alone with
+The cells are ``compare.methods`` × ``compare.seeds`` of the run's parameters, passed to
+:func:`create_pipeline` when Kedro loads the pipeline registry (Kedro's dynamic pipelines). Kedro
+loads it inside ``session.run``, right after the run's context is created;
+:class:`spader_pipeline.hooks.CompareCellsHooks` keeps that context's cells, and the registry
+(:func:`spader_pipeline.pipeline_registry.register_pipelines`) hands them to the factory, so
+``kedro run --env <env>`` builds the cells of ``<env>``; the hook stops a run whose registry was
+built from other parameters (:func:`check_registered_cells`). Outside a run (``kedro registry list``,
+``kedro viz``) the cells are read from conf (:func:`registered_cells`). One cell runs alone with
 ``kedro run --env compare --pipeline compare --namespaces grpo_seed0`` (docs/compare.md).
 """
 
@@ -42,9 +43,6 @@ CELL_INPUTS = {"warm_start_manifest", "warm_start_validation", "verl_train", "ve
 CELL_PARAMS = {"params:training", "params:merge", "params:evaluate", "params:prompt", "params:compare.output_dir",
                "params:compare.evaluation"}
 
-#: The cells of the latest run's parameters (:func:`use_run_parameters`); ``None`` before any run.
-_run_cells: list[tuple[str, int]] | None = None
-
 
 def design_cells(compare: Mapping[str, Any] | None) -> list[tuple[str, int]]:
     """``compare.methods`` × ``compare.seeds`` as (method, seed) pairs, seed-major."""
@@ -52,23 +50,13 @@ def design_cells(compare: Mapping[str, Any] | None) -> list[tuple[str, int]]:
     return [(str(m), int(s)) for s in compare.get("seeds") or [] for m in compare.get("methods") or []]
 
 
-def use_run_parameters(parameters: Mapping[str, Any]) -> None:
-    """Build the registry's cells from a run's ``parameters`` (its environment's conf and
-    ``--params``); called when the run's Kedro context is created, before the registry loads."""
-    global _run_cells
-    _run_cells = design_cells(parameters.get("compare"))
-
-
 def registered_cells(project_path: Path | None = None, env: str | None = None) -> list[tuple[str, int]]:
-    """The cells the registry builds: those of the current run's parameters; with an explicit
-    ``env``, or outside a run, ``compare.methods`` × ``compare.seeds`` of ``env`` (default:
-    ``$KEDRO_ENV``, else ``compare``) read from conf with the project's config loader."""
-    if env is None and project_path is None and _run_cells is not None:
-        return list(_run_cells)
+    """The cells of a registry built outside a run: ``compare.methods`` × ``compare.seeds`` of ``env``
+    (default: ``$KEDRO_ENV``, else ``compare``) read from conf with the project's config loader."""
     from kedro.framework.project import settings
 
-    # A config loader registers its resolvers process-wide; a run never gets here (its cells come
-    # from use_run_parameters), so no running session's loader loses its own.
+    # A config loader registers its resolvers process-wide; a run never gets here (the registry
+    # passes its cells to create_pipeline), so no running session's loader loses its own.
     conf = Path(project_path or Path.cwd()) / settings.CONF_SOURCE
     args = {**settings.CONFIG_LOADER_ARGS, "env": env or os.environ.get("KEDRO_ENV") or DESIGN_ENV}
     return design_cells(settings.CONFIG_LOADER_CLASS(conf_source=str(conf), **args)["parameters"].get("compare"))
@@ -129,7 +117,8 @@ def cell_pipeline(method: str, seed: int) -> Pipeline:
 
 
 def create_pipeline(cells: Sequence[tuple[str, int]] | None = None, **kwargs) -> Pipeline:
-    """``cells``: (method, seed) pairs (default: :func:`registered_cells`)."""
+    """``cells``: (method, seed) pairs, those of the run's parameters (the registry passes them);
+    ``None``: read from conf (:func:`registered_cells`)."""
     cells = registered_cells() if cells is None else list(cells)
     shared = Pipeline(
         [
