@@ -16,15 +16,9 @@ import pytest
 import yaml
 from kedro.config import OmegaConfigLoader
 
-from spader_pipeline.launch.verl import (
-    PLUGIN_MODULE,
-    VerlLaunchError,
-    build_launch,
-    is_loopback_url,
-    run_streaming,
-    verl_environment,
-    verl_settings,
-)
+from spader_pipeline.launch.command import PLUGIN_MODULE, build_launch, is_loopback_url, verl_environment
+from spader_pipeline.launch.process import VerlLaunchError, run_streaming
+from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.retrieval.settings import RetrievalSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,3 +210,13 @@ def test_real_verl_launch_two_steps(params, tmp_path):  # pragma: no cover - nee
                                     {"index_dir": os.environ["SPADER_TEST_INDEX"]},
                                     params["train_spader"]["method"], training, tmp_path)
     assert Path(manifest["actor_dir"]).is_dir()
+
+
+def test_the_launch_modules_names_stay_importable_from_launch_verl():
+    """The launch was one module; its parts' names are still importable from it (tests/verl_plugin,
+    scripts)."""
+    from spader_pipeline.launch import command, data_files, process, settings, verl
+
+    assert verl.verl_parameters is command.verl_parameters and verl.verl_environment is command.verl_environment
+    assert verl.write_tool_config is data_files.write_tool_config and verl.run_streaming is process.run_streaming
+    assert verl.verl_settings is settings.verl_settings and verl.VerlLaunchError is process.VerlLaunchError

@@ -21,7 +21,8 @@ from kedro.io import DataCatalog
 from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.models import ModelSpec
-from spader_pipeline.launch.verl import build_launch, verl_settings
+from spader_pipeline.launch.command import build_launch
+from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.settings import CONFIG_LOADER_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]

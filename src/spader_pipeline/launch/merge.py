@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from spader_pipeline.launch.verl import VerlLaunchError, run_streaming, verl_environment
+from spader_pipeline.launch.command import verl_environment
+from spader_pipeline.launch.process import VerlLaunchError, run_streaming
 
 
 def merge_command(actor_dir: str | Path, target_dir: str | Path, *, python: str | None = None) -> list[str]:

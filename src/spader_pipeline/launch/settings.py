@@ -1,0 +1,55 @@
+"""``training.verl``, typed: the cluster, data files, Hydra configs and retrieval service of a verl launch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings
+from spader_pipeline.typed_config import from_mapping
+
+DEFAULT_CONFIG_DIR = Path("conf/base/verl")
+
+
+@dataclass(frozen=True)
+class VerlSettings:
+    """``training.verl``: cluster, data files, config and retrieval service of a VERL launch."""
+
+    model: str | None = None
+    """``spader_model`` schedule group (``qwen3_8b``, ``llama3_8b``); ``None``: from the checkpoint's model_type"""
+    overrides: Sequence[str] = ()
+    """extra Hydra overrides, appended last"""
+    ray_address: str | None = None
+    """an existing Ray cluster (``ray://host:10001`` or ``host:6379``); ``None`` starts a local one"""
+    n_gpus_per_node: int = 8
+    nnodes: int = 1
+    project_name: str | None = None
+    total_training_steps: int | None = None
+    logger: Sequence[str] = ("console", "mlflow")
+    """verl's trackers"""
+    train_files: str | None = None
+    """a parquet file verl trains on; ``None``: the node's ``verl_train`` dataset (the catalog's, so
+    under ``data_root``), written to ``<run_dir>/data/train.parquet``"""
+    val_files: str | None = None
+    """the validation parquet; ``None``: the node's ``verl_validation`` dataset, as for ``train_files``"""
+    config_dir: str = str(DEFAULT_CONFIG_DIR)
+    """folder of the Hydra configs (``method.yaml``), ``agent_loops.yaml`` and ``tool_config/``"""
+    timeout: float | None = None
+    """seconds before the launch is stopped; ``None``: no limit"""
+    log_tail_lines: int = 80
+    """lines of VERL's log kept for the error message when it fails"""
+    retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
+    """the search tool's retrieval service (``mode: local`` is refused: the agent loop searches over HTTP)"""
+
+
+def verl_settings(training: Mapping[str, Any] | Any) -> VerlSettings:
+    """``training.verl`` as :class:`VerlSettings` (``training``: the mapping, or settings with a
+    ``verl`` attribute); unknown keys raise (a misspelt or dead key never passes silently)."""
+    block = training.get("verl") if isinstance(training, Mapping) else training.verl
+    if isinstance(block, VerlSettings):
+        return block
+    values = dict(block or {})
+    values["retrieval"] = retrieval_settings(values.get("retrieval"), where="training.verl.retrieval")
+    return from_mapping(VerlSettings, values, where="training.verl")
