@@ -18,7 +18,6 @@ from native_toy import QUESTIONS, TEMPLATE
 
 from spader_pipeline.native import train_native
 from spader_pipeline.native.checkpoint import (
-    MANIFEST_FILE,
     NOT_SET,
     SettingsChanged,
     list_checkpoints,
@@ -26,6 +25,7 @@ from spader_pipeline.native.checkpoint import (
     settings_changes,
     verify_checkpoint,
 )
+from spader_pipeline.native.manifest import MANIFEST_FILE
 
 OLD_LR, NEW_LR = 1e-4, 3e-4
 METHOD = {"method": "spader", "options": {"gamma": 0.9}}

@@ -17,20 +17,18 @@ import torch
 
 from spader_pipeline.modeling import load_model_and_tokenizer
 from spader_pipeline.native.checkpoint import (
-    MANIFEST_FILE,
     STATE_FILE,
     CheckpointError,
     SettingsChanged,
     list_checkpoints,
     load_trainer_state,
     prune_checkpoints,
-    rng_state,
     save_checkpoint,
     select_checkpoint,
-    set_rng_state,
     verify_checkpoint,
-    write_manifest,
 )
+from spader_pipeline.native.manifest import MANIFEST_FILE, write_manifest
+from spader_pipeline.native.rng import rng_state, set_rng_state
 
 
 @pytest.fixture

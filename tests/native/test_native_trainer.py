@@ -9,8 +9,8 @@ from native_toy import QUESTIONS, TEMPLATE, toy_batch
 from transformers import AutoModelForCausalLM
 
 from spader_pipeline.native import NativeTrainerConfig, train_native
+from spader_pipeline.native.batch import questions_for_step
 from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
-from spader_pipeline.native.trainer import _questions_for_step
 from spader_pipeline.native.update import length_sorted_micro_batches, response_logprobs
 from spader_pipeline.retrieval.service import LocalSearch
 
@@ -41,9 +41,9 @@ def test_config_from_mapping_names_unknown_keys():
 
 def test_questions_per_step_are_a_pure_function_of_the_step_and_cover_each_epoch():
     samples = [{"id": str(i)} for i in range(10)]
-    first = [q["id"] for s in range(1, 6) for q in _questions_for_step(samples, s, 2, seed=3)]
+    first = [q["id"] for s in range(1, 6) for q in questions_for_step(samples, s, 2, seed=3)]
     assert sorted(first) == [str(i) for i in range(10)]
-    assert _questions_for_step(samples, 4, 2, seed=3) == _questions_for_step(samples, 4, 2, seed=3)
+    assert questions_for_step(samples, 4, 2, seed=3) == questions_for_step(samples, 4, 2, seed=3)
 
 
 def test_response_logprobs_match_full_forward(native_model_dir):

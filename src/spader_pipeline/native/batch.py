@@ -202,3 +202,34 @@ def compute_advantages(
     )
     adv, _ = method_advantages(method, rewards.token_rewards, mask, batch.uids, options, layout)
     return Advantages(rewards.token_rewards, rewards.returns, adv, rewards.discovery, rewards.cost_coefficient)
+
+
+@dataclass
+class Rollouts:
+    """One step's trajectories, as generated and as tensors."""
+
+    trajectories: list[Any]
+    batch: RolloutBatch
+    seconds: float
+    generated_tokens: int
+    capture_seconds: float = 0.0
+    """of ``seconds``, copying the boundary states out of the decoding caches"""
+    model_seconds: float = 0.0
+    """of ``seconds``, in the model's turns (prefill, decoding, capture); the rest is the search,
+    tokenising and the agent's bookkeeping"""
+    decode_steps: int = 0
+    """decoding steps over the rollout's turns (each turn as long as its longest row)"""
+
+
+def questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int, seed: int) -> list[Mapping[str, Any]]:
+    """The ``k`` questions of global step ``step`` (1-based): a seeded permutation per epoch.
+
+    A pure function of the step, so a resumed run sees exactly the questions it would have seen.
+    """
+    n = len(samples)
+    out = []
+    for j in range((step - 1) * k, step * k):
+        epoch, pos = divmod(j, n)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(samples[int(order[pos])])
+    return out

@@ -17,6 +17,12 @@ A checkpoint records the settings its run was started with. A run whose settings
 differ does not resume from it and does not delete it: it stops with :class:`SettingsChanged`,
 which lists each change; an explicit fresh start moves the checkpoints aside with the run's config
 (:func:`supersede_checkpoints`). Nothing here deletes a run's progress silently.
+
+The resume policy is here too, beside the format it reads: what identifies a run
+(:func:`run_settings`, the trajectory-shaping settings and the start model's weights), which
+checkpoint a starting run continues from (:func:`checkpoint_to_resume`) and what it restores from it
+(:func:`restore_trainer_state`). The files' integrity is :mod:`.manifest`'s, the generators' states
+:mod:`.rng`'s.
 """
 
 from __future__ import annotations
@@ -26,21 +32,25 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
+
+from spader_pipeline.native.manifest import fsync, manifest_problem, write_manifest
+from spader_pipeline.native.records import history_path
+from spader_pipeline.native.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from spader_pipeline.native.config import NativeTrainerConfig
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
-MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -71,64 +81,9 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-# ----------------------------------------------------------------------------------------------
-# Manifest: sizes and checksums of a checkpoint's files
-# ----------------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or folder to the disk (folders: their entries, i.e. renames)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_manifest(folder: Path) -> dict[str, Any]:
-    """fsync every file under ``folder``, then write and fsync ``manifest.json`` listing them."""
-    files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
-        _fsync(path)
-        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    manifest = {"version": 1, "files": files}
-    target = folder / MANIFEST_FILE
-    target.write_text(json.dumps(manifest, indent=1))
-    _fsync(target)
-    _fsync(folder)
-    return manifest
-
-
 def verify_checkpoint(folder: str | Path) -> str | None:
     """Why the checkpoint at ``folder`` is not intact (naming the file), or ``None`` when it is."""
-    folder = Path(folder)
-    try:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text())
-        files = manifest["files"]
-    except FileNotFoundError:
-        return f"{MANIFEST_FILE} is missing (an unfinished write, or a checkpoint of an older version)"
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"{MANIFEST_FILE} is unreadable ({exc})"
-    if STATE_FILE not in files:
-        return f"{MANIFEST_FILE} does not list {STATE_FILE}"
-    for name, expected in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{name} has {size} bytes, the manifest says {expected['size']}"
-        if _sha256(path) != expected["sha256"]:
-            return f"{name} does not match its sha256 in the manifest"
-    return None
+    return manifest_problem(Path(folder), required=(STATE_FILE,))
 
 
 def select_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
@@ -170,8 +125,163 @@ def _move_aside(path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
+# Save and load
+# ----------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write the checkpoint of ``step`` durably and atomically, then prune to the ``keep`` newest."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        "extra": extra or {},
+    }
+    torch.save(state, tmp / STATE_FILE)
+    write_manifest(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync(final.parent)
+    prune_checkpoints(run_dir, keep, known_good=final)  # its manifest was just made from the synced files
+    return final
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int, *, known_good: Path | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints; return what was deleted.
+
+    Never deletes the newest checkpoint that verifies while every newer one fails: the oldest
+    candidates go only once a kept checkpoint has verified (``known_good``: one that needs no check).
+    """
+    found, keep = list_checkpoints(run_dir), max(keep, 1)
+    kept, older = found[-keep:], found[:-keep]
+    if not older:
+        return []
+    if not any(path == known_good or verify_checkpoint(path) is None for _, path in reversed(kept)):
+        good = next((i for i in range(len(older) - 1, -1, -1) if verify_checkpoint(older[i][1]) is None), None)
+        if good is None:
+            return []
+        logger.warning("kept checkpoint %s: no newer checkpoint verifies", older[good][1].name)
+        older = older[:good]
+    for _, path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    return [path for _, path in older]
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The ``trainer_state.pt`` of a checkpoint directory, loaded without running any code.
+
+    ``weights_only=True``: tensors, containers and plain values only. A file that needs anything
+    else (a pickle that would call a function when loaded) is refused with :class:`CheckpointError`.
+    """
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{file} cannot be loaded safely (weights_only=True refused it or it is damaged): {exc}"
+        ) from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume: which checkpoint a run continues from, and what it restores
+# ----------------------------------------------------------------------------------------------
+
+
+#: the settings naming the start model (a rerun of the chain writes it again)
+START_KEYS = ("start_model", "start_weights")
+
+
+def weights_stamp(model_path: str | Path) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of each weights file of a model folder (safetensors, else .bin):
+    which weights a run or a validation started from."""
+    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
+
+
+def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[str, Any]:
+    """Identity of a run for resume, as JSON values: the settings that shape its trajectory, the start
+    model's path (``start_model``) and its weights files' names, sizes and times (``start_weights``).
+
+    Settings that only schedule, pace or place a run (steps, budget, checkpointing, logging, device,
+    ``reuse_rollout_states``) are left out: a run may resume with other values of these.
+    """
+    trajectory = {k: v for k, v in config.to_dict().items()
+                  if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
+                               "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
+    start = {"start_model": str(Path(model_path).resolve()), "start_weights": weights_stamp(model_path)}
+    return json.loads(json.dumps({**trajectory, **start}, default=str))
+
+
+def settings_fingerprint(settings: Mapping[str, Any]) -> str:
+    """Short hash of :func:`run_settings` (the one checkpoints of earlier versions record)."""
+    trajectory = {k: v for k, v in settings.items() if k not in START_KEYS}
+    blob = json.dumps([trajectory, *(settings[k] for k in START_KEYS)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any], run_dir: Path) -> tuple[int, Path] | None:
+    """``(step, path)`` of the checkpoint this run continues from, or ``None`` for a fresh start.
+
+    ``resume``: the newest checkpoint that verifies (docs/reliability.md), if it was written with
+    these ``settings``; if only the start model differs, ``None`` after moving the checkpoints aside;
+    otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints move aside first, so the
+    new run neither mixes with nor prunes them.
+    """
+    def move_aside(why: str) -> None:
+        aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
+        if aside is not None:
+            logger.warning("%s: the earlier checkpoints of %s moved to %s; the run starts afresh", why, run_dir, aside)
+
+    if not config.resume:
+        move_aside("resume: false")
+        return None
+    found = select_checkpoint(run_dir)
+    if found is None:
+        return None
+    extra = load_trainer_state(found[1])["extra"]
+    if extra.get("fingerprint") == settings_fingerprint(settings):
+        return found
+    recorded = extra.get("settings")
+    changes = settings_changes(recorded, settings) if recorded is not None else None
+    if changes and all(key.split(".")[0] in START_KEYS for key, _, _ in changes):
+        # Same settings, but the start model was written again (a rerun of the chain trains the warm
+        # start anew): the checkpoints continue a model that is gone, so they move aside, whole.
+        move_aside(f"the start model {settings['start_model']} was written again")
+        return None
+    raise SettingsChanged(run_dir, found[0], changes)
+
+
+def restore_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
+    """Load the optimiser, schedule and RNG states of the checkpoint at ``checkpoint``; its step."""
+    state = load_trainer_state(checkpoint)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+# ----------------------------------------------------------------------------------------------
 # Checkpoints of other settings: stop with the changes, or move them aside on a fresh start
 # ----------------------------------------------------------------------------------------------
+
 
 NOT_SET = "(not set)"
 """the value shown for a setting one side of a comparison does not have"""
@@ -255,116 +365,11 @@ def supersede_checkpoints(run_dir: str | Path, *, with_files: Sequence[str] = ()
     for name in with_files:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, root / name)
-            _fsync(root / name)
+            fsync(root / name)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside, n = run_dir / f"checkpoints.superseded-{stamp}", 1
     while aside.exists():
         aside, n = run_dir / f"checkpoints.superseded-{stamp}-{n}", n + 1
     os.replace(root, aside)
-    _fsync(run_dir)
+    fsync(run_dir)
     return aside
-
-
-# ----------------------------------------------------------------------------------------------
-# RNG states as tensors and plain types (loadable with weights_only=True)
-# ----------------------------------------------------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) generator states, as tuples, ints, floats and tensors."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the generator states saved by :func:`rng_state`."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ----------------------------------------------------------------------------------------------
-# Save and load
-# ----------------------------------------------------------------------------------------------
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model,
-    tokenizer,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    *,
-    extra: dict[str, Any] | None = None,
-    keep: int = 2,
-) -> Path:
-    """Write the checkpoint of ``step`` durably and atomically, then prune to the ``keep`` newest."""
-    final = checkpoint_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    state = {
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        "extra": extra or {},
-    }
-    torch.save(state, tmp / STATE_FILE)
-    write_manifest(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    prune_checkpoints(run_dir, keep, known_good=final)  # its manifest was just made from the synced files
-    return final
-
-
-def prune_checkpoints(run_dir: str | Path, keep: int, *, known_good: Path | None = None) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints; return what was deleted.
-
-    Never deletes the newest checkpoint that verifies while every newer one fails: the oldest
-    candidates go only once a kept checkpoint has verified (``known_good``: one that needs no check).
-    """
-    found, keep = list_checkpoints(run_dir), max(keep, 1)
-    kept, older = found[-keep:], found[:-keep]
-    if not older:
-        return []
-    if not any(path == known_good or verify_checkpoint(path) is None for _, path in reversed(kept)):
-        good = next((i for i in range(len(older) - 1, -1, -1) if verify_checkpoint(older[i][1]) is None), None)
-        if good is None:
-            return []
-        logger.warning("kept checkpoint %s: no newer checkpoint verifies", older[good][1].name)
-        older = older[:good]
-    for _, path in older:
-        shutil.rmtree(path, ignore_errors=True)
-    return [path for _, path in older]
-
-
-def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.pt`` of a checkpoint directory, loaded without running any code.
-
-    ``weights_only=True``: tensors, containers and plain values only. A file that needs anything
-    else (a pickle that would call a function when loaded) is refused with :class:`CheckpointError`.
-    """
-    file = Path(path) / STATE_FILE
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, AttributeError) as exc:
-        raise CheckpointError(
-            f"{file} cannot be loaded safely (weights_only=True refused it or it is damaged): {exc}"
-        ) from exc

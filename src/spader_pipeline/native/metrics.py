@@ -7,13 +7,16 @@ method's reward terms.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from spader_pipeline.algorithms.group_metrics import advantage_agreement, group_diversity, normalise_query
-from spader_pipeline.native.batch import Advantages, RolloutBatch
+from spader_pipeline.host_memory import release_free_heap, rss_bytes
+from spader_pipeline.native.batch import Advantages, RolloutBatch, Rollouts
+from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.update import UpdateStats
 
 
@@ -91,3 +94,39 @@ def mechanism_metrics(
         batch.rewards.found, batch.rewards.num_gt,
     )
     return {**diversity, **advantage_agreement(adv.advantages, grpo, batch.response_mask)}
+
+
+def step_report(config: NativeTrainerConfig, rollouts: Rollouts, adv: Advantages, grpo: torch.Tensor,
+                update: UpdateStats, timing: Mapping[str, float], *, lr: float) -> dict[str, float]:
+    """All metrics of the step (docs/metrics.md); ``timing``: the update's seconds and the step's
+    start (``perf_counter``); ``lr``: the learning rate the step's update used."""
+    batch = rollouts.batch
+    metrics = step_metrics(batch, adv, update, config.ppo_epochs)
+    metrics.update(mechanism_metrics(batch, rollouts.trajectories, adv, grpo))
+    metrics.update(search_failures(rollouts.trajectories))
+    metrics.update({
+        "optim/grad_norm": update.grad_norm,
+        "optim/steps": float(update.optimizer_steps),
+        "optim/lr": lr,
+        "loss/total": (update.sums["policy"] + config.kl_coef * update.sums["kl"]) / config.ppo_epochs,
+        "perf/rollout_seconds": rollouts.seconds,
+        "perf/capture_seconds": rollouts.capture_seconds,
+        "perf/rollout_model_seconds": rollouts.model_seconds,
+        "perf/rollout_decode_steps": float(rollouts.decode_steps),
+        "perf/reused_rollout_states": float(batch.boundary is not None),
+        "perf/update_seconds": timing["update"],
+        "perf/step_seconds": time.perf_counter() - timing["step_started"],
+        "perf/generate_tokens_per_second": rollouts.generated_tokens / max(rollouts.seconds, 1e-9),
+        "perf/train_tokens_per_second": float(batch.attention_mask.sum()) * config.ppo_epochs
+        / max(timing["update"], 1e-9),
+    })
+    return metrics
+
+
+def host_memory_report() -> dict[str, float]:
+    """Hand the step's freed heap back to the operating system and report the resident size after
+    it (``perf/rss_gb``; nothing where ``/proc`` is absent): a run whose ``perf/rss_gb`` still climbs
+    keeps something (docs/reliability.md, memory)."""
+    release_free_heap()
+    rss = rss_bytes()
+    return {} if rss is None else {"perf/rss_gb": rss / 2**30}

@@ -17,7 +17,6 @@ docs/metrics.md.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import random
@@ -34,7 +33,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
-from spader_pipeline.host_memory import bound_heap, release_free_heap, rss_bytes
+from spader_pipeline.host_memory import bound_heap
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
@@ -42,29 +41,23 @@ from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.native.batch import (
     Advantages,
     RolloutBatch,
+    Rollouts,
     build_batch,
     compute_advantages,
+    questions_for_step,
 )
 from spader_pipeline.native.checkpoint import (
-    SettingsChanged,
-    load_trainer_state,
+    checkpoint_to_resume,
+    restore_trainer_state,
+    run_settings,
     save_checkpoint,
-    select_checkpoint,
-    set_rng_state,
-    settings_changes,
-    supersede_checkpoints,
+    settings_fingerprint,
 )
 from spader_pipeline.native.config import NativeTrainerConfig
-from spader_pipeline.native.metrics import mechanism_metrics, search_failures, step_metrics
-from spader_pipeline.native.records import (
-    append_history,
-    history_path,
-    read_history,
-    write_history,
-    write_samples,
-)
-from spader_pipeline.native.update import UpdateStats, actor_config, update_policy
-from spader_pipeline.native.validation import validate_policy, validation_identity, weights_stamp
+from spader_pipeline.native.metrics import host_memory_report, step_report
+from spader_pipeline.native.records import append_history, read_history, write_history, write_samples
+from spader_pipeline.native.update import actor_config, update_policy
+from spader_pipeline.native.validation import validate_policy, validation_identity
 
 logger = logging.getLogger(__name__)
 
@@ -111,23 +104,6 @@ class RunState:
     @property
     def fingerprint(self) -> str:
         return settings_fingerprint(self.settings)
-
-
-@dataclass
-class Rollouts:
-    """One step's trajectories, as generated and as tensors."""
-
-    trajectories: list[Any]
-    batch: RolloutBatch
-    seconds: float
-    generated_tokens: int
-    capture_seconds: float = 0.0
-    """of ``seconds``, copying the boundary states out of the decoding caches"""
-    model_seconds: float = 0.0
-    """of ``seconds``, in the model's turns (prefill, decoding, capture); the rest is the search,
-    tokenising and the agent's bookkeeping"""
-    decode_steps: int = 0
-    """decoding steps over the rollout's turns (each turn as long as its longest row)"""
 
 
 def train_native(
@@ -191,7 +167,7 @@ def train_native(
         run.model.eval()
         refresh_rollout_copy(run)
         timing = {"update": time.perf_counter() - update_started, "step_started": step_started}
-        metrics = step_report(run, rollouts, adv, grpo, update, timing)
+        metrics = step_report(config, rollouts, adv, grpo, update, timing, lr=run.scheduler.get_last_lr()[0])
         metrics.update(host_memory_report())
         # With a budget, stop before a step that would not end within it (judged by the longest so far);
         # the last step is then validated, as the schedule's last one is.
@@ -222,7 +198,7 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     run_dir.mkdir(parents=True, exist_ok=True)
     bound_heap()  # the steps' changing tensor shapes otherwise make glibc's heap creep (host_memory)
     settings = run_settings(config, model_path)
-    resume = _checkpoint_to_resume(config, settings, run_dir)
+    resume = checkpoint_to_resume(config, settings, run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
     random.seed(config.seed)
     np.random.seed(config.seed)
@@ -247,7 +223,9 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     run.reference_shares_boundary = bool(
         reference is not None and run.boundary_block and shares_frozen_blocks(model, reference, run.boundary_block))
     if resume:
-        _restore(run, resume[1])
+        run.start_step = restore_trainer_state(resume[1], optimizer, scheduler)
+        run.history = [h for h in read_history(run_dir) if h["step"] <= run.start_step]
+        logger.info("resuming %s from step %d (%s)", config.method, run.start_step, resume[1])
     write_history(run_dir, run.history)
     return run
 
@@ -263,38 +241,6 @@ def refresh_rollout_copy(run: RunState) -> None:
                 copies[name].copy_(param)
 
 
-def _checkpoint_to_resume(config: NativeTrainerConfig, settings: dict[str, Any], run_dir: Path) -> tuple[int, Path] | None:
-    """``(step, path)`` of the checkpoint this run continues from, or ``None`` for a fresh start.
-
-    ``resume``: the newest checkpoint that verifies (docs/reliability.md), if it was written with
-    these ``settings``; if only the start model differs, ``None`` after moving the checkpoints aside;
-    otherwise :class:`SettingsChanged`. No ``resume``: existing checkpoints move aside first, so the
-    new run neither mixes with nor prunes them.
-    """
-    def move_aside(why: str) -> None:
-        aside = supersede_checkpoints(run_dir, with_files=("config.json", history_path(run_dir).name))
-        if aside is not None:
-            logger.warning("%s: the earlier checkpoints of %s moved to %s; the run starts afresh", why, run_dir, aside)
-
-    if not config.resume:
-        move_aside("resume: false")
-        return None
-    found = select_checkpoint(run_dir)
-    if found is None:
-        return None
-    extra = load_trainer_state(found[1])["extra"]
-    if extra.get("fingerprint") == settings_fingerprint(settings):
-        return found
-    recorded = extra.get("settings")
-    changes = settings_changes(recorded, settings) if recorded is not None else None
-    if changes and all(key.split(".")[0] in _START for key, _, _ in changes):
-        # Same settings, but the start model was written again (a rerun of the chain trains the warm
-        # start anew): the checkpoints continue a model that is gone, so they move aside, whole.
-        move_aside(f"the start model {settings['start_model']} was written again")
-        return None
-    raise SettingsChanged(run_dir, found[0], changes)
-
-
 def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
     """The first trained block when the update can start from the rollout's states, else ``None``."""
     depth = len(decoder_blocks(model) or ())
@@ -308,22 +254,11 @@ def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
     return first
 
 
-def _restore(run: RunState, checkpoint_dir: Path) -> None:
-    """Optimiser, schedule, RNG state and history of the checkpoint at ``checkpoint_dir``."""
-    state = load_trainer_state(checkpoint_dir)
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    run.start_step = int(state["step"])
-    run.history = [h for h in read_history(run.run_dir) if h["step"] <= run.start_step]
-    logger.info("resuming %s from step %d (%s)", run.config.method, run.start_step, checkpoint_dir)
-
-
 def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search: Any, prompt_template: str,
                      step: int) -> Rollouts:
     """``prompts_per_step`` questions × ``group_size`` sampled trajectories each (one group per question)."""
     config = run.config
-    questions = _questions_for_step(samples, step, config.prompts_per_step, config.seed)
+    questions = questions_for_step(samples, step, config.prompts_per_step, config.seed)
     group = [{**q, "uid": f"{step}-{k}"} for k, q in enumerate(questions) for _ in range(config.group_size)]
     sampling = SamplingParams(
         temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed * 100_003 + step
@@ -356,41 +291,6 @@ def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[
     grpo = comparison_advantages(batch.response_mask, batch.uids, batch.rewards, global_step=step,
                                  reward=config.reward)
     return adv, grpo
-
-
-def step_report(run: RunState, rollouts: Rollouts, adv: Advantages, grpo: torch.Tensor, update: UpdateStats,
-                timing: Mapping[str, float]) -> dict[str, float]:
-    """All metrics of the step (docs/metrics.md)."""
-    config, batch = run.config, rollouts.batch
-    metrics = step_metrics(batch, adv, update, config.ppo_epochs)
-    metrics.update(mechanism_metrics(batch, rollouts.trajectories, adv, grpo))
-    metrics.update(search_failures(rollouts.trajectories))
-    metrics.update({
-        "optim/grad_norm": update.grad_norm,
-        "optim/steps": float(update.optimizer_steps),
-        "optim/lr": run.scheduler.get_last_lr()[0],
-        "loss/total": (update.sums["policy"] + config.kl_coef * update.sums["kl"]) / config.ppo_epochs,
-        "perf/rollout_seconds": rollouts.seconds,
-        "perf/capture_seconds": rollouts.capture_seconds,
-        "perf/rollout_model_seconds": rollouts.model_seconds,
-        "perf/rollout_decode_steps": float(rollouts.decode_steps),
-        "perf/reused_rollout_states": float(batch.boundary is not None),
-        "perf/update_seconds": timing["update"],
-        "perf/step_seconds": time.perf_counter() - timing["step_started"],
-        "perf/generate_tokens_per_second": rollouts.generated_tokens / max(rollouts.seconds, 1e-9),
-        "perf/train_tokens_per_second": float(batch.attention_mask.sum()) * config.ppo_epochs
-        / max(timing["update"], 1e-9),
-    })
-    return metrics
-
-
-def host_memory_report() -> dict[str, float]:
-    """Hand the step's freed heap back to the operating system and report the resident size after
-    it (``perf/rss_gb``; nothing where ``/proc`` is absent): a run whose ``perf/rss_gb`` still climbs
-    keeps something (docs/reliability.md, memory)."""
-    release_free_heap()
-    rss = rss_bytes()
-    return {} if rss is None else {"perf/rss_gb": rss / 2**30}
 
 
 def record_step(run: RunState, step: int, metrics: dict[str, float], rollouts: Rollouts, adv: Advantages,
@@ -451,46 +351,3 @@ def finish_run(run: RunState, step: int, out_of_time: bool) -> TrainResult:
         run.model.save_pretrained(final_dir)
         run.tokenizer.save_pretrained(final_dir)
     return TrainResult(final_dir, step, run.history, run.resumed_from)
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
-
-
-_START = ("start_model", "start_weights")
-
-
-def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[str, Any]:
-    """Identity of a run for resume, as JSON values: the settings that shape its trajectory, the start
-    model's path (``start_model``) and its weights files' names, sizes and times (``start_weights``).
-
-    Settings that only schedule, pace or place a run (steps, budget, checkpointing, logging, device,
-    ``reuse_rollout_states``) are left out: a run may resume with other values of these.
-    """
-    trajectory = {k: v for k, v in config.to_dict().items()
-                  if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
-                               "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
-    start = {"start_model": str(Path(model_path).resolve()), "start_weights": weights_stamp(model_path)}
-    return json.loads(json.dumps({**trajectory, **start}, default=str))
-
-
-def settings_fingerprint(settings: Mapping[str, Any]) -> str:
-    """Short hash of :func:`run_settings` (the one checkpoints of earlier versions record)."""
-    trajectory = {k: v for k, v in settings.items() if k not in _START}
-    blob = json.dumps([trajectory, *(settings[k] for k in _START)], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int, seed: int) -> list[Mapping[str, Any]]:
-    """The ``k`` questions of global step ``step`` (1-based): a seeded permutation per epoch.
-
-    A pure function of the step, so a resumed run sees exactly the questions it would have seen.
-    """
-    n = len(samples)
-    out = []
-    for j in range((step - 1) * k, step * k):
-        epoch, pos = divmod(j, n)
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        out.append(samples[int(order[pos])])
-    return out

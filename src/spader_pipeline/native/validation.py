@@ -17,15 +17,9 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.validation import validation_batches, validation_metrics
+from spader_pipeline.native.checkpoint import weights_stamp
 
 __all__ = ["greedy_trajectories", "validate_model_at", "validate_policy", "validation_identity", "weights_stamp"]
-
-
-def weights_stamp(model_path: str | Path) -> list[list[Any]]:
-    """``[name, size, mtime_ns]`` of each weights file of a model folder (safetensors, else .bin):
-    which weights a run or a validation started from."""
-    weights = sorted(Path(model_path).glob("*.safetensors")) or sorted(Path(model_path).glob("*.bin"))
-    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
 
 
 def greedy_trajectories(
