@@ -30,7 +30,7 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long compare positive-control positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -38,6 +38,7 @@ help:
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
 	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control)"
 	@echo "make test       - install, then run the test suite (what CI runs)"
+	@echo "make test-verl  - verl's fit() with its real FSDP workers and our rollout server on the CPU (CI runs it after make test)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
 	@echo "make bench      - run the benchmarks under benchmarks/"
@@ -130,6 +131,11 @@ $(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS)): positive-control-%: $(
 # time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadscope
+
+# verl's own trainer loop with its real workers on the CPU (FSDP2 over gloo, our rollout server, verl's
+# weight sync): tests marked verl_workers, which `make test` leaves out (minutes of fit()); CI runs both.
+test-verl: $(STAMP)
+	$(BIN)/python -m pytest -m verl_workers
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"

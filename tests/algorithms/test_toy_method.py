@@ -46,9 +46,9 @@ def loop():
     """The trainer-loop test's helpers (its workspace), imported only where verl is installed."""
     pytest.importorskip("verl")
     sys.path.insert(0, str(ROOT / "tests" / "verl_plugin"))
-    import test_verl_trainer_loop
+    import verl_loop_support
 
-    return test_verl_trainer_loop
+    return verl_loop_support
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_native_trainer_trains_the_toy_method(toy, loop, workspace, tmp_path):
     result = train_native(
         config, model_path=workspace["model"], samples=samples,
         search=LocalSearch(load_retriever(workspace["root"] / "bm25")), run_dir=tmp_path,
-        prompt_template=loop._template(), log_metrics=lambda m, s: logged.append(dict(m)),
+        prompt_template=loop.template(), log_metrics=lambda m, s: logged.append(dict(m)),
     )
     assert result.steps == 2 and CALLS == [4, 4]  # the toy estimator ran on each step's 2 × 2 rollouts
     assert {"method_reward/mean", "adv/std"} <= set(logged[-1])

@@ -19,16 +19,13 @@ module would be imported).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
@@ -49,6 +46,17 @@ from verl_cpu_boundary import (  # noqa: E402
     ScriptedReplica,
     start_scripted_server,
 )
+from verl_loop_support import (  # noqa: E402
+    BOUNDARY_OVERRIDES,
+    MAX_MODEL_LEN,
+    PROMPT_LENGTH,
+    RESPONSE_LENGTH,
+    compose_config,
+    local_ray,
+    method_block,
+    run_fit,
+    trainer_loop_workspace,
+)
 
 # verl's whole fit() loop, in Ray actors, five times in one worker: the suite's longest module
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.longest]
@@ -56,64 +64,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.longest]
 METHODS = ("grpo", "spader", "calibadv", "tspo")
 TOOL_COST = 0.2  # scaled up (the configs use 0.01) so it is visible; only where the method pays one
 FREE_STEPS = 2  # the schedule: step 1 is free, step 2 pays the full cost (no ramp)
-PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN = 512, 256, 768
-
-DOCS = [
-    ("Ghana", "Country in West Africa. Accra is the capital of Ghana."),
-    ("Togo", "Country in West Africa. Lome is the capital of Togo."),
-    ("Benin", "Country in West Africa. Porto-Novo is the capital of Benin."),
-    ("Senegal", "Country in West Africa. Dakar is the capital of Senegal."),
-    ("Kenya", "Country in East Africa. Nairobi is the capital of Kenya."),
-    ("Hamlet", "Play by William Shakespeare. A prince of Denmark seeks revenge."),
-]
-QUESTIONS = [
-    ("train", "t0", "Which countries are in West Africa?", [["Ghana"], ["Togo"], ["Benin"], ["Senegal"]]),
-    ("train", "t1", "Which country has Nairobi as its capital?", [["Kenya"]]),
-    ("train", "t2", "Which plays did William Shakespeare write?", [["Hamlet"]]),
-    ("train", "t3", "Which West Africa country has Dakar as capital?", [["Senegal"]]),
-    ("validation", "v0", "Which countries in West Africa have a capital?", [["Ghana"], ["Togo"], ["Benin"]]),
-    ("validation", "v1", "Which play is about a prince of Denmark?", [["Hamlet"]]),
-    ("validation", "v2", "Which country in East Africa is there?", [["Kenya"]]),
-]
-
-
-def _template() -> str:
-    import yaml
-
-    prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
-    from spader_pipeline.agent.prompts import resolve_template
-
-    return resolve_template(prompt)
-
-
-@contextmanager
-def trainer_loop_workspace(root: Path):
-    """Tiny Qwen3 + tokenizer, a 6-document BM25 index served on 127.0.0.1, VERL parquet files."""
-    from spader_pipeline.data.formats import verl_rows
-    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
-    from spader_pipeline.retrieval import build_index_from_file, running_service
-
-    template = _template()
-    texts = [f"{t}\n{c}" for t, c in DOCS] + [template] + [q for *_, q, _ in QUESTIONS]
-    texts += ['<think>I should search.</think><tool_call>["x"]</tool_call><answer>["Ghana"]</answer>'] * 3
-    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=4096)
-    model_dir = build_base_model(texts, root / "model", spec=spec, vocab_size=700, min_frequency=1)
-
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": str(i), "title": t, "contents": c}) + "\n"
-                              for i, (t, c) in enumerate(DOCS)))
-    build_index_from_file(corpus, root / "bm25", "bm25")
-
-    qa = pd.DataFrame([{"split": s, "id": i, "question": q, "ground_truth": gt, "data_source": "embedded"}
-                       for s, i, q, gt in QUESTIONS])
-    data = root / "verl"
-    data.mkdir()
-    verl_rows(qa, "train", template, "spader_search").to_parquet(data / "train.parquet")
-    verl_rows(qa, "validation", template, "spader_search").to_parquet(data / "validation.parquet")
-
-    with running_service(root / "bm25") as url:
-        yield {"root": root, "model": model_dir, "data": data, "url": url}
 
 
 @pytest.fixture(scope="module")
@@ -122,69 +72,13 @@ def workspace(tmp_path_factory):
         yield ws
 
 
-@contextmanager
-def ray_for_trainer_loop(model_dir, *, paths=(), modules=(), env=None):
-    """A local Ray whose workers find the test helpers (and ``paths``) on PYTHONPATH and load the
-    plugin only through the launcher's ``VERL_USE_EXTERNAL_MODULES`` (entry points off), plus
-    ``modules`` (e.g. a module defining another method); yields the scripted LLM server."""
-    from spader_pipeline.launch.verl import verl_environment
-
-    if ray.is_initialized():
-        ray.shutdown()
-    pythonpath = [str(HERE), *map(str, paths), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    launch_env = verl_environment(tracking_uri=None, run_id=None, base={})
-    env = {
-        "PYTHONPATH": os.pathsep.join(pythonpath),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VERL_LOGGING_LEVEL": "WARN",
-        "VERL_USE_EXTERNAL_MODULES": ",".join([launch_env["VERL_USE_EXTERNAL_MODULES"], *modules]),
-        "VERL_USE_EXTERNAL_PLUGINS": "none",
-        **dict(env or {}),
-    }
-    # Through the environment Ray's own processes inherit, not a job runtime_env: a job with one gets
-    # fresh workers set up for it, and the workers Ray pre-starts at init would sit idle (each is a
-    # Python process importing ray); without one they host the first actors.
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        yield start_scripted_server(str(model_dir), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def ray_session(workspace):
     """One local Ray for the four methods and the toy: the runs prove that what the launch forwards
     registers everything in verl's workers, and that a user's method module (``VERL_USE_EXTERNAL_MODULES``)
     reaches them the same way."""
-    with ray_for_trainer_loop(workspace["model"], paths=[HERE.parent / "algorithms"], modules=["toy_method"],
-                              env={WORKER_FLAG: "1"}) as server:
-        yield server
-
-
-def project_parameters() -> dict:
-    from kedro.config import OmegaConfigLoader
-
-    return OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="base")["parameters"]
-
-
-def method_block(method: str) -> dict:
-    """``train_<method>.method`` of the project's parameters, its tool cost scaled to :data:`TOOL_COST`."""
-    block = dict(project_parameters()[f"train_{method}"]["method"])
-    reward = dict(block.get("reward") or {})
-    if reward.get("tool_round_cost"):
-        reward["tool_round_cost"] = TOOL_COST
-    return {**block, "reward": reward}
+    with local_ray(paths=[HERE.parent / "algorithms"], modules=["toy_method"], env={WORKER_FLAG: "1"}):
+        yield start_scripted_server(str(workspace["model"]), PROMPT_LENGTH, RESPONSE_LENGTH, MAX_MODEL_LEN)
 
 
 def pays_tool_cost(method: str) -> bool:
@@ -193,66 +87,21 @@ def pays_tool_cost(method: str) -> bool:
 
 def _compose(method: str, ws: dict, run_dir: Path, *, config_dir: Path = ROOT / "conf/base/verl",
              block: dict | None = None):
-    """``<config_dir>/method.yaml`` + the launcher's overrides (``spader_method=<method>``, …) for its
-    ``train_<method>.method`` block (or ``block``) + CPU-test sizes, composed by Hydra."""
-    from hydra import compose, initialize_config_dir
-
-    from spader_pipeline.launch.overrides import build_overrides, overlay_name
-    from spader_pipeline.launch.verl import verl_parameters, write_tool_config
-
-    tool_config = write_tool_config(ROOT / "conf/base/verl/tool_config/search_tool.yaml", ws["url"],
-                                    run_dir / "search_tool.yaml")
-    shared = project_parameters()["training"]
-    training = {
-        "reward": {**shared["reward"], "cost_free_steps": FREE_STEPS, "cost_rampup_steps": 0},
-        # the shared validation block, mapped by the launcher to test_freq / val_before_train / val_kwargs
-        "validation": {"every": 2, "before_train": True, "max_questions": None},
-        "verl": {
-            "train_files": str(ws["data"] / "train.parquet"),
-            "val_files": str(ws["data"] / "validation.parquet"),
-            "n_gpus_per_node": 1,
-            "nnodes": 1,
-            "logger": ["file"],
-            "total_training_steps": 2,
-            "config_dir": str(ROOT / "conf/base/verl"),
-            "overrides": [
-                "data.train_batch_size=2",
-                f"data.max_prompt_length={PROMPT_LENGTH}",
-                f"data.max_response_length={RESPONSE_LENGTH}",
-                "data.dataloader_num_workers=0",
-                "actor_rollout_ref.rollout.n=4",
-                f"actor_rollout_ref.rollout.max_model_len={MAX_MODEL_LEN}",
-                # SPADER's group terms run with 2 workers: verl pads the 3 validation prompts to 4
-                f"actor_rollout_ref.rollout.agent.num_workers={2 if method == 'spader' else 1}",
-                "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
-                "+actor_rollout_ref.rollout.checkpoint_manager_class=verl_cpu_boundary.NoopCheckpointManager",
-                "reward.num_workers=1",
-                "trainer.save_freq=-1",
-                "trainer.resume_mode=disable",
-                "trainer.device=cpu",
-            ],
-        },
-    }
-    params = verl_parameters({"path": str(ws["model"])}, block or method_block(method), training, run_dir,
-                             tool_config_path=tool_config)
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        return compose(config_name=overlay_name(params), overrides=build_overrides(params))
+    """The method's config with the stand-ins' overrides; SPADER's group terms run with 2 agent-loop
+    workers (verl pads the 3 validation prompts to 4)."""
+    workers = 2 if method == "spader" else 1
+    return compose_config(block or method_block(method, TOOL_COST), ws, run_dir, config_dir=config_dir,
+                          reward={"cost_free_steps": FREE_STEPS, "cost_rampup_steps": 0},
+                          overrides=[*BOUNDARY_OVERRIDES, f"actor_rollout_ref.rollout.agent.num_workers={workers}"])
 
 
 def run_trainer_loop(method: str, ws: dict, run_dir: Path, **compose) -> tuple[list[dict], object]:
-    """verl's ``main()`` checks and ``TaskRunner.run`` with the GPU boundaries replaced; returns the
-    metrics verl's file tracker logged and the composed config (``compose``: see :func:`_compose`)."""
+    """verl's ``main()`` checks and its legacy ``TaskRunner.run`` with the GPU boundaries replaced; returns
+    the metrics verl's file tracker logged and the composed config (``compose``: see :func:`_compose`)."""
     from verl.trainer.main_ppo_v0 import BaseTaskRunner, TaskRunner
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     config = _compose(method, ws, run_dir, **compose)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
 
     class CpuTaskRunner(BaseTaskRunner):
         run = TaskRunner.__ray_metadata__.modified_class.run  # verl's own, unchanged
@@ -268,21 +117,7 @@ def run_trainer_loop(method: str, ws: dict, run_dir: Path, **compose) -> tuple[l
 
     RolloutReplicaRegistry.register("sglang", lambda: ScriptedReplica)
     RecordingWorkerGroup.calls = []
-    metrics_path = run_dir / "metrics.jsonl"
-    os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
-    try:
-        CpuTaskRunner().run(config)
-    finally:
-        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
-        # verl names its workers (reward_loop_worker_0, ...): free the names for the next method
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["name"] == SERVER_NAME:
-                continue
-            try:
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-            except ValueError:  # it exited between the listing and the lookup: its name is free
-                pass
-    return [json.loads(line) for line in metrics_path.read_text().splitlines()], config
+    return run_fit(config, run_dir, task_runner=CpuTaskRunner, keep_actors=[SERVER_NAME]), config
 
 
 @pytest.fixture(scope="module")

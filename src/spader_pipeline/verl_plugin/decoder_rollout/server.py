@@ -1,0 +1,332 @@
+"""The rollout server on the project's decoder: verl's token-in/token-out ``generate``, batched.
+
+verl's agent loops send one assistant turn per request (``generate(request_id, *, prompt_ids,
+sampling_params) -> TokenOutput``), each trajectory on its own, many at once. :class:`DecoderServer`
+gathers the requests that arrive together (within ``batch_window_s`` of each other, or while the
+previous batch decodes) into one batch for :class:`~spader_pipeline.agent.hf_backend.HFGenerator`, the
+in-process decoder the native trainer and evaluation use: KV-cached batches that drop finished rows,
+shared-prefix prefill, and the last batch's cache continued when a request extends a sequence the server
+produced (verl sends every turn under a fresh request id, so continuations are found by their tokens, as a
+prefix cache finds them). Each turn returns its tokens' log-probabilities at the sampling temperature.
+
+The per-turn token budget is the one verl's SGLang server applies: ``max_new_tokens`` (or
+``max_tokens``) when the request sets it, else ``min(response_length, prompt_length +
+response_length - len(prompt))``; always at most ``max_model_len - len(prompt) - 1``; a prompt past
+the context is refused.
+
+The lifecycle verl calls: ``sleep``/``wake_up`` (on CUDA the weights leave the device while the
+trainer runs; the KV cache is dropped on every device), ``clear_kv_cache``, ``set_global_steps``,
+``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
+``aborted`` when the replica leaves), and ``load_weights``, through which the in-worker adapter
+(:mod:`.adapter`) hands over the actor's weights that verl's checkpoint engine yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: how long the server waits for more requests after the last one arrived before it decodes a batch
+BATCH_WINDOW_S = 0.05
+#: most time a request waits for others to join its batch
+MAX_WAIT_S = 0.5
+
+
+def turn_budget(prompt_length: int, sampling_params: dict[str, Any], *, max_model_len: int, prompt_budget: int,
+                response_length: int) -> int:
+    """Most tokens this turn may sample: SGLang's rule in verl (module docstring). Raises
+    ``ValueError`` when the prompt alone exceeds the context. ``sampling_params`` loses its
+    ``max_new_tokens``/``max_tokens`` key, as it does there."""
+    possible = max_model_len - prompt_length - 1
+    if possible < 0:
+        raise ValueError(f"prompt of {prompt_length} tokens exceeds the model's context of {max_model_len}")
+    if "max_new_tokens" in sampling_params:
+        wanted = sampling_params.pop("max_new_tokens")
+    elif "max_tokens" in sampling_params:
+        wanted = sampling_params.pop("max_tokens")
+    else:
+        wanted = min(response_length, prompt_budget + response_length - prompt_length)
+    return max(0, min(int(wanted), possible))
+
+
+@dataclass(frozen=True)
+class SamplingKey:
+    """Requests decoded in one batch share these (one decoder, and its cache, per key)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> SamplingKey:
+        penalty = float(params.get("repetition_penalty", 1.0) or 1.0)
+        if penalty != 1.0:
+            raise ValueError(f"repetition_penalty={penalty} is not supported by the decoder server")
+        top_k = params.get("top_k", -1)
+        return cls(float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0) or 1.0),
+                   int(top_k) if top_k not in (None, 0) else -1)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    budget: int
+    key: SamplingKey
+    want_log_probs: bool
+    done: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class DecoderServer:
+    """One replica's server (a Ray actor, :class:`~.replica.DecoderReplica` starts it).
+
+    Args:
+        config: verl's ``RolloutConfig`` (``prompt_length``, ``response_length``, ``max_model_len``,
+            ``max_num_seqs``, ``dtype``, ``free_cache_engine``).
+        model_config: verl's ``HFModelConfig`` (``local_path``: the Hugging Face folder to serve).
+        device: ``"cpu"`` or ``"cuda"`` (verl's platform device).
+        visible_devices: the trainer worker's ``CUDA_VISIBLE_DEVICES`` (the server shares its GPU).
+    """
+
+    def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, device: str = "cpu",
+                 visible_devices: str | None = None, batch_window_s: float = BATCH_WINDOW_S) -> None:
+        if visible_devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        from spader_pipeline.modeling import load_model_and_tokenizer
+        from spader_pipeline.modeling.precision import resolve_bf16
+
+        self.config, self.replica_rank = config, replica_rank
+        self.device = torch.device("cuda" if device == "cuda" else "cpu")
+        path = getattr(model_config, "local_path", None) or model_config.path
+        self.model, self.tokenizer = load_model_and_tokenizer(path, device=str(self.device))
+        dtype = str(getattr(config, "dtype", "bfloat16"))
+        self.bf16 = dtype not in ("float32", "fp32") and resolve_bf16("auto", self.device, self.model)
+        self.max_model_len = int(config.max_model_len or config.prompt_length + config.response_length)
+        self.batch_window_s = batch_window_s
+        self.max_batch = max(1, int(getattr(config, "max_num_seqs", 256) or 256))
+        self.global_steps: int | None = None
+        self._decoders: dict[SamplingKey, Any] = {}
+        self._last: dict[SamplingKey, dict[tuple[int, ...], str]] = {}  # sequence produced → its cache uid
+        self._queue: list[_Request] = []
+        self._arrival = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._reject = False
+        self._worker: asyncio.Task | None = None
+        self._loaded: set[str] = set()  # the weights of the update in progress
+        self.stats_: dict[str, Any] = {"requests": 0, "batches": 0, "batch_sizes": [], "generated_tokens": 0,
+                                       "decode_seconds": 0.0, "weight_updates": [], "aborted": 0}
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: Any = None, video_data: Any = None, **kwargs: Any):
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data or video_data:
+            raise ValueError("the decoder server serves text only")
+        params = dict(sampling_params)
+        prompt = [int(t) for t in prompt_ids]
+        budget = turn_budget(len(prompt), params, max_model_len=self.max_model_len,
+                             prompt_budget=int(self.config.prompt_length), response_length=int(self.config.response_length))
+        want = bool(params.get("logprobs", False))
+        self.stats_["requests"] += 1
+        if budget == 0:
+            return TokenOutput(token_ids=[], log_probs=[] if want else None, stop_reason="completed",
+                               extra_fields={"global_steps": self.global_steps})
+        if self._reject:
+            return self._aborted(want)
+        request = _Request(prompt, budget, SamplingKey.of(params), want, asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        self._arrival.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._serve())
+        return await request.done
+
+    def _aborted(self, want: bool):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.stats_["aborted"] += 1
+        return TokenOutput(token_ids=[], log_probs=[] if want else None, stop_reason="aborted",
+                           extra_fields={"global_steps": self.global_steps})
+
+    async def _serve(self) -> None:
+        """Decode batches while requests wait: each batch takes the requests that arrived within
+        ``batch_window_s`` of each other (at most ``MAX_WAIT_S`` after the first), one sampling key."""
+        while self._queue:
+            await self._resumed.wait()
+            first = self._queue[0].arrived
+            while len(self._queue) < self.max_batch:
+                self._arrival.clear()
+                left = MAX_WAIT_S - (time.monotonic() - first)
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._arrival.wait(), timeout=min(self.batch_window_s, left))
+                except asyncio.TimeoutError:
+                    break
+            if not self._resumed.is_set():
+                continue
+            key = self._queue[0].key
+            batch = [r for r in self._queue if r.key == key][: self.max_batch]
+            taken = set(map(id, batch))
+            self._queue = [r for r in self._queue if id(r) not in taken]
+            try:
+                outputs = await self._decode(key, batch)
+            except Exception as exc:  # every waiting request learns why
+                for request in batch:
+                    if not request.done.done():
+                        request.done.set_exception(exc)
+                continue
+            for request, output in zip(batch, outputs, strict=True):
+                if not request.done.done():
+                    request.done.set_result(output)
+
+    def _decoder(self, key: SamplingKey) -> Any:
+        from spader_pipeline.agent.hf_backend import HFGenerator
+        from spader_pipeline.agent.types import SamplingParams
+
+        if key not in self._decoders:
+            sampling = SamplingParams(temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
+                                      max_new_tokens=self.max_model_len)
+            self._decoders[key] = HFGenerator(self.model, self.tokenizer, sampling, max_prompt_tokens=self.max_model_len,
+                                              micro_batch_size=self.max_batch, bf16=self.bf16, return_log_probs=True)
+        return self._decoders[key]
+
+    async def _decode(self, key: SamplingKey, batch: list[_Request]) -> list[Any]:
+        """One batch through the decoder; a request continuing a sequence of the key's last batch keeps
+        that sequence's cache row (the decoder continues its cache when every row does)."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        from spader_pipeline.agent.types import RolloutState
+
+        decoder = self._decoder(key)
+        produced = self._last.get(key, {})
+        rows = {uid: row for row, uid in enumerate(produced.values())}
+        lengths = sorted({len(seq) for seq in produced}, reverse=True)
+        states = []
+        for request in batch:
+            uid = next((produced[head] for n in lengths if n <= len(request.prompt_ids)
+                        and (head := tuple(request.prompt_ids[:n])) in produced), None)
+            states.append(RolloutState(sample={}, messages=[], token_ids=list(request.prompt_ids),
+                                       prompt_length=len(request.prompt_ids), max_response_tokens=request.budget,
+                                       **({"uid": uid} if uid is not None else {})))
+        if len({s.uid for s in states}) < len(states):  # two requests continue one sequence: start afresh
+            for state in states:
+                state.uid = RolloutState(sample={}, messages=[]).uid
+        order = sorted(range(len(batch)), key=lambda i: rows.get(states[i].uid, len(rows) + i))
+        started = time.perf_counter()
+        turns = await decoder.generate([states[i] for i in order])
+        self.stats_["decode_seconds"] += time.perf_counter() - started
+        self.stats_["batches"] += 1
+        self.stats_["batch_sizes"].append(len(batch))
+        outputs: list[Any] = [None] * len(batch)
+        last: dict[tuple[int, ...], str] = {}
+        for i, turn in zip(order, turns, strict=True):
+            ids = list(turn.token_ids or ())
+            self.stats_["generated_tokens"] += len(ids)
+            last[tuple(batch[i].prompt_ids + ids)] = states[i].uid
+            outputs[i] = TokenOutput(token_ids=ids, log_probs=list(turn.logprobs or ()) if batch[i].want_log_probs else None,
+                                     stop_reason="completed", extra_fields={"global_steps": self.global_steps})
+        self._last[key] = last
+        return outputs
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def clear_kv_cache(self) -> None:
+        for decoder in self._decoders.values():
+            await decoder.aclose()
+        self._last.clear()
+
+    async def release_kv_cache(self) -> None:
+        await self.clear_kv_cache()
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        """Free what the trainer needs: the KV caches, and on CUDA the weights' device memory."""
+        await self.clear_kv_cache()
+        if self.device.type == "cuda" and getattr(self.config, "free_cache_engine", True):
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.device.type == "cuda" and next(self.model.parameters()).device.type != "cuda":
+            self.model.to(self.device)
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        """Hold the queued requests until :meth:`resume_generation` (``reject_request``: answer them,
+        and those that arrive until the resume, ``aborted``). A batch already decoding finishes."""
+        self._resumed.clear()
+        if reject_request:
+            self._reject = True
+            waiting, self._queue = self._queue, []
+            for request in waiting:
+                request.done.set_result(self._aborted(request.want_log_probs))
+
+    async def resume_generation(self) -> None:
+        self._reject = False
+        self._resumed.set()
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], *, last: bool = False,
+                           global_steps: int | None = None) -> None:
+        """Copy a bucket of the actor's weights (Hugging Face names) into the model; with ``last``,
+        check that every weight arrived, drop the KV caches and record the update."""
+        state = self.model.state_dict()
+        unknown = [name for name, _ in named_tensors if name not in state]
+        if unknown:
+            raise KeyError(f"weights the served model does not have: {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                state[name].copy_(tensor.to(state[name].device, dtype=state[name].dtype))
+                self._loaded.add(name)
+        if not last:
+            return
+        missing = [name for name in state if name not in self._loaded and not _tied(self.model, name)]
+        checksum = weights_checksum(self.model)
+        self._loaded = set()
+        if missing:
+            raise KeyError(f"a weight update left {len(missing)} weights unchanged: {missing[:5]}")
+        await self.clear_kv_cache()
+        if global_steps is not None:
+            self.global_steps = global_steps
+        self.stats_["weight_updates"].append({"global_steps": global_steps, "checksum": checksum, "at": time.time()})
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.stats_, "global_steps": self.global_steps, "checksum": weights_checksum(self.model)}
+
+    def ready(self) -> bool:
+        return True
+
+
+def _tied(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is the output layer tied to the input embeddings (a trainer may not send it)."""
+    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def weights_checksum(model: torch.nn.Module) -> float:
+    """A position-weighted sum of every weight (one pass over memory): two weight updates that change
+    any weight differ in it (tests compare updates, and the server's weights with the actor's, by it)."""
+    with torch.no_grad():
+        return float(sum((k + 1) * tensor.double().sum() for k, (_, tensor) in
+                         enumerate(sorted(model.state_dict().items()))))

@@ -1,0 +1,160 @@
+"""The decoder rollout server (:mod:`spader_pipeline.verl_plugin.decoder_rollout.server`) as verl's agent
+loops call it: concurrent one-turn requests batched together, continued turns reusing the cache,
+SGLang's per-turn token budget, log-probs, abort/resume and weight updates. In-process (the Ray actor
+around it is exercised by ``test_verl_real_workers.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from spader_pipeline.verl_plugin.decoder_rollout.server import DecoderServer, SamplingKey, turn_budget  # noqa: E402
+
+PROMPT, RESPONSE, CONTEXT = 64, 32, 128
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from spader_pipeline.modeling import TinyQwen3Spec, build_base_model
+
+    texts = [f"Country {i} in West Africa. Its capital is city {i}." for i in range(40)]
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, max_position_embeddings=512)
+    return build_base_model(texts, tmp_path_factory.mktemp("server-model"), spec=spec, vocab_size=300, min_frequency=1)
+
+
+def make_server(model_dir, **kwargs) -> DecoderServer:
+    config = SimpleNamespace(prompt_length=PROMPT, response_length=RESPONSE, max_model_len=CONTEXT, max_num_seqs=64,
+                             dtype="float32", free_cache_engine=True)
+    return DecoderServer(config, SimpleNamespace(local_path=str(model_dir)), **kwargs)
+
+
+def prompts(n: int, length: int = 12) -> list[list[int]]:
+    torch.manual_seed(n)
+    return torch.randint(5, 250, (n, length)).tolist()
+
+
+def test_the_turn_budget_is_sglangs():
+    def budget(prompt, **params):
+        return turn_budget(prompt, params, max_model_len=CONTEXT, prompt_budget=PROMPT, response_length=RESPONSE)
+
+    assert budget(10) == RESPONSE  # nothing asked: the response length
+    assert budget(80) == PROMPT + RESPONSE - 80  # a long multi-turn context: what is left of the total
+    assert budget(120) == 0  # past prompt + response: nothing
+    assert budget(10, max_new_tokens=5) == budget(10, max_tokens=5) == 5
+    assert budget(120, max_new_tokens=50) == CONTEXT - 120 - 1  # clamped to the context
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        budget(CONTEXT)
+    params = {"max_new_tokens": 3}
+    turn_budget(1, params, max_model_len=CONTEXT, prompt_budget=PROMPT, response_length=RESPONSE)
+    assert params == {}  # consumed, as SGLang's server pops it
+
+
+def test_sampling_keys_group_requests():
+    assert SamplingKey.of({"temperature": 1.0, "top_k": 0}) == SamplingKey(1.0, 1.0, -1)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingKey.of({"repetition_penalty": 1.1})
+
+
+def test_concurrent_requests_share_a_batch_and_return_their_log_probs(model_dir):
+    async def run():
+        server = make_server(model_dir)
+        outs = await asyncio.gather(*[server.generate(f"r{i}", prompt_ids=p, sampling_params={**GREEDY, "max_new_tokens": 6 + i})
+                                      for i, p in enumerate(prompts(6))])
+        return server, outs
+
+    server, outs = asyncio.run(run())
+    assert server.stats()["batch_sizes"] == [6]
+    for i, out in enumerate(outs):
+        assert 1 <= len(out.token_ids) <= 6 + i and len(out.log_probs) == len(out.token_ids)
+        assert out.stop_reason == "completed" and all(lp <= 0 for lp in out.log_probs)
+
+
+def test_a_continued_turn_reuses_the_cache_and_decodes_what_a_fresh_server_does(model_dir):
+    """verl sends each turn under a new request id; the server finds the sequence a request extends by
+    its tokens. The continued batch decodes the same greedy tokens as a server that starts afresh."""
+    observation = [7, 8, 9, 10]
+
+    async def two_turns(server):
+        first = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                       for i, p in enumerate(prompts(4))])
+        contexts = [p + list(o.token_ids) + observation for p, o in zip(prompts(4), first, strict=True)]
+        second = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                                        for i, c in enumerate(reversed(contexts))])  # another arrival order
+        return contexts, list(reversed(second))
+
+    server = make_server(model_dir)
+    contexts, second = asyncio.run(two_turns(server))
+    decoder = next(iter(server._decoders.values()))
+    assert decoder.kv_reuses == 1
+
+    async def fresh():
+        other = make_server(model_dir)
+        return await asyncio.gather(*[other.generate(f"c{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                                      for i, c in enumerate(contexts)])
+
+    expected = asyncio.run(fresh())
+    assert [o.token_ids for o in second] == [o.token_ids for o in expected]
+    for got, want in zip(second, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_spent_budget_answers_at_once_and_an_oversized_prompt_is_refused(model_dir):
+    async def run():
+        server = make_server(model_dir)
+        empty = await server.generate("x", prompt_ids=list(range(5, 5 + PROMPT + RESPONSE)), sampling_params=dict(GREEDY))
+        with pytest.raises(ValueError, match="context"):
+            await server.generate("y", prompt_ids=[5] * CONTEXT, sampling_params=dict(GREEDY))
+        return server, empty
+
+    server, empty = asyncio.run(run())
+    assert empty.token_ids == [] and server.stats()["batches"] == 0
+
+
+def test_abort_holds_requests_until_resume_or_rejects_them(model_dir):
+    async def run():
+        server = make_server(model_dir)
+        await server.abort_all_requests()
+        held = asyncio.ensure_future(server.generate("h", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY)))
+        await asyncio.sleep(0.3)
+        waited = not held.done()
+        await server.resume_generation()
+        out = await held
+        await server.abort_all_requests(reject_request=True)
+        rejected = await server.generate("r", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        await server.resume_generation()
+        again = await server.generate("s", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        return waited, out, rejected, again
+
+    waited, out, rejected, again = asyncio.run(run())
+    assert waited and out.stop_reason == "completed" and out.token_ids
+    assert rejected.stop_reason == "aborted" and rejected.token_ids == []
+    assert again.token_ids == out.token_ids
+
+
+def test_weights_arrive_in_buckets_and_every_weight_must_arrive(model_dir):
+    async def run():
+        server = make_server(model_dir)
+        before = await server.generate("a", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        weights = [(name, tensor * 0.5) for name, tensor in server.model.state_dict().items()]
+        await server.load_weights(weights[:2])
+        await server.load_weights(weights[2:], last=True, global_steps=3)
+        after = await server.generate("b", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        with pytest.raises(KeyError, match="left"):
+            await server.load_weights(weights[:1], last=True)
+        with pytest.raises(KeyError, match="does not have"):
+            await server.load_weights([("not.a.weight", torch.zeros(1))])
+        return server, before, after, weights
+
+    server, before, after, weights = asyncio.run(run())
+    for name, tensor in weights:
+        torch.testing.assert_close(server.model.state_dict()[name], tensor)
+    updates = server.stats()["weight_updates"]
+    assert [u["global_steps"] for u in updates] == [3] and after.extra_fields["global_steps"] == 3
+    assert before.log_probs != after.log_probs
