@@ -115,7 +115,7 @@ def test_sampling_draws_from_the_same_distribution(tiny_lm):
 
 def test_unsupported_cache_falls_back_to_generate(tiny_lm, caplog):
     model, tokenizer = tiny_lm
-    with caplog.at_level(logging.INFO, logger="spader_pipeline.agent.hf_backend"):
+    with caplog.at_level(logging.INFO, logger="spader_pipeline.agent.decode_engine"):
         gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=5), growing_kv_cache=False)
     assert not gen.drop_finished_rows
     assert "decoding with model.generate" in caplog.text

@@ -259,7 +259,7 @@ def test_unusable_captures_fall_back_to_the_full_recompute(rolled_out, caplog):
 def test_capture_is_opt_in_and_off_with_generate(native_deep_model_dir, toy_index_dir, caplog):
     _, _, plain, _, _ = _rollout(native_deep_model_dir, toy_index_dir)
     assert plain.capture is None and plain.captured_states() == []
-    with caplog.at_level(logging.WARNING, logger="spader_pipeline.agent.hf_backend"):
+    with caplog.at_level(logging.WARNING, logger="spader_pipeline.agent.decode_engine"):
         _, _, generate, _, _ = _rollout(native_deep_model_dir, toy_index_dir, drop_finished_rows=False,
                                         capture_states_from_layer=FIRST - 1)
     assert generate.capture is None and generate.captured_states() == [] and "no state capture" in caplog.text

@@ -1,6 +1,6 @@
 """Boundary states of a rollout, kept per trajectory for the update (docs/training.md).
 
-:class:`StateCapture` is :class:`~spader_pipeline.agent.hf_backend.HFGenerator`'s bookkeeping for
+:class:`StateCapture` is :class:`~spader_pipeline.agent.decode_engine.DecodeEngine`'s bookkeeping for
 ``capture_states_from_layer``: while the generator runs, a hook appends decoder block ``block``'s
 output to the states buffer of the decoding cache
 (:func:`~spader_pipeline.modeling.boundary.capture_block_output`); after each generation call the
