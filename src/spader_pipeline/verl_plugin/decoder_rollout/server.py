@@ -104,6 +104,7 @@ class DecoderServer:
         from spader_pipeline.modeling.precision import resolve_bf16
 
         self.config, self.replica_rank = config, replica_rank
+        torch.manual_seed(int(getattr(config, "seed", 0) or 0) + replica_rank)  # rollout.seed: sampling repeats
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         path = getattr(model_config, "local_path", None) or model_config.path
         self.model, self.tokenizer = load_model_and_tokenizer(path, device=str(self.device))
