@@ -25,9 +25,8 @@ The mean rise of seeds 0–2 (0.67) must exceed ``MARGIN`` = 0.15: 7× the large
 |rise|, and below the mean of any 3 of the 8 learning seeds (smallest 0.42). Zeroed or flipped
 advantages must keep it below ``NO_LEARNING_BOUND`` = 0.05, where runs that do not learn lie.
 
-The verl backend has no such test: on a CPU its rollout engine is scripted and its actor worker
-group records batches without updating any weight (``tests/verl_plugin/verl_cpu_boundary.py``), so
-nothing in that loop can learn; its learning needs the GPU engines.
+verl runs the same test through its own ``fit()`` and workers on the CPU, with this reward swapped in
+through verl's reward path and these constants (``tests/verl_plugin/test_verl_learns.py``, ``make test-verl``).
 """
 
 from __future__ import annotations
