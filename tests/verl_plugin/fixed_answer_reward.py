@@ -14,7 +14,11 @@ import json
 
 import torch
 from verl.experimental.reward_loop.reward_manager import register
-from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, compute_grpo_outcome_advantage, register_adv_est
+from verl.trainer.ppo.core_algos import (
+    ADV_ESTIMATOR_REGISTRY,
+    compute_grpo_outcome_advantage,
+    register_adv_est,
+)
 
 from spader_pipeline.verl_plugin.reward_manager import PAYLOAD_KEY, SpaderRewardManager
 

@@ -61,10 +61,10 @@ def test_the_reference_policys_offload_is_unpinned_without_an_accelerator():
 
 
 def test_verl_finds_our_rollout_adapter_and_replica():
-    import spader_pipeline.verl_plugin  # noqa: F401  (registers the rollout)
     from verl.workers.rollout.base import get_rollout_class
     from verl.workers.rollout.replica import get_rollout_replica_class
 
+    import spader_pipeline.verl_plugin  # noqa: F401  (registers the rollout)
     from spader_pipeline.verl_plugin.decoder_rollout.replica import DecoderReplica, DecoderServerAdapter
 
     assert get_rollout_class("spader_decoder") is DecoderServerAdapter
