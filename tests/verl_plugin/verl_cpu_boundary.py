@@ -12,6 +12,10 @@ Three boundaries are replaced, each at verl's own extension point:
   compute log-probs on or update with, and answers with constant log-probs;
 * **the checkpoint manager** (weight sync to the rollout engine): :class:`NoopCheckpointManager`,
   loaded by verl from ``actor_rollout_ref.rollout.checkpoint_manager_class``.
+
+Beside verl's *real* workers, the scripted server is also a rollout engine of its own
+(``rollout.name=scripted``, :class:`ScriptedServerAdapter`): a batch whose behaviour the test knows,
+trained on by verl's FSDP actor (``test_verl_native_parity.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import torch
 from tensordict import TensorDict
 from verl.single_controller.ray.base import ResourcePoolManager
 from verl.utils import tensordict_utils as tu
-from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from spader_pipeline.verl_plugin.gaps import register_rollout_adapter
 
 # ----------------------------------------------------------------------------------- LLM server
 
@@ -213,3 +220,34 @@ class NoopCheckpointManager:
 
     def wake_up_replicas(self) -> None:
         return None
+
+
+# ----------------------------------------------------------------------------------- scripted rollout beside verl's real workers
+
+#: ``actor_rollout_ref.rollout.name`` of the scripted server beside verl's real actor (its behaviour is
+#: known, so a batch's rewards and advantages differ; the weights it is sent are consumed and dropped)
+SCRIPTED_ROLLOUT = "scripted"
+
+
+class ScriptedServerAdapter(BaseRollout):
+    """In a real trainer worker: walks the weights verl's checkpoint engine yields (gathering FSDP shards
+    is collective) and keeps none of them; the scripted server does not read weights."""
+
+    def __init__(self, config, model_config, device_mesh=None, replica_rank: int = -1) -> None:
+        super().__init__(config, model_config, device_mesh)
+        self.weight_updates = 0
+
+    async def resume(self, tags) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
+        for _ in weights:
+            pass
+        self.weight_updates += 1
+
+
+RolloutReplicaRegistry.register(SCRIPTED_ROLLOUT, lambda: ScriptedReplica)
+register_rollout_adapter(SCRIPTED_ROLLOUT, f"{__name__}.ScriptedServerAdapter")
