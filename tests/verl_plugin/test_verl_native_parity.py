@@ -100,7 +100,11 @@ def native_batch(batch, payloads_config):
     """The native trainer's ``RolloutBatch`` of verl's padded batch (prompt left-padded, response
     right-padded) with the reward inputs verl's reward manager built from the same trajectories."""
     from spader_pipeline.native.batch import RolloutBatch
-    from spader_pipeline.verl_plugin.reward_manager import ManagerSettings, _payloads, reward_inputs_from_payloads
+    from spader_pipeline.verl_plugin.reward_manager import (
+        ManagerSettings,
+        _payloads,
+        reward_inputs_from_payloads,
+    )
 
     settings = ManagerSettings.from_config(payloads_config)
     prompts, responses = batch.batch["prompts"], batch.batch["responses"]
