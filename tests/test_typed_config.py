@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 
@@ -16,7 +17,7 @@ class _Block:
 
 def test_from_mapping_names_the_block_and_its_known_keys():
     assert from_mapping(_Block, {"a": 2}) == _Block(2)
-    with pytest.raises(ValueError, match=r"unknown training.x settings \['b'\]; known: \['a'\]"):
+    with pytest.raises(ValueError, match=r"unknown training.x settings \['b'\] \(training.x.b\); known: \['a'\]"):
         from_mapping(_Block, {"b": 1}, where="training.x")
 
 
@@ -32,3 +33,30 @@ def test_method_block_over_shared_reward_and_backend_block():
     assert native["reward"]["cost_free_steps"] == 10
     assert training["native"]["rollout"] == {"topk": 3, "max_turns": 3}  # inputs are not modified
     assert merge_settings({"a": {"b": 1}}, None) == {"a": {"b": 1}}
+
+
+def test_types_are_checked_when_asked_and_a_blocks_errors_carry_its_path():
+    from spader_pipeline.typed_config import SettingsError, typed_block
+
+    @dataclass
+    class Typed:
+        count: int = 1
+        rate: float = 0.5
+        name: str | None = None
+        on: bool = True
+        mode: Literal["a", "b"] = "a"
+
+        def __post_init__(self):
+            if self.count < 0:
+                raise ValueError(f"count={self.count} must be >= 0")
+
+    assert from_mapping(Typed, {"name": 2}) == Typed(name=2)  # unchecked by default
+    assert from_mapping(Typed, {"rate": 1, "name": None}, check_types=True) == Typed(rate=1)
+    for values, message in [({"count": "3"}, r"block.count='3': expected an integer$"),
+                            ({"count": True}, "expected an integer"), ({"rate": "x"}, "expected a number"),
+                            ({"name": 2}, "expected a string or null"), ({"on": "yes"}, "expected true or false"),
+                            ({"mode": "c"}, r"use one of \['a', 'b'\]")]:
+        with pytest.raises(SettingsError, match=message):
+            from_mapping(Typed, values, where="block", check_types=True)
+    with pytest.raises(SettingsError, match=r"^training.x: count=-1 must be >= 0$"):
+        typed_block("training.x", lambda: from_mapping(Typed, {"count": -1}, where="training.x"))
