@@ -158,3 +158,22 @@ def test_tool_cost_is_a_per_method_setting_following_the_global_step(method, opt
     # c_eff · queries / |GT| = 0.25 · 1 / 2 for each trajectory that searched once
     torch.testing.assert_close(free.returns - during.returns, torch.tensor([0.125, 0.125, 0.0, 0.125]))
     assert reward_config_from_mapping(method, {}).tool_round_cost == (0.01 if method == "spader" else 0.0)
+
+
+def test_reward_inputs_have_one_construction_for_both_trainers():
+    """``RewardInputs.from_steps`` takes the native batch's found tensor or the verl payloads' per-step
+    entity indices (rows longer than the step layout cut, an unplaceable row empty): the same inputs."""
+    import torch
+
+    from spader_pipeline.algorithms.methods import RewardInputs
+
+    found = torch.zeros((3, 2, 3), dtype=torch.bool)
+    found[0, 0, 1] = found[0, 1, 2] = found[2, 1, 0] = True
+    common = {"f1": [0.5, 0.0, 1.0], "exact_match": [0.0, 0.0, 1.0], "format_ok": [True, False, True],
+              "num_gt": [3, 1, 2], "query_counts": [[2, 1], [], [1, 1, 5]]}
+    native = RewardInputs.from_steps(found=found, **common)
+    verl = RewardInputs.from_steps(found=[[[1], [2]], [], [[], [0], [1]]], steps=2, **common)
+    for name in ("f1", "exact_match", "format_ok", "found", "num_gt", "query_counts"):
+        left, right = getattr(native, name), getattr(verl, name)
+        assert left.dtype == right.dtype and torch.equal(left, right), name
+    assert native.query_counts.tolist() == [[2.0, 1.0], [0.0, 0.0], [1.0, 1.0]]

@@ -90,17 +90,10 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
 
     gts = [ground_truth_lists(s["ground_truth"]) for s in samples]
     scores = [score_answers(list(t.predicted or ()), gt) for t, gt in zip(trajectories, gts, strict=True)]
-    format_ok = torch.tensor([t.predicted is not None for t in trajectories])
     # Each step's documents as a list (not one joined string): a document many trajectories
     # retrieved is normalised once per batch, and no alias can match across two documents.
     step_documents = [[list(step.retrieved_texts) for step in t.steps] for t in trajectories]
     found, num_gt = discover_entities(gts, step_documents)
-    n_steps = found.shape[1]
-    query_counts = torch.zeros((bsz, n_steps), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        for s, step in enumerate(t.steps):
-            if step.kind == "search" and step.doc_ids:
-                query_counts[i, s] = len(step.queries)
     boundary = None
     if captured is not None and boundary_block is not None:
         boundary = boundary_states(trajectories, captured, width)
@@ -114,13 +107,14 @@ def build_batch(trajectories: Sequence[Any], samples: Sequence[Mapping[str, Any]
         response_mask=response_mask,
         uids=np.array([str(s["uid"]) for s in samples], dtype=object),
         ground_truths=gts,
-        rewards=RewardInputs(
-            f1=torch.tensor([sc.f1 for sc in scores], dtype=torch.float32),
-            exact_match=torch.tensor([sc.exact_match for sc in scores], dtype=torch.float32),
-            format_ok=format_ok,
-            found=found,
+        rewards=RewardInputs.from_steps(
+            f1=[sc.f1 for sc in scores],
+            exact_match=[sc.exact_match for sc in scores],
+            format_ok=[t.predicted is not None for t in trajectories],
             num_gt=num_gt,
-            query_counts=query_counts,
+            found=found,
+            query_counts=[[len(step.queries) if step.kind == "search" and step.doc_ids else 0 for step in t.steps]
+                          for t in trajectories],
             step_documents=[[[d for q in step.doc_ids for d in q] for step in t.steps] for t in trajectories],
             step_thinks=[[think_text(step.text) for step in t.steps] for t in trajectories],
         ),

@@ -75,6 +75,55 @@ class RewardInputs:
     step_thinks: Sequence[Sequence[str]] | None = None
     """per trajectory, per step, the ``<think>`` text (methods with ``needs_step_thinks``)"""
 
+    @classmethod
+    def from_steps(
+        cls,
+        *,
+        f1: Sequence[float],
+        exact_match: Sequence[float],
+        format_ok: Sequence[bool],
+        num_gt: Sequence[int] | torch.Tensor,
+        found: Sequence[Sequence[Sequence[int]]] | torch.Tensor,
+        query_counts: Sequence[Sequence[float]],
+        steps: int | None = None,
+        step_documents: Sequence[Sequence[Sequence[str]]] | None = None,
+        step_thinks: Sequence[Sequence[str]] | None = None,
+    ) -> RewardInputs:
+        """The one construction, from per-trajectory values, for both trainers (the native batch from
+        its trajectories, the verl reward manager from its per-sample payloads).
+
+        ``found``: the bool ``[B, S, E]`` tensor, or per trajectory, per step, the indices of the gold
+        entities that step's documents hold (``[]`` for a trajectory whose steps cannot be placed);
+        ``query_counts``: per trajectory, per step, the queries executed; ``steps``: ``S`` (default:
+        the tensor's, else the longest trajectory's), longer rows cut to it.
+        """
+        if isinstance(found, torch.Tensor):
+            found_steps = found.bool()
+            width = found_steps.shape[1] if steps is None else steps
+        else:
+            width = max((len(row) for row in found), default=0) if steps is None else steps
+            entities = int(max((int(n) for n in num_gt), default=0))
+            found_steps = torch.zeros((len(found), width, entities), dtype=torch.bool)
+            for i, row in enumerate(found):
+                for s, hits in enumerate(row[:width]):
+                    if hits:
+                        found_steps[i, s, list(hits)] = True
+        queries = torch.zeros((len(query_counts), width), dtype=torch.float32)
+        for i, row in enumerate(query_counts):
+            row = list(row)[:width]
+            if row:
+                queries[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return cls(
+            f1=torch.tensor([float(x) for x in f1], dtype=torch.float32),
+            exact_match=torch.tensor([float(x) for x in exact_match], dtype=torch.float32),
+            format_ok=torch.tensor([bool(x) for x in format_ok]),
+            found=found_steps,
+            num_gt=num_gt if isinstance(num_gt, torch.Tensor) else torch.tensor([int(n) for n in num_gt], dtype=torch.long),
+            query_counts=queries,
+            step_documents=step_documents,
+            step_thinks=step_thinks,
+        )
+
 
 @dataclass(frozen=True)
 class MethodRewards:
