@@ -78,14 +78,16 @@ class FakeServer:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
         self.calls = 0
+        self.max_new_tokens: list[int | None] = []  # what each request asked for
 
     async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
         self.calls += 1
+        self.max_new_tokens.append(sampling_params.get("max_new_tokens"))
         with torch.no_grad():
             out = self.model.generate(
                 torch.tensor([prompt_ids]),
                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
+                max_new_tokens=min(MAX_NEW, sampling_params.get("max_new_tokens") or MAX_NEW),
                 do_sample=False,
                 eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -100,7 +102,7 @@ def _tool(url, **config):
     return SearchTool({"type": "native", "retrieval_service_url": url, "topk": 2, **config}, None)
 
 
-def _loop(lm, url, *, turns=3, response_length=600, **tool_config):
+def _loop(lm, url, *, turns=3, response_length=600, custom=None, **tool_config):
     model, tokenizer = lm
     config = OmegaConf.create(
         {
@@ -108,6 +110,7 @@ def _loop(lm, url, *, turns=3, response_length=600, **tool_config):
                 "rollout": {
                     "prompt_length": 256,
                     "response_length": response_length,
+                    "custom": custom,
                     "multi_turn": {"max_assistant_turns": turns, "max_tool_response_length": 11000},
                 }
             },
@@ -188,6 +191,19 @@ def test_agent_loop_respects_the_response_budget(lm, search_url):
     loop = _loop(lm, search_url, turns=10, response_length=40)
     output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
     assert len(output.response_ids) == len(output.response_mask) <= 40
+
+
+def test_a_turn_asks_for_at_most_the_turn_cap_within_the_response_budget(lm, search_url):
+    """``rollout.custom.max_turn_tokens`` (the native trainer's ``max_new_tokens``) caps each request;
+    without it the request leaves the budget to the server's own rule."""
+    loop = _loop(lm, search_url, turns=10, response_length=40, custom={"max_turn_tokens": 7})
+    output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
+    asked = loop.server_manager.max_new_tokens
+    assert asked and all(1 <= n <= 7 for n in asked)
+    assert len(output.response_ids) <= 40
+    uncapped = _loop(lm, search_url, turns=2)
+    asyncio.run(uncapped.run({}, raw_prompt=PROMPT, extra_info={}))
+    assert set(uncapped.server_manager.max_new_tokens) == {None}
 
 
 def test_agent_loop_requires_the_search_tool(lm):

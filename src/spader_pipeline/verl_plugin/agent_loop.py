@@ -12,7 +12,8 @@ conf/base/verl/agent_loops.yaml`` (or by importing :mod:`spader_pipeline.verl_pl
 the search tool declared in ``rollout.multi_turn.tool_config_path`` (for its retrieval settings).
 
 Limits: ``multi_turn.max_assistant_turns`` (turns), ``rollout.response_length`` (token budget of the
-whole response, observations included), ``multi_turn.max_tool_response_length`` (characters of one
+whole response, observations included), ``rollout.custom.max_turn_tokens`` (tokens of one assistant
+turn, sent as the request's ``max_new_tokens``; unset: the server's own rule), ``multi_turn.max_tool_response_length`` (characters of one
 observation, head kept), ``rollout.prompt_length`` (prompt tokens, left-truncated as VERL does).
 """
 
@@ -32,6 +33,9 @@ from spader_pipeline.verl_plugin.search_tool import SearchTool
 from spader_pipeline.verl_plugin.trajectory import MASK_FIELD, SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
 AGENT_NAME = "spader_search"
+#: ``actor_rollout_ref.rollout.custom`` key: most tokens one assistant turn may sample (the native
+#: trainer's ``max_new_tokens``); unset, a turn may use what is left of the response budget
+MAX_TURN_TOKENS_KEY = "max_turn_tokens"
 
 
 def search_counts(steps: Sequence[Any]) -> tuple[int, int]:
@@ -74,8 +78,12 @@ class _ServerGenerator(Generator):
         turns = []
         for state in states:  # one trajectory per agent loop instance
             start = time.perf_counter()
+            params = self.sampling_params
+            if self.loop.max_turn_tokens:  # the turn's cap, within what is left of the response budget
+                left = state.max_response_tokens - state.response_length
+                params = {**params, "max_new_tokens": max(1, min(self.loop.max_turn_tokens, left))}
             output = await self.loop.server_manager.generate(
-                request_id=self.request_id, prompt_ids=state.token_ids, sampling_params=self.sampling_params
+                request_id=self.request_id, prompt_ids=state.token_ids, sampling_params=params
             )
             self.generate_seconds += time.perf_counter() - start
             if output.num_preempted is not None:
@@ -111,6 +119,8 @@ class SearchAgentLoop(AgentLoopBase):
             or None,
             max_queries_per_call=tool.max_queries_per_call,
         )
+        custom = dict(getattr(self.rollout_config, "custom", None) or {})
+        self.max_turn_tokens = int(custom.get(MAX_TURN_TOKENS_KEY) or 0) or None
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         extra_info = kwargs.get("extra_info") or {}
