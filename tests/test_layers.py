@@ -17,9 +17,12 @@ The order below is the one place it is written. Why each layer sits where it doe
 * drivers of the agent: the native trainer, the verl plugin (everything verl calls) and the
   evaluator; they are independent of each other;
 * over the drivers: ``launch`` builds and starts verl runs (command line, environment, retrieval
-  service); ``portable`` runs a whole experiment from a bundle without Kedro or MLflow, over the
-  native trainer and the evaluator; ``reporting`` turns histories and evaluation records into the
-  reports (statistics over the evaluator's bootstrap, tables, figures);
+  service); ``reporting`` turns histories and evaluation records into the reports (statistics over
+  the evaluator's bootstrap, tables, figures);
+* ``training``: the ``training`` settings typed once and the table of backends that train (the native
+  trainer's stages, a verl launch);
+* ``portable`` runs a whole experiment from a bundle without Kedro or MLflow: the native stages in
+  the chain's order, its report from ``reporting``;
 * the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points.
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
@@ -45,7 +48,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent",),
     ("data",),
     ("native", "verl_plugin", "evaluation"),
-    ("launch", "portable", "reporting"),
+    ("launch", "reporting"),
+    ("training",),
+    ("portable",),
     ("pipelines",),
     ("hooks",),
     ("settings", "pipeline_registry", "__main__"),

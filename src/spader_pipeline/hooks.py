@@ -21,6 +21,9 @@ holds those cells, any other run the whole root; a run in the way stops before a
 cells of the context's ``compare`` parameters for the pipeline registry, which loads after it, and
 stops a run whose registered cells differ from its parameters before anything starts.
 
+:class:`TrainingSettingsHooks` types the ``training`` parameters (and the method blocks a run reads)
+as the run starts: a misspelt key or a bad value stops it before anything starts.
+
 :class:`ForkServerHooks` starts the fork server of the stages' child processes
 (:mod:`spader_pipeline.child_process`) as a run starts, when the run has a node that uses it, so
 that the server's imports overlap the run's first nodes instead of delaying its first child.
@@ -36,6 +39,7 @@ Configuration lives in ``conf/<env>/mlflow.yml`` (``tracking_uri``, ``experiment
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +168,28 @@ class CompareCellsHooks:
             if "compare" in pipelines:
                 check_registered_cells(pipelines["compare"], key[1], self._compare[key])
         return (yield)
+
+
+class TrainingSettingsHooks:
+    """A run that reads ``training`` types it (and each method block it reads) as it starts
+    (:class:`~spader_pipeline.training.TrainingSettings`), before every other hook: an unknown key or
+    a bad value stops the run before its MLflow run or any child process (the fork server, the warm
+    start) starts, naming the key's full path (the data root's lock, taken around every hook, is
+    given back). The nodes type the same settings again where
+    they use them (a compare cell's are its own, seeded)."""
+
+    @hook_impl(tryfirst=True)
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog) -> None:
+        read = {name for node in pipeline.nodes for name in node.inputs}
+        if "params:training" not in read:
+            return
+        from spader_pipeline.training import TrainingSettings
+
+        training = catalog.load("params:training")
+        TrainingSettings.from_mapping(training)
+        for name in sorted(read):
+            if re.fullmatch(r"params:train_\w+\.method", name):
+                TrainingSettings.from_mapping(training, catalog.load(name))
 
 
 class MlflowTrackingHooks:

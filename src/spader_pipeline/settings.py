@@ -2,9 +2,15 @@
 
 from kedro.config import OmegaConfigLoader
 
-from spader_pipeline.hooks import CompareCellsHooks, DataRootLockHooks, ForkServerHooks, MlflowTrackingHooks
+from spader_pipeline.hooks import (
+    CompareCellsHooks,
+    DataRootLockHooks,
+    ForkServerHooks,
+    MlflowTrackingHooks,
+    TrainingSettingsHooks,
+)
 
-HOOKS = (MlflowTrackingHooks(), DataRootLockHooks(), CompareCellsHooks(), ForkServerHooks())
+HOOKS = (MlflowTrackingHooks(), DataRootLockHooks(), CompareCellsHooks(), TrainingSettingsHooks(), ForkServerHooks())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

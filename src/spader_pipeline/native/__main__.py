@@ -4,7 +4,7 @@
 
 ``run.json``::
 
-    {"config": {...NativeTrainerConfig fields...},
+    {"config": {...NativeTrainerConfig fields...},   # checked as training.native is (native.config.trainer_config)
      "model_path": "data/06_models/warm_start",
      "samples": "questions.jsonl",          # lines {"id", "question", "ground_truth"}
      "index_dir": "data/06_models/retrieval/bm25",   # or "search_url": "http://127.0.0.1:8000"
@@ -23,7 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
-from spader_pipeline.native.config import NativeTrainerConfig
+from spader_pipeline.native.config import trainer_config
 from spader_pipeline.native.trainer import train_native
 from spader_pipeline.retrieval.settings import search_backend
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(args.spec).read_text())
-    config = NativeTrainerConfig.from_mapping(spec["config"])
+    config = trainer_config(spec["config"], where="run.json config")
     samples = [json.loads(line) for line in Path(spec["samples"]).read_text().splitlines() if line.strip()]
     search_params = {"url": spec["search_url"]} if spec.get("search_url") else {"mode": "local"}
     with search_backend(search_params, spec.get("index_dir", ""), where="run.json search") as search:

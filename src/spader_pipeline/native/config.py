@@ -11,13 +11,13 @@ parameters in ``conf/base/parameters_training.yml`` override them per method. Th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from spader_pipeline.agent.rollout import RolloutConfig
 from spader_pipeline.algorithms.methods import get_method, options_from_mapping, reward_config_from_mapping
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig
-from spader_pipeline.typed_config import from_mapping
+from spader_pipeline.typed_config import SettingsError, from_mapping, method_settings, typed_block
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("low_var_kl", "k3", "kl", "k1", "abs", "mse", "k2")
@@ -233,3 +233,46 @@ class NativeTrainerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def trainer_config(native: Mapping[str, Any] | None, method: Mapping[str, Any] | None = None, *,
+                   reward: Mapping[str, Any] | None = None, where: str = "training.native",
+                   method_where: str = "the method block", **overrides: Any) -> NativeTrainerConfig:
+    """The one construction of the trainer's configuration from settings blocks.
+
+    ``native``: the trainer settings every method shares (``training.native``), or a whole
+    configuration (``python -m spader_pipeline.native``'s ``run.json``); ``reward``: the shared reward
+    settings (``training.reward``; ``None``: ``native``'s own ``reward``); ``method``: the method's block
+    (``train_<method>.method``), laid over both (:func:`~spader_pipeline.typed_config.method_settings`);
+    ``overrides``: set last (the device, a time budget). An unknown key is named with its block's
+    path (``where``, ``method_where``), a value of the wrong kind or a rejected one too
+    (:class:`~spader_pipeline.typed_config.SettingsError`).
+    """
+    known = {f.name for f in fields(NativeTrainerConfig) if f.init}
+    for block, path in ((native, where), (method, method_where)):
+        unknown = sorted(set(block or {}) - known)
+        if unknown:
+            paths = ", ".join(f"{path}.{key}" for key in unknown)
+            raise SettingsError(f"unknown {path} settings {unknown} ({paths}); known: {sorted(known)}")
+    shared_reward = reward if reward is not None else (native or {}).get("reward")
+    values = method_settings({"native": native, "reward": shared_reward}, method or {}, "native")
+    values.update(overrides)
+    block = where if method is None else f"{where} with {method_where}"
+    # the nested blocks typed here, so that an error names where each comes from
+    values["reward"], values["options"] = method_blocks(values.get("method", NativeTrainerConfig.method),
+                                                        values["reward"], values.get("options"), method_where=method_where)
+    if isinstance(values.get("rollout"), Mapping):
+        values["rollout"] = from_mapping(RolloutConfig, values["rollout"], where=f"{where}.rollout", check_types=True)
+    return typed_block(block, lambda: from_mapping(NativeTrainerConfig, values, where=block, check_types=True))
+
+
+def method_blocks(method: str, reward: Mapping[str, Any] | None, options: Mapping[str, Any] | None, *,
+                  method_where: str = "the method block") -> tuple[SpaderRewardConfig, Any]:
+    """The method's reward settings (the shared ones with the method's laid over them) and options,
+    typed as the method registry defines them (:mod:`spader_pipeline.algorithms.methods`), what both
+    backends read; an error names the block (``method_where``: ``train_<method>.method``)."""
+    spec = typed_block(f"{method_where}.method", lambda: get_method(method))
+    typed_reward = from_mapping(SpaderRewardConfig, {"tool_round_cost": spec.tool_round_cost, **dict(reward or {})},
+                                where=f"{method_where}.reward (over training.reward)", check_types=True,
+                                enable_exploration=spec.exploration)
+    return typed_reward, from_mapping(spec.options, options, where=f"{method_where}.options", check_types=True)

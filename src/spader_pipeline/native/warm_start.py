@@ -19,15 +19,15 @@ import numpy as np
 import pandas as pd
 
 from spader_pipeline.data.formats import samples_from_verl
-from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.typed_config import from_mapping
 
 logger = logging.getLogger(__name__)
 
 
-def demonstrations(verl_train: pd.DataFrame, params: Mapping[str, Any], index_dir: str,
+def demonstrations(verl_train: pd.DataFrame, params: Mapping[str, Any], search: Any,
                    template: str) -> tuple[list[list[dict]], str]:
-    """The conversations to fine-tune on and where they come from (``scripted`` or the file)."""
+    """The conversations to fine-tune on and where they come from (``scripted`` or the file, which
+    needs no ``search``)."""
     from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
     from spader_pipeline.agent.scripted import ScriptedPolicy
 
@@ -36,12 +36,11 @@ def demonstrations(verl_train: pd.DataFrame, params: Mapping[str, Any], index_di
         return [json.loads(line)["messages"] for line in lines if line.strip()], str(params["data_path"])
     samples = samples_from_verl(verl_train, params.get("max_demonstrations"), int(params.get("seed", 0)))
     rollout = RolloutConfig.from_mapping(params.get("rollout", {}))
-    with search_backend(params.get("search"), index_dir, where="warm_start.search") as search:
-        demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout, template)
+    demos = run_rollouts_sync(samples, ScriptedPolicy(**params.get("scripted", {})), search, rollout, template)
     return [t.messages for t in demos if t.predicted is not None], "scripted"
 
 
-def protocol_check(model, tokenizer, frame: pd.DataFrame | None, index_dir: str, params: Mapping[str, Any],
+def protocol_check(model, tokenizer, frame: pd.DataFrame | None, search: Any, params: Mapping[str, Any],
                    template: str) -> dict[str, float]:
     """Greedy rollouts of the warm-started model on ``check_questions`` validation questions: does
     it speak the protocol (valid turns, an answer) and how much does it recall?"""
@@ -54,8 +53,7 @@ def protocol_check(model, tokenizer, frame: pd.DataFrame | None, index_dir: str,
         return {}
     samples = samples_from_verl(frame, n, seed=1)
     gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
-    with search_backend(params.get("search"), index_dir, where="warm_start.search") as search:
-        trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
+    trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
     turns = [s for t in trajs for s in t.steps]
     recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]
     return {
@@ -65,12 +63,14 @@ def protocol_check(model, tokenizer, frame: pd.DataFrame | None, index_dir: str,
     }
 
 
-def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.DataFrame | None, index_dir: str,
+def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.DataFrame | None, search: Any,
                params: Mapping[str, Any], template: str,
                on_log: Callable[[int, Mapping[str, float]], None] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Fine-tune the model at ``base_path`` on demonstrations into ``params.output_dir``; returns its
     manifest and summary metrics (SFT summary, demonstration count, protocol check, seconds).
-    ``params.device`` places the model (``auto``, the default: CUDA when present, else the CPU)."""
+    ``search``: the open search backend the scripted demonstrations and the protocol check use
+    (``params.search`` over the index, :mod:`spader_pipeline.native.stages`); ``params.device``
+    places the model (``auto``, the default: CUDA when present, else the CPU)."""
     from spader_pipeline.agent.tokens import examples_from_dialogues
     from spader_pipeline.modeling import load_model_and_tokenizer
     from spader_pipeline.modeling.device import resolve_device
@@ -78,7 +78,7 @@ def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.Dat
 
     started = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(base_path, device=resolve_device(params.get("device")))
-    conversations, source = demonstrations(verl_train, params, index_dir, template)
+    conversations, source = demonstrations(verl_train, params, search, template)
     examples = examples_from_dialogues(tokenizer, conversations, model_type=model.config.model_type,
                                        max_length=params.get("max_length"))
     logger.info("warm start on %d demonstrations (%s)", len(examples), source)
@@ -88,7 +88,7 @@ def warm_start(base_path: str, verl_train: pd.DataFrame, verl_validation: pd.Dat
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     metrics = {**summary, "demonstrations": float(len(examples))}
-    metrics.update(protocol_check(model, tokenizer, verl_validation, index_dir, params, template))
+    metrics.update(protocol_check(model, tokenizer, verl_validation, search, params, template))
     metrics["total_seconds"] = time.perf_counter() - started
     manifest = {"path": str(out.resolve()), "source": "warm_start", "base": base_path, "demonstrations": source,
                 "warm_start": True, "device": str(next(model.parameters()).device)}

@@ -45,6 +45,6 @@ def test_summary_averages_the_last_steps():
 
 
 def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="native or verl"):
+    with pytest.raises(ValueError, match=r"training.backend='tpu': use one of \['native', 'verl'\]"):
         train_policy({"path": "x"}, _verl_frame(), {}, {"method": "grpo"}, {"backend": "tpu"},
                      {"template": "t", "templates": {"t": "{question}"}})

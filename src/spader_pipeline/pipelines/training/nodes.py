@@ -1,6 +1,7 @@
-"""Nodes of the training stage. Thin: they pick the settings, run the stages of
-:mod:`spader_pipeline.native.stages` (in a child process with ``subprocess``) or a VERL launch
-(:mod:`spader_pipeline.launch`), and record the runs in MLflow (:mod:`spader_pipeline.tracking`)."""
+"""Nodes of the training stage. Thin: they type the settings (:class:`~spader_pipeline.training.TrainingSettings`),
+run the stages of :mod:`spader_pipeline.native.stages` (in a child process with ``subprocess``) or
+the backend ``training.backend`` names (:mod:`spader_pipeline.training.backends`), and record the
+runs in MLflow (:mod:`spader_pipeline.tracking`)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
+from spader_pipeline.algorithms.validation import validation_subset
 from spader_pipeline.child_process import in_child_process, runs_child_processes
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged
-from spader_pipeline.native.stages import run_training, run_warm_start, validate_start_model
+from spader_pipeline.native.stages import run_warm_start, validate_start_model
 from spader_pipeline.tracking.buffer import active_run_target
-from spader_pipeline.typed_config import from_mapping, method_settings
+from spader_pipeline.training import TrainingSettings
+from spader_pipeline.training.backends import get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +68,19 @@ def warm_start(
 # ----------------------------------------------------------------------------------------------
 
 
-def method_run_identity(
-    init_manifest: Mapping[str, Any], method: Mapping[str, Any], training: Mapping[str, Any]
-) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """Name, tags and parameters of a method's MLflow run.
+def method_run_identity(init_manifest: Mapping[str, Any], settings: TrainingSettings) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Name, tags and parameters of a method's MLflow run (``settings``: with the method's block).
 
     The parameters are what defines the method — its ``train_<method>.method`` block over the shared
     reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``options.gamma``…),
     so MLflow's compare view of two methods' runs shows exactly their differences.
     """
-    name = method["method"]
-    backend = training.get("backend", "native")
-    seed = int(method_settings(training, method, "native").get("seed", 0))
+    name, seed = settings.method_name, settings.seed
     base = init_manifest.get("base") or init_manifest["path"]
-    tags = {"method": name, "backend": backend, "base_model": Path(str(base)).name, "seed": seed,
+    tags = {"method": name, "backend": settings.backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": backend, "seed": seed, **method_settings(training, method)}
-    label = training.get("run_label")  # e.g. "compare": a compare cell's run, told apart at a glance
+    params = {"backend": settings.backend, "seed": seed, **settings.method_parameters()}
+    label = settings.run_label  # e.g. "compare": a compare cell's run, told apart at a glance
     if label:
         tags["chain_kind"] = label
     return f"{label + ' ' if label else ''}{name} seed{seed}", tags, params
@@ -100,7 +98,10 @@ def train_policy(
     warm_start_validation: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
     """Train one method from ``init_manifest``; return the policy manifest, the per-step history
-    and final summary metrics. ``training.backend`` picks the native trainer or a VERL launch.
+    and final summary metrics. ``training`` and the method's block are typed first
+    (:class:`~spader_pipeline.training.TrainingSettings`: a bad key or value stops here, before any
+    child process); ``training.backend`` names the backend that trains
+    (:mod:`spader_pipeline.training.backends`).
 
     With ``verl_validation`` the policy is validated on its fixed subset on ``training.validation``'s
     schedule (:mod:`spader_pipeline.algorithms.validation`): ``val/<source>/…`` per step, step 0 first
@@ -110,48 +111,23 @@ def train_policy(
     same metric keys for every method; VERL joins it through ``MLFLOW_RUN_ID``. The manifest
     records the run id (and the checkpoint's MLflow model id), which evaluation links back to.
     """
-    backend = training.get("backend", "native")
-    if backend not in ("native", "verl"):
-        raise ValueError(f"training.backend={backend!r}: use native or verl")
-    run_name, tags, params = method_run_identity(init_manifest, method, training)
+    settings = TrainingSettings.from_mapping(training, method)
+    backend = get_backend(settings.backend)
+    run_name, tags, params = method_run_identity(init_manifest, settings)
     with tracking.method_run(run_name, tags, params) as run_id:
-        manifest, history = _train(init_manifest, verl_train, index_manifest, method, training, prompt,
-                                   verl_validation, warm_start_validation)
+        try:
+            manifest, history = backend.train(settings, init_manifest=init_manifest, index_manifest=index_manifest,
+                                              verl_train=verl_train, verl_validation=verl_validation,
+                                              start_validation=warm_start_validation, template=settings.template(prompt))
+        except SettingsChanged as changed:  # the trainer's error, with the ways on in Kedro's terms
+            raise changed.with_ways_on(_ways_on(settings.run_dir())) from None
         manifest["mlflow_run_id"] = run_id
         if manifest.get("path"):
-            manifest["mlflow_model_id"] = tracking.register_checkpoint(manifest["path"], name=method["method"],
+            manifest["mlflow_model_id"] = tracking.register_checkpoint(manifest["path"], name=settings.method_name,
                                                                        params=params)
-        summary = _summary(history) if backend == "native" else {}
+        summary = _summary(history) if history else {}
         tracking.log_metrics(summary)
     return manifest, history, summary
-
-
-def _train(init_manifest, verl_train, index_manifest, method, training, prompt, verl_validation=None,
-           warm_start_validation=None):
-    """The training itself: (manifest, per-step history); metrics go to the active (method) run."""
-    name = method["method"]
-    run_dir = Path(training.get("output_dir", "data/06_models")) / f"train_{name}"
-    template = _template(prompt, training.get("prompt_template"))
-    if training.get("backend", "native") == "verl":
-        from spader_pipeline.launch.verl import launch_verl_training
-
-        return launch_verl_training(init_manifest, index_manifest, method, training, run_dir,
-                                    train=verl_train, validation=verl_validation), []
-
-    train = in_child_process(run_training, enabled=training.get("subprocess", True), name=f"train_{name}")
-    try:
-        result = train(method_settings(training, method, "native"), model_path=init_manifest["path"],
-                       verl_train=verl_train, verl_validation=verl_validation, search=training.get("search"),
-                       index_dir=index_manifest["index_dir"], run_dir=run_dir, template=template,
-                       max_train_questions=training.get("max_train_questions"),
-                       validation_settings=validation_settings(training), start_validation=warm_start_validation,
-                       run_target=active_run_target())
-    except SettingsChanged as changed:  # the trainer's error, with the ways on in Kedro's terms
-        raise changed.with_ways_on(_ways_on(run_dir)) from None
-    manifest = {"path": str(result.final_model_dir.resolve()), "method": name, "backend": "native",
-                "steps": result.steps, "run_dir": str(run_dir.resolve()), "init": init_manifest["path"],
-                "resumed_from": result.resumed_from}
-    return manifest, result.history
 
 
 def _ways_on(run_dir: Path) -> tuple[str, str]:
@@ -172,26 +148,19 @@ def validate_warm_start(
 ) -> dict[str, Any]:
     """Step 0 of every method's validation curve, computed once: the start model, greedy, on the
     validation subset with the native trainer's turn limits (``{"identity", "metrics"}``; empty when
-    the schedule has no step 0 or the backend is VERL, whose loop validates on its own). It runs in a
-    child process with ``training.subprocess``, as training does."""
-    settings = validation_settings(training)
-    samples = validation_subset(samples_from_verl(verl_validation), settings.max_questions)
-    if training.get("backend", "native") != "native" or not settings.before_train or not samples:
+    the schedule has no step 0 or the backend validates step 0 itself, as verl's loop does). It runs
+    in a child process with ``training.subprocess``, as training does."""
+    settings = TrainingSettings.from_mapping(training)
+    samples = validation_subset(samples_from_verl(verl_validation), settings.validation.max_questions)
+    if not get_backend(settings.backend).validates_start_model or not settings.validation.before_train or not samples:
         return {}
-    validate = in_child_process(validate_start_model, enabled=training.get("subprocess", True),
-                                name="validate_warm_start")
-    metrics, identity = validate(warm_start_manifest["path"], samples, native=training.get("native"),
-                                 search=training.get("search"), index_dir=index_manifest["index_dir"],
-                                 template=_template(prompt, training.get("prompt_template")),
-                                 batch_size=settings.batch_size)
+    validate = in_child_process(validate_start_model, enabled=settings.subprocess, name="validate_warm_start")
+    metrics, identity = validate(warm_start_manifest["path"], samples, config=settings.start_config(),
+                                 search=settings.search, index_dir=index_manifest["index_dir"],
+                                 template=settings.template(prompt), batch_size=settings.validation.batch_size)
     logger.info("warm start validation (step 0 of every method): %s",
                 ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return {"identity": identity, "metrics": metrics}
-
-
-def validation_settings(training: Mapping[str, Any]) -> ValidationSettings:
-    """``training.validation`` (shared by both backends) as :class:`ValidationSettings`."""
-    return from_mapping(ValidationSettings, training.get("validation"), where="training.validation")
 
 
 def _summary(history: list[dict[str, float]], window: int = 10) -> dict[str, float]:
