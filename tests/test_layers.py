@@ -25,6 +25,12 @@ The order below is the one place it is written. Why each layer sits where it doe
   the chain's order, its report from ``reporting``;
 * the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points.
 
+Inside the packages that have an order (``native``, ``agent``, ``retrieval``, ``modeling``), the
+same rule holds between their modules: :data:`PACKAGE_LAYERS` lists each package's modules bottom
+first, with the reason for the order, and a module imports only modules of lower layers of its
+package (and, as everywhere, lower top-level layers). A package's ``__init__`` (and ``__main__``) is
+its top: it may export any of its modules.
+
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
 resolved.
 """
@@ -56,6 +62,42 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "pipeline_registry", "__main__"),
 )
 LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+#: inside a package, bottom first; ``__init__`` and ``__main__`` are each package's top layer
+PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "native": (
+        ("config", "records", "manifest", "rng"),  # the trainer's settings; what a run writes beside it
+        ("checkpoint", "batch"),  # checkpoints and the resume policy; trajectories laid out as tensors
+        ("update", "validation"),  # the loss and the optimiser step; greedy validation
+        ("metrics",),  # a step's metrics, over its batch and update
+        ("trainer", "warm_start"),  # the RL loop, read top to bottom; the warm start before it
+        ("stages",),  # the chain's native stages and their child-process entries
+    ),
+    "agent": (
+        ("protocol", "prompts", "question_grammar"),  # the tag grammar, the prompt templates, question words
+        ("types", "question_facets"),  # trajectories, sampling and rollout settings; a question's facets
+        ("search_step", "state_capture"),  # one search turn; the states a rollout keeps for the update
+        ("rollout",),  # the agent loop over any Generator
+        ("tokens", "scripted", "openai_backend", "decode_engine"),  # token layout; model-free, remote, local decoding
+        ("hf_backend",),  # the in-process Generator: the token layout over the decode engine
+    ),
+    "retrieval": (
+        ("bm25s_import", "schemas", "budget", "corpus", "rerank"),  # wire types, the corpus, leaves
+        ("tokenize", "wire", "client", "datasets"),  # analysers, the response format, the HTTP client
+        ("bm25",),  # the BM25 index
+        ("bm25_sharded", "dense", "lucene"),  # the indexes over BM25's pieces
+        ("service",),  # searching an index in process
+        ("index", "server"),  # building and loading indexes; the HTTP service
+        ("settings", "cli"),  # where a stage's searches go; the command line
+    ),
+    "modeling": (
+        ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
+         "memory_budget", "packaged"),  # each one concern of running a model
+        ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it
+        ("provide", "warm_start"),  # the base model of a run; supervised fine-tuning
+    ),
+}
+TOP_OF_PACKAGE = ("__init__", "__main__")
 
 
 def module_name(path: Path) -> str:
@@ -109,6 +151,46 @@ def upward_imports() -> list[str]:
     return found
 
 
+def module_of(module: str, package: str) -> str | None:
+    """The module (or subpackage) of ``package`` that ``module`` is or lies in; ``__init__`` for the
+    package itself; ``None`` outside it."""
+    prefix = f"{PACKAGE}.{package}"
+    if module == prefix:
+        return "__init__"
+    return module.split(".")[2] if module.startswith(prefix + ".") else None
+
+
+def upward_imports_in(package: str) -> list[str]:
+    """Imports between the modules of ``package`` that do not point down its :data:`PACKAGE_LAYERS`.
+    A bare import of the package (``from spader_pipeline.native import stages`` also names the
+    package) is not one: only the modules it names count."""
+    rank = {part: k for k, parts in enumerate(PACKAGE_LAYERS[package]) for part in parts}
+    rank.update({top: len(PACKAGE_LAYERS[package]) for top in TOP_OF_PACKAGE})
+    found = []
+    for path in sorted((SRC / package).rglob("*.py")):
+        name = module_name(path)
+        here = module_of(name, package)
+        for line, target in imported_modules(path):
+            there = module_of(target, package)
+            if there is None or there == here or there == "__init__":
+                continue
+            if rank[there] >= rank[here]:
+                found.append(f"{name} (line {line}) imports {target}: {package}.{there} is not below {package}.{here}")
+    return found
+
+
+def test_every_module_of_an_ordered_package_has_a_layer():
+    for package, layers in PACKAGE_LAYERS.items():
+        modules = {module_of(module_name(p), package) for p in (SRC / package).rglob("*.py")}
+        listed = {m for parts in layers for m in parts} | set(TOP_OF_PACKAGE)
+        assert modules - listed == set(), f"add the new module of {package} to PACKAGE_LAYERS"
+        assert {m for parts in layers for m in parts} - modules == set(), f"{package}: a listed module is gone"
+
+
+def test_imports_point_down_inside_ordered_packages():
+    assert [found for package in PACKAGE_LAYERS for found in upward_imports_in(package)] == []
+
+
 def test_every_top_level_module_has_a_layer():
     parts = {part_of(module_name(p)) for p in SRC.rglob("*.py")}
     assert parts - set(LAYER_OF) == set(), "add the new package or module to LAYERS"
@@ -133,3 +215,17 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path, monkeypatch
     assert len(found) == 2
     assert found[0].startswith("spader_pipeline.algorithms.bad (line 2) imports spader_pipeline.launch")
     assert found[1].startswith("spader_pipeline.launch.worse (line 1) imports spader_pipeline.pipelines")
+
+
+def test_the_walk_inside_a_package_sees_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself, inside a package: the trainer's config importing the trainer is found."""
+    root = tmp_path / PACKAGE / "native"
+    root.mkdir(parents=True)
+    (root.parent / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("from .trainer import train\n")
+    (root / "config.py").write_text("def f():\n    from spader_pipeline.native.trainer import train\n")
+    (root / "trainer.py").write_text("from .config import f\nfrom spader_pipeline import native\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path / PACKAGE)
+    assert upward_imports_in("native") == [
+        "spader_pipeline.native.config (line 2) imports spader_pipeline.native.trainer: native.trainer is not "
+        "below native.config"]
