@@ -156,7 +156,8 @@ gpu-resolve: $(STAMP)
 # Each benchmark is a script that times the fast path against the straightforward one in one run
 # and prints the ratio (medians); `--help` on a script lists its sizes and repeat counts.
 BENCHMARKS := bench_algorithms bench_retrieval_bm25 bench_retrieval_server bench_retrieval_dense \
-              bench_retrieval_scale bench_agent_rollout bench_training bench_child_start bench_retire_rows
+              bench_retrieval_scale bench_agent_rollout bench_training bench_child_start bench_retire_rows \
+              bench_decoder_server
 bench: $(STAMP)
 	@for b in $(BENCHMARKS); do \
 	  if [ -f benchmarks/$$b.py ]; then echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; fi; \
