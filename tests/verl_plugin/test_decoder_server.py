@@ -6,6 +6,7 @@ around it is exercised by ``test_verl_real_workers.py``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,12 @@ import torch
 
 pytest.importorskip("verl")
 
-from spader_pipeline.verl_plugin.decoder_rollout.server import DecoderServer, SamplingKey, turn_budget  # noqa: E402
+from spader_pipeline.verl_plugin.decoder_rollout.server import (  # noqa: E402
+    MAX_WAIT_S,
+    DecoderServer,
+    SamplingKey,
+    turn_budget,
+)
 
 PROMPT, RESPONSE, CONTEXT = 64, 32, 128
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
@@ -29,9 +35,9 @@ def model_dir(tmp_path_factory):
     return build_base_model(texts, tmp_path_factory.mktemp("server-model"), spec=spec, vocab_size=300, min_frequency=1)
 
 
-def make_server(model_dir, **kwargs) -> DecoderServer:
-    config = SimpleNamespace(prompt_length=PROMPT, response_length=RESPONSE, max_model_len=CONTEXT, max_num_seqs=64,
-                             dtype="float32", free_cache_engine=True)
+def make_server(model_dir, max_num_seqs: int = 64, **kwargs) -> DecoderServer:
+    config = SimpleNamespace(prompt_length=PROMPT, response_length=RESPONSE, max_model_len=CONTEXT,
+                             max_num_seqs=max_num_seqs, dtype="float32", free_cache_engine=True)
     return DecoderServer(config, SimpleNamespace(local_path=str(model_dir)), **kwargs)
 
 
@@ -158,3 +164,114 @@ def test_weights_arrive_in_buckets_and_every_weight_must_arrive(model_dir):
     updates = server.stats()["weight_updates"]
     assert [u["global_steps"] for u in updates] == [3] and after.extra_fields["global_steps"] == 3
     assert before.log_probs != after.log_probs
+
+
+def test_the_wait_for_stragglers_is_a_share_of_the_decoding_time():
+    from spader_pipeline.verl_plugin.decoder_rollout.server import cohort_wait
+
+    assert cohort_wait(0.1, 0.05) == 0.05  # a fast batch: the window
+    assert cohort_wait(10.0, 0.05) == pytest.approx(0.2)  # 2% of its decoding time
+    assert cohort_wait(600.0, 0.05) == MAX_WAIT_S  # capped
+
+
+def _continue(contexts, outputs, observation=(7, 8, 9, 10)):
+    return [c + list(o.token_ids) + list(observation) for c, o in zip(contexts, outputs, strict=True)]
+
+
+def _fresh_outputs(model_dir, contexts):
+    async def run():
+        other = make_server(model_dir)
+        return await asyncio.gather(*[other.generate(f"f{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                                      for i, c in enumerate(contexts)])
+
+    return asyncio.run(run())
+
+
+def _same_as_fresh(model_dir, contexts, outputs):
+    expected = _fresh_outputs(model_dir, contexts)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    for got, want in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_turn_split_in_two_batches_goes_on_as_two_cohorts_each_continuing_its_cache(model_dir):
+    """Trajectories whose turns were decoded in two batches (one arrived late) come back together: each
+    batch's sequences continue that batch's cache, instead of the later batch's cache alone surviving and
+    every other context being encoded again."""
+    first = prompts(4)
+
+    async def run():
+        server = make_server(model_dir)
+        early = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                       for i, p in enumerate(first[:2])])
+        late = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                      for i, p in enumerate(first[2:])])
+        contexts = _continue(first, early + late)
+        order = [0, 2, 3, 1]  # arrivals mixed
+        second = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=contexts[i], sampling_params=dict(GREEDY))
+                                        for i in order])
+        return server, contexts, [second[order.index(i)] for i in range(4)]
+
+    server, contexts, second = asyncio.run(run())
+    stats = server.stats()
+    assert stats["batch_sizes"] == [2, 2, 2, 2] and stats["kv_reuses"] == 2
+    _same_as_fresh(model_dir, contexts, second)
+
+
+def test_a_straggler_is_prefilled_afresh_and_the_rest_continue_their_cache(model_dir):
+    """A cohort whose sequences do not all come back decodes those that did once its wait is over; the
+    straggler, arriving after, starts a cohort of its own; at the next turn both continue their caches."""
+    first = prompts(4)
+
+    async def run():
+        server = make_server(model_dir)
+        out1 = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                      for i, p in enumerate(first)])
+        contexts2 = _continue(first, out1)
+        out2 = list(await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                                           for i, c in enumerate(contexts2[:3])]))
+        out2.append(await server.generate("b3", prompt_ids=contexts2[3], sampling_params=dict(GREEDY)))
+        contexts3 = _continue(contexts2, out2, observation=(11, 12))
+        out3 = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                                      for i, c in enumerate(contexts3)])
+        return server, contexts2, out2, contexts3, out3
+
+    server, contexts2, out2, contexts3, out3 = asyncio.run(run())
+    stats = server.stats()
+    assert stats["batch_sizes"] == [4, 3, 1, 3, 1] and stats["kv_reuses"] == 3  # turn 2's three; turn 3's both
+    _same_as_fresh(model_dir, contexts2, out2)
+    _same_as_fresh(model_dir, contexts3, out3)
+
+
+def test_a_cohort_all_back_decodes_without_waiting_the_window(model_dir):
+    async def run():
+        server = make_server(model_dir, batch_window_s=5.0)  # fresh requests wait MAX_WAIT_S for company
+        out1 = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                      for i, p in enumerate(prompts(3))])
+        contexts = _continue(prompts(3), out1)
+        started = time.monotonic()
+        await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                               for i, c in enumerate(contexts)])
+        return server, time.monotonic() - started
+
+    server, seconds = asyncio.run(run())
+    assert server.stats()["batch_sizes"] == [3, 3] and server.stats()["kv_reuses"] == 1
+    assert seconds < MAX_WAIT_S  # every sequence of the cohort came back: no wait
+
+
+def test_the_cohorts_caches_hold_at_most_max_num_seqs_rows(model_dir):
+    async def run():
+        server = make_server(model_dir, max_num_seqs=4)
+        outs = []
+        for k in range(3):  # three cohorts of two
+            batch = prompts(6)[2 * k : 2 * k + 2]
+            outs.append(await asyncio.gather(*[server.generate(f"{k}{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                               for i, p in enumerate(batch)]))
+        kept = len(server._decoders)
+        contexts = _continue(prompts(6)[:2], outs[0])  # the first cohort gave its cache up
+        await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+                               for i, c in enumerate(contexts)])
+        return server, kept
+
+    server, kept = asyncio.run(run())
+    assert kept == 2 and server.stats()["kv_reuses"] == 0

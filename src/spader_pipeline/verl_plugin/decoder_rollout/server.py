@@ -2,12 +2,23 @@
 
 verl's agent loops send one assistant turn per request (``generate(request_id, *, prompt_ids,
 sampling_params) -> TokenOutput``), each trajectory on its own, many at once. :class:`DecoderServer`
-gathers the requests that arrive together (within ``batch_window_s`` of each other, or while the
-previous batch decodes) into one batch for :class:`~spader_pipeline.agent.hf_backend.HFGenerator`, the
-in-process decoder the native trainer and evaluation use: KV-cached batches that drop finished rows,
-shared-prefix prefill, and the last batch's cache continued when a request extends a sequence the server
-produced (verl sends every turn under a fresh request id, so continuations are found by their tokens, as a
-prefix cache finds them). Each turn returns its tokens' log-probabilities at the sampling temperature.
+gathers them into batches for :class:`~spader_pipeline.agent.hf_backend.HFGenerator`, the in-process
+decoder the native trainer and evaluation use: KV-cached batches that drop finished rows, shared-prefix
+prefill, and a batch's cache continued by the next turns of its sequences (verl sends every turn under a
+fresh request id, so continuations are found by their tokens, as a prefix cache finds them). Each turn
+returns its tokens' log-probabilities at the sampling temperature.
+
+The sequences one batch produced are a *cohort*; each cohort keeps its own decoder and KV cache, and a
+batch is either the next turns of one cohort (its cache continued: only the new tokens are encoded) or
+requests that continue nothing the server holds (a fresh prefill; it starts a cohort). A cohort's next
+batch starts as soon as every one of its sequences has come back, or once its stragglers have had
+:func:`cohort_wait` (2% of the cohort's last decoding time, between ``batch_window_s`` and
+``MAX_WAIT_S``: trajectories that ended never come back); a straggler that misses the batch loses its cache
+row and is prefilled afresh. So one late request (a slow search, a stalled agent loop) costs a re-prefill of
+its own context, and a turn split in two goes on as two cohorts that each continue their cache, where one
+cache per server would re-encode every context of every later turn. Fresh requests are gathered as they
+arrive (within ``batch_window_s`` of each other, at most ``MAX_WAIT_S`` after the first). The cohorts'
+caches hold at most ``max_num_seqs`` rows together (the least recently decoded cohort gives its cache up).
 
 The per-turn token budget is the one verl's SGLang server applies: ``max_new_tokens`` (or
 ``max_tokens``) when the request sets it, else ``min(response_length, prompt_length +
@@ -38,6 +49,16 @@ logger = logging.getLogger(__name__)
 BATCH_WINDOW_S = 0.05
 #: most time a request waits for others to join its batch
 MAX_WAIT_S = 0.5
+#: a cohort waits for its stragglers at most this share of the time its last batch took to decode
+COHORT_WAIT_SHARE = 0.02
+
+
+def cohort_wait(decode_seconds: float, batch_window_s: float = BATCH_WINDOW_S) -> float:
+    """Seconds after a cohort's batch ended until its next batch starts without the sequences that have
+    not come back: ``COHORT_WAIT_SHARE`` of that batch's decoding time, at least ``batch_window_s``, at
+    most ``MAX_WAIT_S``. A straggler left out costs a prefill of its whole context, which grows with the
+    decoding time; waiting for a trajectory that ended costs idle time, bounded by the share."""
+    return min(MAX_WAIT_S, max(batch_window_s, COHORT_WAIT_SHARE * decode_seconds))
 
 
 def turn_budget(prompt_length: int, sampling_params: dict[str, Any], *, max_model_len: int, prompt_budget: int,
@@ -75,7 +96,46 @@ class SamplingKey:
                    int(top_k) if top_k not in (None, 0) else -1)
 
 
-@dataclass
+#: tokens of a sequence's tail that index it (a lookup compares whole sequences only on a match)
+_TAIL = 8
+
+
+@dataclass(eq=False)
+class _Cohort:
+    """The sequences one batch produced, and the decoder whose KV cache holds them."""
+
+    key: SamplingKey
+    decoder: Any
+    rows: list[str] = field(default_factory=list)  # each cache row's uid, in the decoder's row order
+    finished: float = 0.0  # when its last batch ended (monotonic)
+    decode_seconds: float = 0.0  # how long that batch decoded
+    _produced: dict[tuple[int, ...], list[str]] = field(default_factory=dict)  # sequence → the rows holding it
+    _index: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]] = field(default_factory=dict)  # (length, tail)
+    _lengths: list[int] = field(default_factory=list)  # the sequences' lengths, longest first
+
+    def update(self, produced: list[tuple[tuple[int, ...], str]], decode_seconds: float) -> None:
+        """The batch just decoded: ``(sequence, uid)`` per cache row, in row order."""
+        self.rows = [uid for _, uid in produced]
+        self.decode_seconds, self.finished = decode_seconds, time.monotonic()
+        self._produced, self._index = {}, {}
+        for seq, uid in produced:
+            if seq not in self._produced:
+                self._index.setdefault((len(seq), seq[-_TAIL:]), []).append(seq)
+            self._produced.setdefault(seq, []).append(uid)
+        self._lengths = sorted({n for n, _ in self._index}, reverse=True)
+
+    def find(self, prompt: list[int]) -> list[str]:
+        """The rows holding the longest sequence of the cohort that ``prompt`` starts with (``[]``: none)."""
+        for n in self._lengths:
+            if n <= len(prompt):
+                seqs = self._index.get((n, tuple(prompt[max(0, n - _TAIL) : n])), ())
+                head = tuple(prompt[:n]) if seqs else None
+                if head in seqs:
+                    return self._produced[head]
+        return []
+
+
+@dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]
     budget: int
@@ -83,6 +143,7 @@ class _Request:
     want_log_probs: bool
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
+    cohort: _Cohort | None = None  # whose cache it continues (found on arrival; cleared once that cache moved on)
 
 
 class DecoderServer:
@@ -114,8 +175,8 @@ class DecoderServer:
         self.batch_window_s = batch_window_s
         self.max_batch = max(1, int(getattr(config, "max_num_seqs", 256) or 256))
         self.global_steps: int | None = None
-        self._decoders: dict[SamplingKey, Any] = {}
-        self._last: dict[SamplingKey, dict[tuple[int, ...], str]] = {}  # sequence produced → its cache uid
+        self._cohorts: list[_Cohort] = []  # least recently decoded first
+        self._idle: dict[SamplingKey, list[Any]] = {}  # decoders without a cohort, for the next ones
         self._queue: list[_Request] = []
         self._arrival = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -124,7 +185,8 @@ class DecoderServer:
         self._worker: asyncio.Task | None = None
         self._loaded: set[str] = set()  # the weights of the update in progress
         self.stats_: dict[str, Any] = {"requests": 0, "batches": 0, "batch_sizes": [], "generated_tokens": 0,
-                                       "decode_seconds": 0.0, "weight_updates": [], "aborted": 0}
+                                       "decode_seconds": 0.0, "kv_reuses": 0, "stragglers": 0, "weight_updates": [],
+                                       "aborted": 0}
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -146,6 +208,7 @@ class DecoderServer:
         if self._reject:
             return self._aborted(want)
         request = _Request(prompt, budget, SamplingKey.of(params), want, asyncio.get_running_loop().create_future())
+        request.cohort = next((c for c in self._cohorts if c.key == request.key and c.find(prompt)), None)
         self._queue.append(request)
         self._arrival.set()
         if self._worker is None or self._worker.done():
@@ -160,28 +223,24 @@ class DecoderServer:
                            extra_fields={"global_steps": self.global_steps})
 
     async def _serve(self) -> None:
-        """Decode batches while requests wait: each batch takes the requests that arrived within
-        ``batch_window_s`` of each other (at most ``MAX_WAIT_S`` after the first), one sampling key."""
+        """Decode batches while requests wait: the first group (a cohort's next turns, or the fresh
+        requests of a sampling key) that is ready, in the order of their oldest request (module docstring)."""
         while self._queue:
             await self._resumed.wait()
-            first = self._queue[0].arrived
-            while len(self._queue) < self.max_batch:
-                self._arrival.clear()
-                left = MAX_WAIT_S - (time.monotonic() - first)
-                if left <= 0:
-                    break
+            self._arrival.clear()
+            batch, wake = self._ready()
+            if batch is None:
                 try:
-                    await asyncio.wait_for(self._arrival.wait(), timeout=min(self.batch_window_s, left))
+                    await asyncio.wait_for(self._arrival.wait(), timeout=max(0.0, wake - time.monotonic()))
                 except asyncio.TimeoutError:
-                    break
+                    pass
+                continue
             if not self._resumed.is_set():
                 continue
-            key = self._queue[0].key
-            batch = [r for r in self._queue if r.key == key][: self.max_batch]
             taken = set(map(id, batch))
             self._queue = [r for r in self._queue if id(r) not in taken]
             try:
-                outputs = await self._decode(key, batch)
+                outputs = await self._decode(batch)
             except Exception as exc:  # every waiting request learns why
                 for request in batch:
                     if not request.done.done():
@@ -191,61 +250,114 @@ class DecoderServer:
                 if not request.done.done():
                     request.done.set_result(output)
 
-    def _decoder(self, key: SamplingKey) -> Any:
+    def _ready(self) -> tuple[list[_Request] | None, float]:
+        """The batch to decode now (``None``: none is ready) and, when none is, the time to look again."""
+        now, wake = time.monotonic(), float("inf")
+        groups: dict[tuple[SamplingKey, int], list[_Request]] = {}
+        for request in self._queue:  # grouped in the order of their oldest request
+            groups.setdefault((request.key, id(request.cohort)), []).append(request)
+        for group in groups.values():
+            cohort = group[0].cohort
+            if cohort is not None:  # all its sequences are back, or the rest had their time
+                due = cohort.finished + cohort_wait(cohort.decode_seconds, self.batch_window_s)
+                ready = len(group) >= min(len(cohort.rows), self.max_batch)
+            else:  # fresh: none arrived for a window, or the first waited long enough
+                due = min(group[-1].arrived + self.batch_window_s, group[0].arrived + MAX_WAIT_S)
+                ready = len(group) >= self.max_batch
+            if ready or now >= due:
+                return group[: self.max_batch], now
+            wake = min(wake, due)
+        return None, wake
+
+    def _new_cohort(self, key: SamplingKey) -> _Cohort:
         from spader_pipeline.agent.hf_backend import HFGenerator
         from spader_pipeline.agent.types import SamplingParams
 
-        if key not in self._decoders:
+        idle = self._idle.get(key)
+        if idle:
+            decoder = idle.pop()
+        else:
             sampling = SamplingParams(temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
                                       max_new_tokens=self.max_model_len)
-            self._decoders[key] = HFGenerator(self.model, self.tokenizer, sampling, max_prompt_tokens=self.max_model_len,
-                                              micro_batch_size=self.max_batch, bf16=self.bf16, return_log_probs=True)
-        return self._decoders[key]
+            decoder = HFGenerator(self.model, self.tokenizer, sampling, max_prompt_tokens=self.max_model_len,
+                                  micro_batch_size=self.max_batch, bf16=self.bf16, return_log_probs=True)
+        cohort = _Cohort(key, decoder)
+        self._cohorts.append(cohort)
+        return cohort
 
-    async def _decode(self, key: SamplingKey, batch: list[_Request]) -> list[Any]:
-        """One batch through the decoder; a request continuing a sequence of the key's last batch keeps
-        that sequence's cache row (the decoder continues its cache when every row does)."""
+    async def _drop(self, cohort: _Cohort) -> None:
+        """Free a cohort's cache (its decoder waits for the next cohort); its queued requests start afresh."""
+        self._cohorts.remove(cohort)
+        await cohort.decoder.aclose()
+        self._idle.setdefault(cohort.key, []).append(cohort.decoder)
+        for request in self._queue:
+            if request.cohort is cohort:
+                request.cohort = None
+
+    @property
+    def _decoders(self) -> dict[int, Any]:
+        """Every cohort's decoder (tests read their counters)."""
+        return {id(c): c.decoder for c in self._cohorts}
+
+    async def _decode(self, batch: list[_Request]) -> list[Any]:
+        """One batch through a decoder: a cohort's next turns continue its cache (in its row order), fresh
+        requests start a new cohort."""
         from verl.workers.rollout.replica import TokenOutput
 
         from spader_pipeline.agent.types import RolloutState
 
-        decoder = self._decoder(key)
-        produced = self._last.get(key, {})
-        rows = {uid: row for row, uid in enumerate(produced.values())}
-        lengths = sorted({len(seq) for seq in produced}, reverse=True)
-        states = []
-        for request in batch:
-            uid = next((produced[head] for n in lengths if n <= len(request.prompt_ids)
-                        and (head := tuple(request.prompt_ids[:n])) in produced), None)
-            states.append(RolloutState(sample={}, messages=[], token_ids=list(request.prompt_ids),
-                                       prompt_length=len(request.prompt_ids), max_response_tokens=request.budget,
-                                       **({"uid": uid} if uid is not None else {})))
-        if len({s.uid for s in states}) < len(states):  # two requests continue one sequence: start afresh
-            for state in states:
-                state.uid = RolloutState(sample={}, messages=[]).uid
+        cohort, uids = batch[0].cohort, []
+        if cohort is not None:  # each request a row of its own (identical sequences: one row each)
+            for request in batch:
+                uids.append(next((uid for uid in cohort.find(request.prompt_ids) if uid not in uids), None))
+        if cohort is None or None in uids:  # (more requests continue a sequence than rows hold it: afresh)
+            cohort, uids = self._new_cohort(batch[0].key), [None] * len(batch)
+        states = [RolloutState(sample={}, messages=[], token_ids=list(r.prompt_ids), prompt_length=len(r.prompt_ids),
+                               max_response_tokens=r.budget, **({"uid": uid} if uid is not None else {}))
+                  for r, uid in zip(batch, uids, strict=True)]
+        rows = {uid: row for row, uid in enumerate(cohort.rows)}
         order = sorted(range(len(batch)), key=lambda i: rows.get(states[i].uid, len(rows) + i))
+        decoder = cohort.decoder
+        reuses = decoder.kv_reuses
         started = time.perf_counter()
-        turns = await decoder.generate([states[i] for i in order])
-        self.stats_["decode_seconds"] += time.perf_counter() - started
+        try:
+            turns = await decoder.generate([states[i] for i in order])
+        except Exception:
+            if cohort in self._cohorts:  # its cache is in no known state
+                await self._drop(cohort)
+            raise
+        seconds = time.perf_counter() - started
+        self.stats_["decode_seconds"] += seconds
         self.stats_["batches"] += 1
         self.stats_["batch_sizes"].append(len(batch))
+        self.stats_["kv_reuses"] += decoder.kv_reuses - reuses
         outputs: list[Any] = [None] * len(batch)
-        last: dict[tuple[int, ...], str] = {}
+        produced: list[tuple[tuple[int, ...], str]] = []
         for i, turn in zip(order, turns, strict=True):
             ids = list(turn.token_ids or ())
             self.stats_["generated_tokens"] += len(ids)
-            last[tuple(batch[i].prompt_ids + ids)] = states[i].uid
+            produced.append((tuple(batch[i].prompt_ids + ids), states[i].uid))
             outputs[i] = TokenOutput(token_ids=ids, log_probs=list(turn.logprobs or ()) if batch[i].want_log_probs else None,
                                      stop_reason="completed", extra_fields={"global_steps": self.global_steps})
-        self._last[key] = last
+        if cohort not in self._cohorts:  # its cache was cleared while it decoded (a weight update)
+            await decoder.aclose()
+            return outputs
+        cohort.update(produced, seconds)
+        self._cohorts.remove(cohort)
+        self._cohorts.append(cohort)  # the most recently decoded last
+        for request in self._queue:  # its stragglers: their rows left the cache with this batch
+            if request.cohort is cohort:
+                request.cohort = None
+                self.stats_["stragglers"] += 1
+        while sum(len(c.rows) for c in self._cohorts) > self.max_batch and self._cohorts[0] is not cohort:
+            await self._drop(self._cohorts[0])
         return outputs
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def clear_kv_cache(self) -> None:
-        for decoder in self._decoders.values():
-            await decoder.aclose()
-        self._last.clear()
+        for cohort in list(self._cohorts):
+            await self._drop(cohort)
 
     async def release_kv_cache(self) -> None:
         await self.clear_kv_cache()
