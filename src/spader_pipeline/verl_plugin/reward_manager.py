@@ -277,22 +277,10 @@ def reward_inputs_from_payloads(
     if len(payloads) != bsz:
         raise ValueError(f"{len(payloads)} payloads for a batch of {bsz}")
     layout = segment_steps(response_mask)
-    width = layout.max_steps
-    n_ent = max((int(p["num_gt"]) for p in payloads), default=0)
-    found = torch.zeros((bsz, width, n_ent), dtype=torch.bool)
-    queries = torch.zeros((bsz, width))
-    unaligned: set[int] = set()
-    for i, p in enumerate(payloads):
-        if p.get("split") == "text" and len(p["found"]) != int(layout.num_steps[i]):
-            # Steps split from decoded text do not match the model-token runs (e.g. a model turn that
-            # forges a <tool_response> block): no step credit or cost can be placed safely.
-            unaligned.add(i)
-            continue
-        for s, ents in enumerate(p["found"][:width]):
-            if ents:
-                found[i, s, ents] = True
-        q = p["queries"][:width]
-        queries[i, : len(q)] = torch.tensor(q, dtype=torch.float32)
+    # Steps split from decoded text that do not match the model-token runs (e.g. a model turn that
+    # forges a <tool_response> block): no step credit or cost can be placed safely on them.
+    unaligned = {i for i, p in enumerate(payloads)
+                 if p.get("split") == "text" and len(p["found"]) != int(layout.num_steps[i])}
     if unaligned:
         logger.warning(
             "spader reward: %d of %d samples had text-split steps not matching the mask", len(unaligned), bsz
@@ -306,13 +294,14 @@ def reward_inputs_from_payloads(
                 "to accept step 0."
             )
         global_step = 0
-    inputs = RewardInputs(
-        f1=torch.tensor([float(p["f1"]) for p in payloads]),
-        exact_match=torch.tensor([float(p.get("exact_match", 0.0)) for p in payloads]),
-        format_ok=torch.tensor([bool(p["format_ok"]) for p in payloads]),
-        found=found,
-        num_gt=torch.tensor([int(p["num_gt"]) for p in payloads]),
-        query_counts=queries,
+    inputs = RewardInputs.from_steps(
+        f1=[p["f1"] for p in payloads],
+        exact_match=[p.get("exact_match", 0.0) for p in payloads],
+        format_ok=[p["format_ok"] for p in payloads],
+        num_gt=[p["num_gt"] for p in payloads],
+        found=[[] if i in unaligned else p["found"] for i, p in enumerate(payloads)],
+        query_counts=[[] if i in unaligned else p["queries"] for i, p in enumerate(payloads)],
+        steps=layout.max_steps,
         step_documents=[[] if i in unaligned else [list(d) for d in p.get("docs", [])] for i, p in enumerate(payloads)],
         step_thinks=[list(p.get("thinks", [])) for p in payloads],
     )
