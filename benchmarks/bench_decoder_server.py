@@ -1,7 +1,7 @@
 """The rollout server on our decoder vs ``HFGenerator``: N concurrent agent trajectories, tokens per second.
 
     .venv/bin/python benchmarks/bench_decoder_server.py [--sizes 16,64] [--repeats 3] [--threads 1]
-        [--model-dir data/06_models/base_model] [--max-turns 6] [--max-new-tokens 96]
+        [--model-dir data/06_models/base_model] [--max-turns 6] [--max-new-tokens 96] [--search-delay-ms 0]
 
 Issue 55, item 1: the rollout server verl calls (:class:`~spader_pipeline.verl_plugin.decoder_rollout.server.DecoderServer`)
 must reach at least 0.8x the tokens per second of ``HFGenerator`` on the same model and shapes, for 16
@@ -24,12 +24,15 @@ and 64 concurrent agent requests. The workload is the project's multi-turn searc
   sends it with ``rollout.custom.max_turn_tokens: 96`` and as the reference caps a row: same shapes.
 
 Both use the same token layout (``TokenLayout``; the server's agent loops run its hooks in the thread
-pool, as verl's do, ``HFGenerator`` inline), the same questions and
-``torch.manual_seed`` per repeat; the trajectories are sampled, so they differ between the two (and so
-do their token counts): the rate is model-written tokens (``response_mask`` ones) over the rollout's
+pool, as verl's do, ``HFGenerator`` inline), the same questions and ``torch.manual_seed`` per repeat;
+the trajectories are sampled, so they may differ between the two (when the server's batches are the
+reference's rounds in the same row order, they are the same tokens): the rate is model-written tokens (``response_mask`` ones) over the rollout's
 wall time, searches included. Each repeat runs both, in alternating order; printed: medians, the
-ratio server / HFGenerator, the server's batches (count, sizes) and KV-cache continuations, and the
-machine (CPU, threads, bf16, load average before and after).
+ratio server / HFGenerator (also per CPU-second of the process: the machine is shared), the server's
+batches (count, sizes), KV-cache continuations and stragglers (requests whose batch left without them),
+and the machine (CPU, threads, bf16, load average before and after). ``--search-delay-ms D`` delays each
+search by a uniform 0-D ms (a retrieval service): a round's turns then come back spread out, as they do
+from verl's agent loop workers, and the server must still batch them and continue their caches.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import argparse
 import asyncio
 import os
 import platform
+import random
 import statistics
 import subprocess
 import tempfile
@@ -133,6 +137,22 @@ class ServerGenerator:
         return list(await asyncio.gather(*(one(s) for s in states)))
 
 
+class DelayedSearch:
+    """The search backend answering after a uniform random delay of up to ``max_seconds`` (a retrieval
+    service's latency, ``--search-delay-ms``): some turns of a round then come back later than others."""
+
+    def __init__(self, search: Any, max_seconds: float) -> None:
+        self.inner, self.max_seconds = search, max_seconds
+        self.random = random.Random(0)
+
+    def reseed(self, seed: int) -> None:  # the same delays for both runs of a repeat
+        self.random = random.Random(seed)
+
+    async def search(self, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.random.uniform(0.0, self.max_seconds))
+        return await self.inner.search(*args, **kwargs)
+
+
 def model_tokens(trajectories: list[Any]) -> int:
     return sum(sum(t.response_mask or ()) for t in trajectories)
 
@@ -165,6 +185,8 @@ class Bench:
                                                                       max_new_tokens=self.max_new_tokens),
                           max_prompt_tokens=self.max_prompt_tokens, micro_batch_size=len(samples), bf16=self.bf16)
         torch.manual_seed(seed)
+        if isinstance(self.search, DelayedSearch):
+            self.search.reseed(seed)
         started, cpu = time.perf_counter(), time.process_time()
         trajectories = await run_rollouts(samples, gen, self.search, self.rollout, self.template)
         seconds = time.perf_counter() - started
@@ -183,8 +205,9 @@ class Bench:
                   "logprobs": True}
         stats = server.stats_
         before = {k: (list(v) if isinstance(v, list) else v) for k, v in stats.items()}
-        reuses_before = sum(d.kv_reuses for d in server._decoders.values())
         torch.manual_seed(seed)
+        if isinstance(self.search, DelayedSearch):
+            self.search.reseed(seed)
         started, cpu = time.perf_counter(), time.process_time()
         # one agent loop per trajectory, all at once (verl's AgentLoopWorker), each its own generator
         results = await asyncio.gather(*(
@@ -196,7 +219,8 @@ class Bench:
         sizes = stats["batch_sizes"][len(before["batch_sizes"]):]
         return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "tokens": model_tokens(trajectories),
                 "model_seconds": stats["decode_seconds"] - before["decode_seconds"], "batches": sizes,
-                "kv_reuses": sum(d.kv_reuses for d in server._decoders.values()) - reuses_before,
+                "kv_reuses": stats["kv_reuses"] - before["kv_reuses"],
+                "stragglers": stats["stragglers"] - before["stragglers"],
                 "turns": sum(len(t.steps) for t in trajectories)}
 
 
@@ -246,6 +270,8 @@ async def run(args: argparse.Namespace) -> None:
                                      max_num_seqs=max(sizes), dtype="bfloat16", free_cache_engine=True, seed=args.seed)
             server = DecoderServer(config, SimpleNamespace(local_path=str(folder)))
             assert server.bf16 == bf16, "the server decides bf16 as the trainer does"
+            if args.search_delay_ms:
+                search = DelayedSearch(search, args.search_delay_ms / 1000)
             bench = Bench(args, model, tokenizer, server, search, template, bf16)
             load = os.getloadavg()
             print(f"machine: {machine()}; bf16 autocast: {bf16}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
@@ -265,12 +291,14 @@ async def run(args: argparse.Namespace) -> None:
                         print(f"  repeat {repeat} N={n:3d} {name:11s}: {result['tokens'] / result['seconds']:6.1f} tok/s, "
                               f"{result['tokens'] / result['cpu_seconds']:6.1f} tok/CPU-s ({result['tokens']} tokens, "
                               f"{result['turns']} turns, {result['seconds']:.1f} s, model {result['model_seconds']:.1f} s, "
-                              f"batches {_sizes(result['batches'])}, kv reuses {result['kv_reuses']}; "
+                              f"batches {_sizes(result['batches'])}, kv reuses {result['kv_reuses']}"
+                              + (f", stragglers {result['stragglers']}" if "stragglers" in result else "") + "; "
                               f"load {result['load']:.2f})", flush=True)
     load_after = os.getloadavg()
     rollout = bench.rollout
     print(f"\nDecoder server vs HFGenerator, {folder.name}: {rollout.max_turns} turns x {bench.max_new_tokens} tokens max, "
-          f"{rollout.max_response_tokens} response tokens, T={bench.temperature}, groups of {group}; median of "
+          f"{rollout.max_response_tokens} response tokens, T={bench.temperature}, groups of {group}, search delay "
+          f"0-{args.search_delay_ms:.0f} ms; median of "
           f"{args.repeats} (order alternating); load average {load[0]:.2f} -> {load_after[0]:.2f}")
     print(f"{'N':>4s} {'HFGenerator tok/s':>18s} {'server tok/s':>13s} {'ratio':>6s} {'ratio (CPU-s)':>13s}  "
           f"server batches (median run), kv reuses")
@@ -298,6 +326,8 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=None, help="default: training.rollout's")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens a turn (default: training.native's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--search-delay-ms", type=float, default=0.0,
+                        help="each search answers after a uniform random delay up to this (a retrieval service)")
     args = parser.parse_args()
     try:
         import verl  # noqa: F401
