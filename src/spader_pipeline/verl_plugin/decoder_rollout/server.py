@@ -18,7 +18,8 @@ row and is prefilled afresh. So one late request (a slow search, a stalled agent
 its own context, and a turn split in two goes on as two cohorts that each continue their cache, where one
 cache per server would re-encode every context of every later turn. Fresh requests are gathered as they
 arrive (within ``batch_window_s`` of each other, at most ``MAX_WAIT_S`` after the first). The cohorts'
-caches hold at most ``max_num_seqs`` rows together (the least recently decoded cohort gives its cache up).
+caches hold at most ``max_num_seqs`` rows together, the batch being decoded included (the least recently
+decoded cohorts give theirs up first).
 
 The per-turn token budget is the one verl's SGLang server applies: ``max_new_tokens`` (or
 ``max_tokens``) when the request sets it, else ``min(response_length, prompt_length +
@@ -315,6 +316,10 @@ class DecoderServer:
         states = [RolloutState(sample={}, messages=[], token_ids=list(r.prompt_ids), prompt_length=len(r.prompt_ids),
                                max_response_tokens=r.budget, **({"uid": uid} if uid is not None else {}))
                   for r, uid in zip(batch, uids, strict=True)]
+        for old in [c for c in self._cohorts if c is not cohort]:  # room for the batch: least recently decoded first
+            if sum(len(c.rows) for c in self._cohorts if c is not cohort) + len(batch) <= self.max_batch:
+                break
+            await self._drop(old)
         rows = {uid: row for row, uid in enumerate(cohort.rows)}
         order = sorted(range(len(batch)), key=lambda i: rows.get(states[i].uid, len(rows) + i))
         decoder = cohort.decoder
@@ -349,8 +354,6 @@ class DecoderServer:
             if request.cohort is cohort:
                 request.cohort = None
                 self.stats_["stragglers"] += 1
-        while sum(len(c.rows) for c in self._cohorts) > self.max_batch and self._cohorts[0] is not cohort:
-            await self._drop(self._cohorts[0])
         return outputs
 
     # ---- lifecycle --------------------------------------------------------------------------
