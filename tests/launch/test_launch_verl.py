@@ -135,6 +135,32 @@ def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path
     assert launch.env["RAY_ADDRESS"] == "10.0.0.1:6379"
 
 
+def test_the_cpu_platform_loads_first_reaches_every_worker_and_comes_before_the_runs_overrides(params, tmp_path,
+                                                                                              monkeypatch):
+    """``training.verl.platform: cpu``: the CPU platform module before the plugin and ``VERL_PLATFORM=cpu``,
+    in the launch and in every Ray worker; the ranks as Ray GPUs of the local Ray; the CPU's settings
+    first, so the run's own overrides win; an unknown platform is refused."""
+    from spader_pipeline.launch.command import CPU_PLATFORM_MODULE, cpu_platform_overrides
+
+    monkeypatch.chdir(ROOT)
+    launch = _launch(params, tmp_path, platform="cpu", n_gpus_per_node=2,
+                     overrides=["actor_rollout_ref.rollout.name=my_engine"])
+    assert launch.env["VERL_PLATFORM"] == "cpu"
+    assert launch.env["VERL_USE_EXTERNAL_MODULES"].split(",")[:2] == [CPU_PLATFORM_MODULE, PLUGIN_MODULE]
+    assert "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu" in launch.argv
+    assert "++ray_kwargs.ray_init.num_gpus=2" in launch.argv
+    cpu = cpu_platform_overrides(2)
+    assert all(o in launch.argv for o in cpu)
+    ours, theirs = launch.argv.index("actor_rollout_ref.rollout.name=spader_decoder"), launch.argv.index(
+        "actor_rollout_ref.rollout.name=my_engine")
+    assert ours < theirs
+    on_a_cluster = _launch(params, tmp_path, platform="cpu", ray_address="10.0.0.1:6379")
+    assert not any("ray_init.num_gpus" in a for a in on_a_cluster.argv)  # the cluster declares its own
+    assert "VERL_PLATFORM" not in _launch(params, tmp_path).env
+    with pytest.raises(ValueError, match="platform='tpu'"):
+        _launch(params, tmp_path, platform="tpu")
+
+
 def test_environment_keeps_other_external_modules():
     env = verl_environment(tracking_uri=None, run_id=None, base={"VERL_USE_EXTERNAL_MODULES": "other.mod"})
     assert env["VERL_USE_EXTERNAL_MODULES"] == f"other.mod,{PLUGIN_MODULE}" and "MLFLOW_RUN_ID" not in env
@@ -160,6 +186,20 @@ def test_generated_command_composes_with_cfg_job(launch, tmp_path):
     assert cfg["ray_kwargs"]["ray_init"]["address"] == "10.0.0.1:6379"
     # with a run to log into, verl writes its metrics to a file the launcher ships (docs/reliability.md)
     assert "file" in cfg["trainer"]["logger"] and "mlflow" not in cfg["trainer"]["logger"]
+
+
+@pytest.mark.slow
+def test_a_cpu_launch_composes_with_cfg_job(params, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    launch = _launch(params, tmp_path, platform="cpu", n_gpus_per_node=1)
+    proc = subprocess.run([*launch.argv, "--cfg", "job"], capture_output=True, text=True, timeout=300,
+                          env=launch.env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["ray_kwargs"]["ray_init"]["num_gpus"] == 1 and cfg["trainer"]["device"] == "cpu"
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "spader_decoder"
+    assert cfg["actor_rollout_ref"]["actor"]["strategy"] == "fsdp2"
+    assert cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
 
 
 def test_failure_becomes_an_error_with_the_log_tail(tmp_path):

@@ -23,6 +23,8 @@ from typing import Any
 
 import pandas as pd
 
+from spader_pipeline.launch.command import cpu_platform_overrides
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
@@ -46,20 +48,14 @@ QUESTIONS = [
     ("validation", "v2", "Which country in East Africa is there?", [["Kenya"]]),
 ]
 
-#: verl's real workers on the CPU platform: FSDP2 (FSDP1 refuses CPU parameters), sdpa attention (the
-#: default is flash-attention 2), our decoder as the rollout server with its log-probs, fp32 on both
-#: sides (so the server's log-probs equal the actor's), no torch.compile
+#: verl's real workers on the CPU platform, as the launcher runs them (``training.verl.platform: cpu``,
+#: :func:`~spader_pipeline.launch.command.cpu_platform_overrides`), in fp32 on both sides (so the
+#: server's log-probs equal the actor's)
 REAL_WORKER_OVERRIDES = (
-    "actor_rollout_ref.rollout.name=spader_decoder",
-    "actor_rollout_ref.rollout.calculate_log_probs=true",
+    *cpu_platform_overrides(None),  # the tests start their own Ray (local_ray)
     "actor_rollout_ref.rollout.dtype=float32",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
     "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
-    "actor_rollout_ref.actor.use_torch_compile=false",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
-    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
 )
 
 #: the stand-ins' weight sync (:class:`verl_cpu_boundary.NoopCheckpointManager`)

@@ -25,11 +25,13 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PLUGIN_MODULE = "spader_pipeline.verl_plugin"
+#: loaded before the plugin where verl runs on the CPU (it registers the platform verl resolves first)
+CPU_PLATFORM_MODULE = "spader_pipeline.verl_plugin.cpu"
 
 #: Hugging Face ``model_type`` → the paper schedule group ``conf/base/verl/spader_model/<name>.yaml``
 MODEL_FAMILIES = {"qwen3": "qwen3_8b", "qwen2": "qwen3_8b", "llama": "llama3_8b"}
 #: environment variables of the launch that every Ray worker needs too
-FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_HUB_OFFLINE",
+FORWARDED_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "HF_HUB_OFFLINE",
                  "TOKENIZERS_PARALLELISM", "VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV)
 
 
@@ -131,14 +133,38 @@ def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
             for key in FORWARDED_ENV if env.get(key)]
 
 
+def cpu_platform_overrides(ranks: int | None) -> list[str]:
+    """What verl's workers need to run on the CPU (docs/training.md, "verl on a CPU"), before the run's
+    own overrides: the ``ranks`` trainer ranks of the local Ray declared as the Ray GPUs verl's resource
+    pools ask for (``None``: a cluster started elsewhere declares them), FSDP2 (FSDP1 refuses CPU
+    parameters), sdpa attention (verl's default is flash-attention 2), our decoder as the rollout server
+    with its log-probs, and no torch.compile (a CPU compile costs more than a short run saves)."""
+    return [
+        *([f"++ray_kwargs.ray_init.num_gpus={int(ranks)}"] if ranks is not None else []),
+        "trainer.device=cpu",
+        "actor_rollout_ref.rollout.name=spader_decoder",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "++actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.actor.use_torch_compile=false",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
+    ]
+
+
 def verl_environment(
-    *, tracking_uri: str | None, run_id: str | None, ray_address: str | None = None, base: Mapping[str, str] | None = None
+    *, tracking_uri: str | None, run_id: str | None, ray_address: str | None = None, base: Mapping[str, str] | None = None,
+    platform: str | None = None,
 ) -> dict[str, str]:
-    """Environment of the VERL process (``base`` defaults to this process's environment)."""
+    """Environment of the VERL process (``base`` defaults to this process's environment); ``platform``
+    ``"cpu"``: the CPU platform module first and ``VERL_PLATFORM=cpu``."""
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     if PLUGIN_MODULE not in modules:
         modules.append(PLUGIN_MODULE)
+    if platform == "cpu":
+        modules = [CPU_PLATFORM_MODULE, *(m for m in modules if m != CPU_PLATFORM_MODULE)]
+        env["VERL_PLATFORM"] = "cpu"
     env["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -176,9 +202,12 @@ def build_launch(
     params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config,
                              data_files=files)
     ray_address = verl.ray_address
+    if verl.platform == "cpu":  # the run's own overrides after these
+        ranks = None if ray_address else verl.n_gpus_per_node
+        params["overrides"] = [*cpu_platform_overrides(ranks), *params["overrides"]]
     if ray_address:
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
-    env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address)
+    env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address, platform=verl.platform)
     metrics_files = metrics_to_files(params, env, run_dir) if run_id else []
     params["overrides"] = [*params["overrides"], *ray_env_overrides(env)]
     argv = main_ppo_argv(params, config_dir, python=python)

@@ -11,6 +11,8 @@ from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_sett
 from spader_pipeline.typed_config import from_mapping
 
 DEFAULT_CONFIG_DIR = Path("conf/base/verl")
+#: ``training.verl.platform`` values (``None``: verl detects the accelerator)
+PLATFORMS = (None, "cpu")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,14 @@ class VerlSettings:
     """lines of VERL's log kept for the error message when it fails"""
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     """the search tool's retrieval service (``mode: local`` is refused: the agent loop searches over HTTP)"""
+    platform: str | None = None
+    """``cpu``: verl's own workers on this machine's CPU, ``n_gpus_per_node`` trainer ranks, our decoder as
+    the rollout server (:mod:`spader_pipeline.verl_plugin.cpu`; docs/training.md, "verl on a CPU");
+    ``None``: verl's own platform detection (GPUs)"""
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform={self.platform!r}: use one of {[p for p in PLATFORMS if p]} or null")
 
 
 def verl_settings(training: Mapping[str, Any] | Any) -> VerlSettings:
