@@ -4,18 +4,50 @@ verl's MLflow tracker logs each step synchronously (a down server blocks it, the
 with a run to log into, verl's ``file`` tracker and our plugin's step metrics write local JSON lines
 instead (:func:`metrics_to_files`), and :func:`following` ships their lines from the Kedro process
 through a buffered writer while the launch runs (docs/reliability.md).
+
+A verl run's MLflow run carries the native trainer's names too: our plugin logs the rollout's metrics
+under them (``method_reward/*``, ``answer/*``, ``rollout/*``, ``adv/*``, ``group/*``, ``val/*``), and
+:data:`NATIVE_NAMES` adds them for the terms of verl's update and its timings (verl's own names stay).
+:func:`training_history` reads both files back as the per-step history the report draws.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from spader_pipeline.tracking.buffer import active_run_writer
-from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl
+from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl, parse_metrics_line
+
+#: verl's name of a term of its update or of a timing → the native trainer's name of the same quantity
+#: (verl's PPO loss and aggregation on both: tests/verl_plugin/test_verl_native_parity.py)
+NATIVE_NAMES = {
+    "actor/pg_loss": "loss/policy",
+    "actor/kl_loss": "loss/kl",
+    "actor/entropy": "policy/entropy",
+    "actor/pg_clipfrac": "policy/clipfrac",
+    "actor/pg_clipfrac_lower": "policy/clipfrac_lower",
+    "actor/ppo_kl": "policy/approx_kl",
+    "actor/grad_norm": "optim/grad_norm",
+    "actor/lr": "optim/lr",
+    "timing_s/step": "perf/step_seconds",
+    "timing_s/gen": "perf/rollout_seconds",
+    "timing_s/update_actor": "perf/update_seconds",
+    "timing_s/update_weights": "perf/weight_sync_seconds",
+    "timing_s/old_log_prob": "perf/old_log_prob_seconds",
+    "timing_s/ref": "perf/reference_seconds",
+    "timing_s/testing": "perf/validation_seconds",
+}
+#: the files a launch's metrics go to, in ``run_dir``: verl's tracker's, then our plugin's
+METRICS_FILES = ("verl_metrics.jsonl", "step_metrics.jsonl")
+
+
+def with_native_names(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` plus, for each verl name of :data:`NATIVE_NAMES` among them, the native name."""
+    return {**metrics, **{NATIVE_NAMES[k]: v for k, v in metrics.items() if k in NATIVE_NAMES}}
 
 
 def metrics_to_files(params: dict[str, Any], env: dict[str, str], run_dir: Path) -> list[Path]:
@@ -26,7 +58,7 @@ def metrics_to_files(params: dict[str, Any], env: dict[str, str], run_dir: Path)
     if "mlflow" not in params["logger"]:
         return []
     params["logger"] = list(dict.fromkeys("file" if b == "mlflow" else b for b in params["logger"]))
-    files = [(run_dir / "verl_metrics.jsonl").resolve(), (run_dir / "step_metrics.jsonl").resolve()]
+    files = [(run_dir / name).resolve() for name in METRICS_FILES]
     env["VERL_FILE_LOGGER_PATH"], env[METRICS_PATH_ENV] = str(files[0]), str(files[1])
     return files
 
@@ -41,5 +73,26 @@ def following(files: Sequence[Path]) -> Iterator[None]:
     for path in files:
         if path.exists():
             path.replace(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
-    with active_run_writer() as writer, follow_jsonl(files, writer):
+    with active_run_writer() as writer, follow_jsonl(files, writer, transform=with_native_names):
         yield
+
+
+def training_history(run_dir: str | Path) -> list[dict[str, float]]:
+    """A finished verl run's per-step history under the native trainer's names (as the native trainer
+    returns it, ``step`` in each row): its metrics files (:data:`METRICS_FILES`, or verl's
+    ``metrics.jsonl`` where no MLflow run took them) merged by step, numbers only."""
+    run_dir = Path(run_dir)
+    names = METRICS_FILES if (run_dir / METRICS_FILES[0]).is_file() else ("metrics.jsonl", METRICS_FILES[1])
+    steps: dict[int, dict[str, float]] = {}
+    for name in names:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            parsed = parse_metrics_line(line)
+            if parsed:
+                metrics, step = parsed
+                row = steps.setdefault(step, {})
+                row.update({k: float(v) for k, v in with_native_names(metrics).items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return [{"step": step, **steps[step]} for step in sorted(steps)]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from spader_pipeline.algorithms.group_metrics import advantage_agreement, group_diversity, normalise_query
+from spader_pipeline.algorithms.step_metrics import rollout_step_metrics
 from spader_pipeline.host_memory import release_free_heap, rss_bytes
 from spader_pipeline.native.batch import Advantages, RolloutBatch, Rollouts
 from spader_pipeline.native.config import NativeTrainerConfig
@@ -21,37 +22,17 @@ from spader_pipeline.native.update import UpdateStats
 
 
 def step_metrics(batch: RolloutBatch, adv: Advantages, update: UpdateStats, epochs: int) -> dict[str, float]:
-    """Rewards, answers, retrieval, trajectory shape, advantages and loss terms of one step."""
-    mask = batch.response_mask
-    returns = adv.returns
-    traj_found = batch.rewards.found.any(dim=1).sum(dim=-1).float() if batch.rewards.found.numel() else torch.zeros(len(mask))
-    gt = batch.rewards.num_gt.float().clamp(min=1)
-    tok_adv = adv.advantages[mask.bool()]
-    groups: dict[str, list[float]] = {}
-    for uid, r in zip(batch.uids.tolist(), returns.tolist(), strict=True):
-        groups.setdefault(uid, []).append(r)
-    zero_groups = sum(1 for v in groups.values() if max(v) - min(v) < 1e-8) / max(len(groups), 1)
+    """Rewards, answers, retrieval, trajectory shape, advantages (:func:`rollout_step_metrics`, the same
+    on the verl backend) and loss terms of one step."""
     sums = update.sums
     return {
-        "method_reward/mean": float(returns.mean()),
-        "method_reward/std": float(returns.std()) if len(returns) > 1 else 0.0,
-        "method_reward/final_mean": float(torch.where(batch.rewards.format_ok, batch.rewards.f1, torch.zeros_like(batch.rewards.f1)).mean()),
-        "method_reward/discovery_mean": float(adv.discovery.mean()),
-        "method_reward/tool_cost_coef": float(adv.cost_coefficient),
-        "answer/f1": float(batch.rewards.f1.mean()),
-        "answer/recall": float(batch.recall.mean()),
-        "answer/precision": float(batch.precision.mean()),
-        "answer/format_ok": float(batch.rewards.format_ok.float().mean()),
-        "retrieval/entities_found": float(traj_found.mean()),
-        "retrieval/recall": float((traj_found / gt).mean()),
-        "rollout/turns": float(batch.num_turns.mean()),
-        "rollout/tool_calls": float(batch.num_searches.mean()),
-        "rollout/response_tokens": float((batch.attention_mask.sum(dim=1) - batch.prompt_lengths).float().mean()),
-        "rollout/model_tokens": float(mask.sum(dim=1).mean()),
-        "adv/mean": float(tok_adv.mean()) if tok_adv.numel() else 0.0,
-        "adv/std": float(tok_adv.std()) if tok_adv.numel() > 1 else 0.0,
-        "adv/abs_mean": float(tok_adv.abs().mean()) if tok_adv.numel() else 0.0,
-        "adv/zero_groups": zero_groups,
+        **rollout_step_metrics(
+            returns=adv.returns, discovery=adv.discovery, cost_coefficient=adv.cost_coefficient,
+            f1=batch.rewards.f1, recall=batch.recall, precision=batch.precision, format_ok=batch.rewards.format_ok,
+            found=batch.rewards.found, num_gt=batch.rewards.num_gt, num_turns=batch.num_turns,
+            num_searches=batch.num_searches, response_tokens=batch.attention_mask.sum(dim=1) - batch.prompt_lengths,
+            response_mask=batch.response_mask, advantages=adv.advantages, uids=batch.uids.tolist(),
+        ),
         "loss/policy": sums["policy"] / epochs,
         "loss/kl": sums["kl"] / epochs,
         "policy/entropy": sums["entropy"] / epochs,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,11 @@ def append_metrics_line(path: str | Path, metrics: Mapping[str, Any], step: int 
 
 @contextlib.contextmanager
 def follow_jsonl(paths: Sequence[str | Path], writer: BufferedMetricsWriter | None,
-                 poll_seconds: float = 0.5) -> Iterator[None]:
+                 poll_seconds: float = 0.5,
+                 transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Iterator[None]:
     """While the body runs (a verl launch), send each complete line appended to ``paths`` through
-    ``writer``; on exit read the files to their end once more. ``writer=None``: nothing happens."""
+    ``writer`` (its metrics through ``transform`` first, when given); on exit read the files to their
+    end once more. ``writer=None``: nothing happens."""
     if writer is None:
         yield
         return
@@ -61,7 +63,8 @@ def follow_jsonl(paths: Sequence[str | Path], writer: BufferedMetricsWriter | No
             for line in complete.decode(errors="replace").splitlines():
                 parsed = parse_metrics_line(line)
                 if parsed:
-                    writer.log_metrics(*parsed)
+                    metrics, step = parsed
+                    writer.log_metrics(transform(metrics) if transform else metrics, step)
 
     def loop() -> None:
         while not stop.wait(poll_seconds):

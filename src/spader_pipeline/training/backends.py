@@ -125,9 +125,12 @@ def train_verl(settings: TrainingSettings, *, init_manifest: Mapping[str, Any], 
                verl_train: pd.DataFrame, verl_validation: pd.DataFrame | None,
                start_validation: Mapping[str, Any] | None, template: str) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """A verl launch (:func:`spader_pipeline.launch.verl.launch_verl_training`); its metrics reach the
-    active MLflow run from verl's own files, so the history here is empty."""
+    active MLflow run from verl's own files as the launch runs; the history is read back from them,
+    under the native trainer's names (:func:`spader_pipeline.launch.metrics.training_history`)."""
+    from spader_pipeline.launch.metrics import training_history
     from spader_pipeline.launch.verl import launch_verl_training
 
+    run_dir = settings.run_dir()
     manifest = launch_verl_training(init_manifest, index_manifest, dict(settings.method or {}), settings.source,
-                                    settings.run_dir(), train=verl_train, validation=verl_validation)
-    return manifest, []
+                                    run_dir, train=verl_train, validation=verl_validation)
+    return manifest, training_history(run_dir)

@@ -57,6 +57,7 @@ from spader_pipeline.algorithms.methods import (
     reward_config_from_mapping,
 )
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig, outcome_reward
+from spader_pipeline.algorithms.step_metrics import rollout_step_metrics
 from spader_pipeline.algorithms.steps import StepLayout, segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
 
@@ -124,6 +125,8 @@ def make_payload(
         "found": [np.flatnonzero(row).tolist() for row in found],
         "queries": [s.num_queries for s in record.steps],
         "f1": record.score.f1,
+        "recall": record.score.recall,
+        "precision": record.score.precision,
         "exact_match": record.score.exact_match,
         "format_ok": record.format_ok,
         "final": settings.final_term(record),
@@ -230,13 +233,17 @@ class SpaderRewardManager(RewardManagerBase):
 
     @classmethod
     def step_metrics(cls, data: DataProto, token_rewards: torch.Tensor) -> dict[str, float]:
-        """Mechanism metrics of an assembled batch (``group/*``, ``adv/*_vs_grpo``); ``{}`` without payloads."""
+        """The native trainer's rollout metrics of an assembled batch (``method_reward/*``, ``answer/*``,
+        ``retrieval/*``, ``rollout/*``, ``adv/*``, ``group/*``); ``{}`` without payloads."""
         payloads = _payloads(data, [])
         if payloads is None:
             return {}
+        mask = data.batch["response_mask"]
+        response_tokens = data.batch["attention_mask"][:, -mask.shape[1]:].sum(dim=1)
         return mechanism_metrics_from_payloads(
-            response_mask=data.batch["response_mask"], index=data.non_tensor_batch["uid"], payloads=payloads,
+            response_mask=mask, index=data.non_tensor_batch["uid"], payloads=payloads,
             token_rewards=token_rewards, global_step=data.meta_info.get("global_steps"), settings=cls.settings,
+            response_tokens=response_tokens,
         )
 
 
@@ -316,13 +323,30 @@ def mechanism_metrics_from_payloads(
     token_rewards: torch.Tensor,
     global_step: int | None,
     settings: ManagerSettings,
+    response_tokens: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """The native trainer's ``group/*`` and ``adv/*_vs_grpo`` metrics (docs/metrics.md) for a verl batch:
-    the method's advantages from its ``token_rewards [B, T]`` and GRPO's, beside them, on the same batch."""
+    """The native trainer's step metrics (docs/metrics.md) for a verl batch: the rollout's
+    (:func:`~spader_pipeline.algorithms.step_metrics.rollout_step_metrics`: rewards, answers, retrieval,
+    trajectory shape, the method's advantages from its ``token_rewards [B, T]``), ``group/*``, and
+    ``adv/*_vs_grpo`` (GRPO's advantages beside the method's, on the same batch). ``response_tokens``
+    ``[B]``: each response's length (default: up to its last model token)."""
     inputs, layout, step = reward_inputs_from_payloads(response_mask, payloads, global_step, settings)
     advantages, _ = method_advantages(settings.method, token_rewards, response_mask, index, settings.options, layout)
+    rewards = method_rewards(settings.method, response_mask, index, inputs, global_step=step, reward=settings.reward,
+                             options=settings.options, layout=layout)
     grpo = comparison_advantages(response_mask, index, inputs, global_step=step, reward=settings.reward, layout=layout)
     actions = [[(str(kind), tuple(items)) for kind, items in p.get("actions", [])] for p in payloads]
     diversity = group_diversity(index, actions, [list(p.get("doc_keys", [])) for p in payloads],
                                 inputs.found, inputs.num_gt)
-    return {**diversity, **advantage_agreement(advantages, grpo, response_mask)}
+    if response_tokens is None:
+        positions = torch.arange(1, response_mask.shape[1] + 1)
+        response_tokens = (response_mask.bool() * positions).max(dim=1).values
+    rollout = rollout_step_metrics(
+        returns=rewards.returns, discovery=rewards.discovery, cost_coefficient=rewards.cost_coefficient, f1=inputs.f1,
+        recall=torch.tensor([float(p.get("recall", 0.0)) for p in payloads]),
+        precision=torch.tensor([float(p.get("precision", 0.0)) for p in payloads]), format_ok=inputs.format_ok,
+        found=inputs.found, num_gt=inputs.num_gt, num_turns=torch.tensor([len(p.get("actions", [])) for p in payloads]),
+        num_searches=torch.tensor([sum(1 for q in p.get("queries", []) if q) for p in payloads]),
+        response_tokens=response_tokens, response_mask=response_mask, advantages=advantages, uids=list(index),
+    )
+    return {**rollout, **diversity, **advantage_agreement(advantages, grpo, response_mask)}

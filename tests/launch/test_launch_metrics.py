@@ -1,0 +1,46 @@
+"""A verl run's metrics under the native trainer's names: in its MLflow run (the follower adds them to
+verl's own) and in the history the report draws (read back from the launch's files)."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+
+from spader_pipeline.launch.metrics import METRICS_FILES, NATIVE_NAMES, following, training_history, with_native_names
+from spader_pipeline.tracking.metrics_files import append_metrics_line
+
+VERL_STEP = {"actor/pg_loss": 0.25, "actor/entropy": 1.5, "timing_s/step": 30.0, "critic/score/mean": 0.2}
+PLUGIN_STEP = {"answer/recall": 0.4, "adv/corr_vs_grpo": 0.9, "val/embedded/recall": 0.3}
+
+
+def test_verl_names_gain_their_native_names():
+    named = with_native_names(VERL_STEP)
+    assert named["loss/policy"] == 0.25 and named["policy/entropy"] == 1.5 and named["perf/step_seconds"] == 30.0
+    assert named["actor/pg_loss"] == 0.25  # verl's own names stay
+    assert set(NATIVE_NAMES.values()).isdisjoint(NATIVE_NAMES)
+
+
+def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):
+    verl, plugin = (tmp_path / name for name in METRICS_FILES)
+    append_metrics_line(plugin, {"val/embedded/recall": 0.1}, 0)
+    for step in (1, 2):
+        append_metrics_line(verl, {**VERL_STEP, "training/global_step": step, "note": "text"}, step)
+        append_metrics_line(plugin, PLUGIN_STEP, step)
+    history = training_history(tmp_path)
+    assert [row["step"] for row in history] == [0, 1, 2]
+    assert history[0] == {"step": 0, "val/embedded/recall": 0.1}
+    assert history[2]["loss/policy"] == 0.25 and history[2]["answer/recall"] == 0.4
+    assert "note" not in history[1]  # numbers only
+    assert training_history(tmp_path / "nothing") == []
+
+
+@pytest.mark.slow
+def test_the_follower_logs_the_native_names_into_the_run(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    files = [tmp_path / name for name in METRICS_FILES]
+    with mlflow.start_run() as run:
+        with following(files):
+            append_metrics_line(files[0], VERL_STEP, 1)
+    logged = mlflow.MlflowClient(uri).get_run(run.info.run_id).data.metrics
+    assert logged["loss/policy"] == 0.25 and logged["actor/pg_loss"] == 0.25 and logged["perf/step_seconds"] == 30.0
