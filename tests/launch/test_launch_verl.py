@@ -86,6 +86,19 @@ def test_started_service_binds_one_address_and_advertises_another():
     assert is_loopback_url("http://127.0.0.2:1") and not is_loopback_url("http://10.1.2.3:1")
 
 
+def test_the_search_tools_settings_of_a_run_reach_its_tool_config(params, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    limits = {"topk": 3, "max_observation_chars": 1200, "max_document_chars": 120}
+    launch = _launch(params, tmp_path, search_tool=limits)
+    tool_cfg = next(a.split("=", 1)[1] for a in launch.argv
+                    if a.startswith("actor_rollout_ref.rollout.multi_turn.tool_config_path="))
+    config = yaml.safe_load(Path(tool_cfg).read_text())["tools"][0]["config"]
+    assert {k: config[k] for k in limits} == limits and config["max_chars"] == 10000  # the rest: the template's
+    from spader_pipeline.verl_plugin.search_tool import SearchTool
+
+    assert SearchTool(config).rollout_config.max_document_chars == 120
+
+
 def test_retrieval_is_the_shared_settings_block(params, tmp_path, monkeypatch):
     """training.verl.retrieval is the RetrievalSettings of training.search / evaluate.retrieval."""
     assert verl_settings(params["training"]).retrieval == RetrievalSettings(mode="service")

@@ -139,8 +139,14 @@ def cpu_platform_overrides(ranks: int | None) -> list[str]:
     pools ask for (``None``: a cluster started elsewhere declares them), FSDP2 (FSDP1 refuses CPU
     parameters), sdpa attention (verl's default is flash-attention 2), our decoder as the rollout server
     with its log-probs, and no torch.compile (a CPU compile costs more than a short run saves)."""
+    local = [] if ranks is None else [
+        f"++ray_kwargs.ray_init.num_gpus={int(ranks)}",
+        # verl's resource pools ask for 3 CPUs a rank, its agent-loop and reward workers for more: Ray's
+        # CPUs are slots, not cores, so a 2-core laptop gets enough of them
+        f"++ray_kwargs.ray_init.num_cpus={max(os.cpu_count() or 1, 4 + 3 * int(ranks))}",
+    ]
     return [
-        *([f"++ray_kwargs.ray_init.num_gpus={int(ranks)}"] if ranks is not None else []),
+        *local,
         "trainer.device=cpu",
         "actor_rollout_ref.rollout.name=spader_decoder",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
@@ -198,7 +204,7 @@ def build_launch(
     run_dir = Path(run_dir)
     files = data_files(verl, run_dir, train, validation)
     tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url,
-                                    run_dir / "search_tool.yaml", verl.retrieval)
+                                    run_dir / "search_tool.yaml", verl.retrieval, tool=verl.search_tool)
     params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config,
                              data_files=files)
     ray_address = verl.ray_address

@@ -3,8 +3,9 @@ pointing at the run's retrieval service."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -46,13 +47,15 @@ def data_files(
     return out
 
 
-def write_tool_config(template: str | Path, url: str, out: str | Path, settings: RetrievalSettings | None = None) -> Path:
-    """Copy the search-tool config with ``retrieval_service_url`` set to ``url`` and, given
-    ``settings``, its client ``timeout`` and ``max_retries`` set from them."""
+def write_tool_config(template: str | Path, url: str, out: str | Path, settings: RetrievalSettings | None = None,
+                      tool: Mapping[str, Any] | None = None) -> Path:
+    """Copy the search-tool config with ``retrieval_service_url`` set to ``url``, given ``settings`` its
+    client ``timeout`` and ``max_retries`` set from them, and ``tool`` (``training.verl.search_tool``:
+    ``topk``, ``max_observation_chars``, ``max_document_chars``, ...) over the template's values."""
     config = yaml.safe_load(Path(template).read_text())
     client = {} if settings is None else {"timeout": settings.timeout, "max_retries": settings.max_retries}
-    for tool in config.get("tools", []):
-        tool.setdefault("config", {}).update(retrieval_service_url=url, **client)
+    for entry in config.get("tools", []):
+        entry.setdefault("config", {}).update(**dict(tool or {}), retrieval_service_url=url, **client)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -44,6 +44,9 @@ class VerlSettings:
     """lines of VERL's log kept for the error message when it fails"""
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     """the search tool's retrieval service (``mode: local`` is refused: the agent loop searches over HTTP)"""
+    search_tool: Mapping[str, Any] = field(default_factory=dict)
+    """keys of the search tool's config (``conf/base/verl/tool_config/search_tool.yaml``) set for this
+    run, e.g. the native rollout's limits ``{topk: 3, max_observation_chars: 1200, max_document_chars: 120}``"""
     platform: str | None = None
     """``cpu``: verl's own workers on this machine's CPU, ``n_gpus_per_node`` trainer ranks, our decoder as
     the rollout server (:mod:`spader_pipeline.verl_plugin.cpu`; docs/training.md, "verl on a CPU");

@@ -10,7 +10,9 @@ error observation and the metrics dict carries the error.
 
 Config keys (all optional except the URL): ``retrieval_service_url``, ``topk`` (5), ``max_chars``
 (10000, the server's dynamic top-k budget), ``max_observation_chars`` (11000), ``max_queries_per_call``
-(16), ``timeout`` (30 s), ``max_retries`` (3), ``backoff`` (0.5 s).
+(16), ``max_document_chars`` (none: whole passages; each passage cut to its title and evidence line,
+as the native trainer's ``rollout.max_document_chars``), ``timeout`` (30 s), ``max_retries`` (3),
+``backoff`` (0.5 s).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class SearchTool(BaseTool):
             max_chars=config.get("max_chars", 10000),
             max_observation_chars=config.get("max_observation_chars", 11000),
             max_queries_per_call=int(config.get("max_queries_per_call", 16)),
+            max_document_chars=int(config["max_document_chars"]) if config.get("max_document_chars") else None,
         )
         self.client_options = {
             "timeout": float(config.get("timeout", 30.0)),
