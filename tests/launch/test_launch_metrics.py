@@ -6,7 +6,13 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from spader_pipeline.launch.metrics import METRICS_FILES, NATIVE_NAMES, following, training_history, with_native_names
+from spader_pipeline.launch.metrics import (
+    METRICS_FILES,
+    NATIVE_NAMES,
+    following,
+    training_history,
+    with_native_names,
+)
 from spader_pipeline.tracking.metrics_files import append_metrics_line
 
 VERL_STEP = {"actor/pg_loss": 0.25, "actor/entropy": 1.5, "timing_s/step": 30.0, "critic/score/mean": 0.2}
