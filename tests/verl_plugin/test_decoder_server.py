@@ -274,3 +274,27 @@ def test_the_cohorts_caches_hold_at_most_max_num_seqs_rows(model_dir):
 
     server, kept = asyncio.run(run())
     assert kept == 2 and server.stats()["kv_reuses"] == 0
+
+
+def test_a_cohort_keeps_waiting_while_its_turns_keep_arriving(model_dir, monkeypatch):
+    """Turns that come back one after another (each within the window of the last), over longer than the
+    cohort's least wait, still make one batch that continues the cache."""
+    from spader_pipeline.verl_plugin.decoder_rollout import server as module
+
+    async def run():
+        server = make_server(model_dir)
+        out1 = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
+                                      for i, p in enumerate(prompts(4))])
+        monkeypatch.setattr(module, "MAX_WAIT_S", 60.0)
+        server.batch_window_s = 1.0  # the least wait after the first turn back, and the window between turns
+        contexts = _continue(prompts(4), out1)
+
+        async def late(i, c):
+            await asyncio.sleep(0.6 * i)  # the last one 1.8 s after the first
+            return await server.generate(f"b{i}", prompt_ids=c, sampling_params=dict(GREEDY))
+
+        await asyncio.gather(*[late(i, c) for i, c in enumerate(contexts)])
+        return server
+
+    stats = asyncio.run(run()).stats()
+    assert stats["batch_sizes"] == [4, 4] and stats["kv_reuses"] == 1 and stats["stragglers"] == 0

@@ -11,12 +11,13 @@ returns its tokens' log-probabilities at the sampling temperature.
 The sequences one batch produced are a *cohort*; each cohort keeps its own decoder and KV cache, and a
 batch is either the next turns of one cohort (its cache continued: only the new tokens are encoded) or
 requests that continue nothing the server holds (a fresh prefill; it starts a cohort). A cohort's next
-batch starts as soon as every one of its sequences has come back, or once its stragglers have had
-:func:`cohort_wait` (2% of the cohort's last decoding time, between ``batch_window_s`` and
-``MAX_WAIT_S``: trajectories that ended never come back); a straggler that misses the batch loses its cache
-row and is prefilled afresh. So one late request (a slow search, a stalled agent loop) costs a re-prefill of
-its own context, and a turn split in two goes on as two cohorts that each continue their cache, where one
-cache per server would re-encode every context of every later turn. Fresh requests are gathered as they
+batch starts as soon as every one of its sequences has come back; else (trajectories that ended never come
+back) once none came for ``batch_window_s`` and the first came at least :func:`cohort_wait` ago (2% of the
+cohort's last decoding time, between ``batch_window_s`` and ``MAX_WAIT_S``), at most ``MAX_WAIT_S`` after
+the first. A straggler that misses the batch loses its cache row and is prefilled afresh. So one late
+request (a slow search, a stalled agent loop) costs a re-prefill of its own context, and a turn split in
+two goes on as two cohorts that each continue their cache, where one cache per server would re-encode
+every context of every later turn. Fresh requests are gathered as they
 arrive (within ``batch_window_s`` of each other, at most ``MAX_WAIT_S`` after the first). The cohorts'
 caches hold at most ``max_num_seqs`` rows together, the batch being decoded included (the least recently
 decoded cohorts give theirs up first).
@@ -55,10 +56,11 @@ COHORT_WAIT_SHARE = 0.02
 
 
 def cohort_wait(decode_seconds: float, batch_window_s: float = BATCH_WINDOW_S) -> float:
-    """Seconds after a cohort's batch ended until its next batch starts without the sequences that have
-    not come back: ``COHORT_WAIT_SHARE`` of that batch's decoding time, at least ``batch_window_s``, at
-    most ``MAX_WAIT_S``. A straggler left out costs a prefill of its whole context, which grows with the
-    decoding time; waiting for a trajectory that ended costs idle time, bounded by the share."""
+    """Seconds after the first of a cohort's next turns arrived before its batch may start without the
+    sequences that have not come back: ``COHORT_WAIT_SHARE`` of the cohort's last decoding time, at least
+    ``batch_window_s``, at most ``MAX_WAIT_S``. A straggler left out costs a prefill of its whole context,
+    which grows with the decoding time; waiting for a trajectory that ended costs idle time, bounded by
+    the share."""
     return min(MAX_WAIT_S, max(batch_window_s, COHORT_WAIT_SHARE * decode_seconds))
 
 
@@ -260,7 +262,8 @@ class DecoderServer:
         for group in groups.values():
             cohort = group[0].cohort
             if cohort is not None:  # all its sequences are back, or the rest had their time
-                due = cohort.finished + cohort_wait(cohort.decode_seconds, self.batch_window_s)
+                least = group[0].arrived + cohort_wait(cohort.decode_seconds, self.batch_window_s)
+                due = min(max(group[-1].arrived + self.batch_window_s, least), group[0].arrived + MAX_WAIT_S)
                 ready = len(group) >= min(len(cohort.rows), self.max_batch)
             else:  # fresh: none arrived for a window, or the first waited long enough
                 due = min(group[-1].arrived + self.batch_window_s, group[0].arrived + MAX_WAIT_S)
