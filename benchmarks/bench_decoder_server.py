@@ -1,7 +1,7 @@
 """The rollout server on our decoder vs ``HFGenerator``: N concurrent agent trajectories, tokens per second.
 
     .venv/bin/python benchmarks/bench_decoder_server.py [--sizes 16,64] [--repeats 3] [--threads 1]
-        [--model-dir data/06_models/base_model] [--max-turns 6] [--max-new-tokens 96] [--search-delay-ms 0]
+        [--model-dir data/06_models/base_model] [--max-turns 6] [--max-new-tokens 96] [--turn-delay-ms 0]
 
 Issue 55, item 1: the rollout server verl calls (:class:`~spader_pipeline.verl_plugin.decoder_rollout.server.DecoderServer`)
 must reach at least 0.8x the tokens per second of ``HFGenerator`` on the same model and shapes, for 16
@@ -30,9 +30,11 @@ reference's rounds in the same row order, they are the same tokens): the rate is
 wall time, searches included. Each repeat runs both, in alternating order; printed: medians, the
 ratio server / HFGenerator (also per CPU-second of the process: the machine is shared), the server's
 batches (count, sizes), KV-cache continuations and stragglers (requests whose batch left without them),
-and the machine (CPU, threads, bf16, load average before and after). ``--search-delay-ms D`` delays each
-search by a uniform 0-D ms (a retrieval service): a round's turns then come back spread out, as they do
-from verl's agent loop workers, and the server must still batch them and continue their caches.
+and the machine (CPU, threads, bf16, load average before and after). ``--turn-delay-ms D``: each
+trajectory's turn is ready a uniform 0-D ms late (a retrieval service's latency, Ray's hops, a loaded
+machine; the reference's round waits for its slowest trajectory): the turns then reach the server spread
+out, and it must still batch them and continue their caches. (The base SmolLM2 seldom writes a valid
+search, so most observations are the protocol's corrective messages, and searches add little spread.)
 """
 
 from __future__ import annotations
@@ -106,9 +108,10 @@ class ServerGenerator:
     token_level = True
 
     def __init__(self, server: Any, layout: Any, tokenizer: Any, sampling_params: dict[str, Any],
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, delay: Any = None) -> None:
         self.server, self.layout, self.tokenizer = server, layout, tokenizer
         self.sampling_params, self.max_new_tokens = sampling_params, max_new_tokens
+        self.delay = delay  # seconds before a turn is sent (--turn-delay-ms)
 
     # As verl's agent loop does, the token hooks (chat template, tokenizer) run in the default thread
     # pool, so the event loop keeps serving the other trajectories meanwhile.
@@ -128,6 +131,8 @@ class ServerGenerator:
         async def one(state) -> GeneratedTurn:
             # HFGenerator's budget for the row: the turn's tokens, at most what the response has left
             budget = max(1, min(self.max_new_tokens, state.max_response_tokens - state.response_length))
+            if self.delay is not None:
+                await asyncio.sleep(self.delay())
             out = await self.server.generate(uuid.uuid4().hex, prompt_ids=state.token_ids,
                                              sampling_params={**self.sampling_params, "max_new_tokens": budget})
             ids = list(out.token_ids)
@@ -137,20 +142,15 @@ class ServerGenerator:
         return list(await asyncio.gather(*(one(s) for s in states)))
 
 
-class DelayedSearch:
-    """The search backend answering after a uniform random delay of up to ``max_seconds`` (a retrieval
-    service's latency, ``--search-delay-ms``): some turns of a round then come back later than others."""
+def kv_reuses(server: Any) -> int:
+    """Batches that continued a KV cache (a server before its ``kv_reuses`` count: its one decoder's)."""
+    if "kv_reuses" in server.stats_:
+        return server.stats_["kv_reuses"]
+    return sum(decoder.kv_reuses for decoder in server._decoders.values())
 
-    def __init__(self, search: Any, max_seconds: float) -> None:
-        self.inner, self.max_seconds = search, max_seconds
-        self.random = random.Random(0)
 
-    def reseed(self, seed: int) -> None:  # the same delays for both runs of a repeat
-        self.random = random.Random(seed)
-
-    async def search(self, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(self.random.uniform(0.0, self.max_seconds))
-        return await self.inner.search(*args, **kwargs)
+def searches(trajectories: list[Any]) -> int:
+    return sum(step.kind == "search" for t in trajectories for step in t.steps)
 
 
 def model_tokens(trajectories: list[Any]) -> int:
@@ -171,6 +171,7 @@ class Bench:
         native = training["native"]
         self.args, self.model, self.tokenizer, self.server, self.search = args, model, tokenizer, server, search
         self.template, self.bf16 = template, bf16
+        self.turn_delay = args.turn_delay_ms / 1000
         self.temperature = float(native["temperature"])
         self.max_new_tokens = args.max_new_tokens or int(native["max_new_tokens"])
         self.max_prompt_tokens = int(native["max_prompt_tokens"])
@@ -184,15 +185,21 @@ class Bench:
         gen = HFGenerator(self.model, self.tokenizer, SamplingParams(temperature=self.temperature,
                                                                       max_new_tokens=self.max_new_tokens),
                           max_prompt_tokens=self.max_prompt_tokens, micro_batch_size=len(samples), bf16=self.bf16)
+        if self.turn_delay:  # a round is ready when its slowest trajectory is
+            rng, generate = random.Random(seed), gen.generate
+
+            async def delayed(states):
+                await asyncio.sleep(max(rng.uniform(0.0, self.turn_delay) for _ in states))
+                return await generate(states)
+
+            gen.generate = delayed
         torch.manual_seed(seed)
-        if isinstance(self.search, DelayedSearch):
-            self.search.reseed(seed)
         started, cpu = time.perf_counter(), time.process_time()
         trajectories = await run_rollouts(samples, gen, self.search, self.rollout, self.template)
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "tokens": model_tokens(trajectories),
                 "model_seconds": gen.model_seconds, "batches": rounds(trajectories), "kv_reuses": gen.kv_reuses,
-                "turns": sum(len(t.steps) for t in trajectories)}
+                "turns": sum(len(t.steps) for t in trajectories), "searches": searches(trajectories)}
 
     async def served(self, samples: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         from spader_pipeline.agent.rollout import run_rollouts
@@ -205,23 +212,24 @@ class Bench:
                   "logprobs": True}
         stats = server.stats_
         before = {k: (list(v) if isinstance(v, list) else v) for k, v in stats.items()}
+        reuses = kv_reuses(server)
+        rng = random.Random(seed)
+        delay = (lambda: rng.uniform(0.0, self.turn_delay)) if self.turn_delay else None
         torch.manual_seed(seed)
-        if isinstance(self.search, DelayedSearch):
-            self.search.reseed(seed)
         started, cpu = time.perf_counter(), time.process_time()
         # one agent loop per trajectory, all at once (verl's AgentLoopWorker), each its own generator
         results = await asyncio.gather(*(
             run_rollouts([sample], ServerGenerator(server, TokenLayout(builder, self.max_prompt_tokens), self.tokenizer,
-                                                   params, self.max_new_tokens), self.search, self.rollout, self.template)
+                                                   params, self.max_new_tokens, delay), self.search, self.rollout, self.template)
             for sample in samples))
         seconds = time.perf_counter() - started
         trajectories = [t for r in results for t in r]
         sizes = stats["batch_sizes"][len(before["batch_sizes"]):]
         return {"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "tokens": model_tokens(trajectories),
                 "model_seconds": stats["decode_seconds"] - before["decode_seconds"], "batches": sizes,
-                "kv_reuses": stats["kv_reuses"] - before["kv_reuses"],
-                "stragglers": stats["stragglers"] - before["stragglers"],
-                "turns": sum(len(t.steps) for t in trajectories)}
+                "kv_reuses": kv_reuses(server) - reuses,
+                **({"stragglers": stats["stragglers"] - before["stragglers"]} if "stragglers" in stats else {}),
+                "turns": sum(len(t.steps) for t in trajectories), "searches": searches(trajectories)}
 
 
 def machine() -> str:
@@ -270,8 +278,6 @@ async def run(args: argparse.Namespace) -> None:
                                      max_num_seqs=max(sizes), dtype="bfloat16", free_cache_engine=True, seed=args.seed)
             server = DecoderServer(config, SimpleNamespace(local_path=str(folder)))
             assert server.bf16 == bf16, "the server decides bf16 as the trainer does"
-            if args.search_delay_ms:
-                search = DelayedSearch(search, args.search_delay_ms / 1000)
             bench = Bench(args, model, tokenizer, server, search, template, bf16)
             load = os.getloadavg()
             print(f"machine: {machine()}; bf16 autocast: {bf16}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
@@ -290,15 +296,15 @@ async def run(args: argparse.Namespace) -> None:
                         results.setdefault((n, name), []).append(result)
                         print(f"  repeat {repeat} N={n:3d} {name:11s}: {result['tokens'] / result['seconds']:6.1f} tok/s, "
                               f"{result['tokens'] / result['cpu_seconds']:6.1f} tok/CPU-s ({result['tokens']} tokens, "
-                              f"{result['turns']} turns, {result['seconds']:.1f} s, model {result['model_seconds']:.1f} s, "
+                              f"{result['turns']} turns, {result['searches']} searches, {result['seconds']:.1f} s, model {result['model_seconds']:.1f} s, "
                               f"batches {_sizes(result['batches'])}, kv reuses {result['kv_reuses']}"
                               + (f", stragglers {result['stragglers']}" if "stragglers" in result else "") + "; "
                               f"load {result['load']:.2f})", flush=True)
     load_after = os.getloadavg()
     rollout = bench.rollout
     print(f"\nDecoder server vs HFGenerator, {folder.name}: {rollout.max_turns} turns x {bench.max_new_tokens} tokens max, "
-          f"{rollout.max_response_tokens} response tokens, T={bench.temperature}, groups of {group}, search delay "
-          f"0-{args.search_delay_ms:.0f} ms; median of "
+          f"{rollout.max_response_tokens} response tokens, T={bench.temperature}, groups of {group}, turn delay "
+          f"0-{args.turn_delay_ms:.0f} ms; median of "
           f"{args.repeats} (order alternating); load average {load[0]:.2f} -> {load_after[0]:.2f}")
     print(f"{'N':>4s} {'HFGenerator tok/s':>18s} {'server tok/s':>13s} {'ratio':>6s} {'ratio (CPU-s)':>13s}  "
           f"server batches (median run), kv reuses")
@@ -326,8 +332,8 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=None, help="default: training.rollout's")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens a turn (default: training.native's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--search-delay-ms", type=float, default=0.0,
-                        help="each search answers after a uniform random delay up to this (a retrieval service)")
+    parser.add_argument("--turn-delay-ms", type=float, default=0.0,
+                        help="each trajectory's turn is ready after a uniform random delay up to this")
     args = parser.parse_args()
     try:
         import verl  # noqa: F401
