@@ -116,3 +116,25 @@ def test_the_servers_log_probs_are_the_actors(runs, name):
     for data in (m["data"] for m in runs[name]["metrics"][1:]):
         assert data["training/rollout_probs_diff_valid"] == 1
         assert data["training/rollout_probs_diff_max"] < PROBS_DIFF_BOUND, data["training/rollout_probs_diff_max"]
+
+
+@pytest.mark.gpu
+def test_fit_on_one_gpu_with_our_server(tmp_path):  # pragma: no cover - needs a CUDA GPU
+    """The same ``fit()`` on one GPU (verl's CUDA platform, detected), SmolLM2 from the wheel, 2 steps,
+    our server on CUDA as the rollout engine (no vLLM or SGLang installed): new weights at every step
+    and the server's log-probs the actor's (bf16 on both sides: a looser bound)."""
+    from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
+
+    with trainer_loop_workspace(tmp_path / "ws") as ws:
+        model = tmp_path / "smollm2"
+        convert_packaged_model(PackagedModel(), model)
+        ws = {**ws, "model": model}
+        overrides = [o for o in REAL_WORKER_OVERRIDES if o not in ("trainer.device=cpu",)
+                     and "fsdp_config.mixed_precision" not in o and "rollout.dtype" not in o]
+        config = compose_config(method_block("grpo"), ws, tmp_path, steps=STEPS, overrides=[*overrides, "trainer.device=cuda"])
+        with local_ray(gpus=1):
+            servers: list[dict] = []
+            metrics = run_fit(config, tmp_path, before_cleanup=lambda: servers.extend(server_records(1)))
+    assert [u["global_steps"] for u in servers[0]["weight_updates"]] == list(range(STEPS + 1))
+    for data in (m["data"] for m in metrics[1:]):
+        assert data["training/rollout_probs_diff_max"] < 0.1

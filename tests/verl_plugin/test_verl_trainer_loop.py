@@ -199,13 +199,19 @@ def test_each_training_step_logs_whether_the_update_differs_from_grpo(runs, meth
     for key in ("adv/corr_vs_grpo", "adv/rel_l2_vs_grpo", "adv/zero_frac", "adv/grpo_zero_frac",
                 "group/distinct_query_seqs", "group/diverse_frac",
                 "group/distinct_docs", "group/entity_recall_union", "group/entity_recall_mean",
-                "group/first_divergence_turn", "group/identical_frac"):
+                "group/first_divergence_turn", "group/identical_frac",
+                # the native trainer's rollout metrics (algorithms.step_metrics), under its names
+                "method_reward/mean", "method_reward/tool_cost_coef", "answer/recall", "answer/format_ok",
+                "retrieval/recall", "rollout/turns", "rollout/tool_calls", "rollout/response_tokens",
+                "adv/mean", "adv/abs_mean", "adv/zero_groups"):
         assert [step for step, _ in logged[key]] == [1, 2], (key, logged.get(key))
     assert all(n >= 1 for _, n in logged["group/distinct_query_seqs"])
     # validation curves under the native trainer's names, before training and at test_freq (step 2)
     for key in ("val/embedded/recall", "val/embedded/f1", "val/embedded/searches"):
         assert [step for step, _ in logged[key]] == [0, 2], (key, logged.get(key))
         assert all(0.0 <= v for _, v in logged[key])
+    # the scripted plans of a group of 4 search 1, 1, 2 and 0 times (the response budget may cut one)
+    assert all(0.5 <= v <= 1.0 for _, v in logged["rollout/tool_calls"]), logged["rollout/tool_calls"]
     if method == "grpo":  # GRPO against itself: identical, or undefined when every group ties
         assert all(math.isnan(c) or c == pytest.approx(1.0) for _, c in logged["adv/corr_vs_grpo"])
         assert logged["adv/zero_frac"] == logged["adv/grpo_zero_frac"]

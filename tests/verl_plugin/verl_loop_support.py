@@ -182,7 +182,7 @@ def local_ray(*, gpus: int = 0, paths: Sequence[Path] = (), modules: Sequence[st
         ray.shutdown()
     pythonpath = [str(HERE), *map(str, paths), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     external = [verl_environment(tracking_uri=None, run_id=None, base={})["VERL_USE_EXTERNAL_MODULES"], *modules]
-    kwargs: dict[str, Any] = {"num_cpus": 4}
+    kwargs: dict[str, Any] = {"num_cpus": 4 + 3 * gpus}  # verl's bundles ask for 3 CPUs a rank
     settings = {
         "PYTHONPATH": os.pathsep.join(pythonpath),
         "TOKENIZERS_PARALLELISM": "false",
@@ -196,7 +196,7 @@ def local_ray(*, gpus: int = 0, paths: Sequence[Path] = (), modules: Sequence[st
 
         external.insert(0, cpu.MODULE)
         settings.update(cpu.environment())
-        kwargs = {**cpu.ray_init_kwargs(gpus), "num_cpus": 4 + 3 * gpus}  # verl's bundles ask for 3 CPUs a rank
+        kwargs = {**kwargs, **cpu.ray_init_kwargs(gpus)}
     settings["VERL_USE_EXTERNAL_MODULES"] = ",".join(external)
     settings.update(env or {})
     # Through the environment Ray's own processes inherit, not a job runtime_env: a job with one gets
