@@ -117,7 +117,7 @@ def test_plugin_and_mlflow_variables_reach_every_ray_worker(launch):
     prefix = "++ray_kwargs.ray_init.runtime_env.env_vars."
     forwarded = dict(a[len(prefix):].split("=", 1) for a in launch.argv if a.startswith(prefix))
     assert PLUGIN_MODULE in forwarded["VERL_USE_EXTERNAL_MODULES"]
-    assert forwarded["MLFLOW_RUN_ID"] == "abc123" and forwarded["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/x.db"
+    assert forwarded["MLFLOW_RUN_ID"] == "'abc123'" and forwarded["MLFLOW_TRACKING_URI"] == "'sqlite:////tmp/x.db'"
 
 
 def test_model_family_from_the_checkpoint_and_no_dead_keys(params, tmp_path, monkeypatch):
@@ -160,7 +160,7 @@ def test_the_cpu_platform_loads_first_reaches_every_worker_and_comes_before_the_
                      overrides=["actor_rollout_ref.rollout.name=my_engine"])
     assert launch.env["VERL_PLATFORM"] == "cpu"
     assert launch.env["VERL_USE_EXTERNAL_MODULES"].split(",")[:2] == [CPU_PLATFORM_MODULE, PLUGIN_MODULE]
-    assert "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cpu" in launch.argv
+    assert "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM='cpu'" in launch.argv
     assert "++ray_kwargs.ray_init.num_gpus=2" in launch.argv
     cpu = cpu_platform_overrides(2)
     assert all(o in launch.argv for o in cpu)
@@ -213,6 +213,9 @@ def test_a_cpu_launch_composes_with_cfg_job(params, tmp_path, monkeypatch):
     assert cfg["actor_rollout_ref"]["rollout"]["name"] == "spader_decoder"
     assert cfg["actor_rollout_ref"]["actor"]["strategy"] == "fsdp2"
     assert cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "sdpa"
+    # Ray takes the workers' variables as strings only: HF_HUB_OFFLINE=1 stays "1", not the integer 1
+    env_vars = cfg["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert env_vars["HF_HUB_OFFLINE"] == "1" and env_vars["VERL_PLATFORM"] == "cpu"
 
 
 def test_failure_becomes_an_error_with_the_log_tail(tmp_path):

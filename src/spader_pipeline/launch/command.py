@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from spader_pipeline.launch.data_files import DATA_KEYS, data_files, write_tool_config
 from spader_pipeline.launch.metrics import metrics_to_files
-from spader_pipeline.launch.overrides import hydra_value, main_ppo_argv
+from spader_pipeline.launch.overrides import main_ppo_argv
 from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV
 from spader_pipeline.typed_config import method_settings
@@ -128,9 +128,15 @@ def check_worker_url(url: str, nnodes: int) -> str:
 
 
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
-    """Hydra overrides forwarding :data:`FORWARDED_ENV` of ``env`` to every Ray worker."""
-    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_value(env[key])}"
+    """Hydra overrides forwarding :data:`FORWARDED_ENV` of ``env`` to every Ray worker, each value quoted:
+    Ray takes strings only, and Hydra would read ``HF_HUB_OFFLINE=1`` as the integer 1."""
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={_quoted(env[key])}"
             for key in FORWARDED_ENV if env.get(key)]
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a quoted string in Hydra's override grammar."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def cpu_platform_overrides(ranks: int | None) -> list[str]:
