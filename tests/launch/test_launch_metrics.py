@@ -30,13 +30,15 @@ def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):
     verl, plugin = (tmp_path / name for name in METRICS_FILES)
     append_metrics_line(plugin, {"val/embedded/recall": 0.1}, 0)
     for step in (1, 2):
-        append_metrics_line(verl, {**VERL_STEP, "training/global_step": step, "note": "text"}, step)
+        append_metrics_line(verl, {**VERL_STEP, "training/global_step": step, "note": "text",
+                                   "val-core/embedded/reward/mean@1": 0.5}, step)
         append_metrics_line(plugin, PLUGIN_STEP, step)
     history = training_history(tmp_path)
     assert [row["step"] for row in history] == [0, 1, 2]
     assert history[0] == {"step": 0, "val/embedded/recall": 0.1}
     assert history[2]["loss/policy"] == 0.25 and history[2]["answer/recall"] == 0.4
-    assert "note" not in history[1]  # numbers only
+    assert "note" not in history[1]  # numbers only, under the keys MLflow takes
+    assert history[1]["val-core/embedded/reward/mean_at_1"] == 0.5
     assert training_history(tmp_path / "nothing") == []
 
 

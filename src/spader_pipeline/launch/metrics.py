@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from spader_pipeline.tracking.buffer import active_run_writer
+from spader_pipeline.tracking.buffer import active_run_writer, finite_numbers
 from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl, parse_metrics_line
 
 #: verl's name of a term of its update or of a timing → the native trainer's name of the same quantity
@@ -80,7 +80,8 @@ def following(files: Sequence[Path]) -> Iterator[None]:
 def training_history(run_dir: str | Path) -> list[dict[str, float]]:
     """A finished verl run's per-step history under the native trainer's names (as the native trainer
     returns it, ``step`` in each row): its metrics files (:data:`METRICS_FILES`, or verl's
-    ``metrics.jsonl`` where no MLflow run took them) merged by step, numbers only."""
+    ``metrics.jsonl`` where no MLflow run took them) merged by step: finite numbers, under the keys
+    MLflow takes (verl's ``…/mean@1`` → ``…/mean_at_1``, as the run's own metrics)."""
     run_dir = Path(run_dir)
     names = METRICS_FILES if (run_dir / METRICS_FILES[0]).is_file() else ("metrics.jsonl", METRICS_FILES[1])
     steps: dict[int, dict[str, float]] = {}
@@ -93,6 +94,5 @@ def training_history(run_dir: str | Path) -> list[dict[str, float]]:
             if parsed:
                 metrics, step = parsed
                 row = steps.setdefault(step, {})
-                row.update({k: float(v) for k, v in with_native_names(metrics).items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                row.update(finite_numbers(with_native_names(metrics)))
     return [{"step": step, **steps[step]} for step in sorted(steps)]
