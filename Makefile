@@ -30,10 +30,11 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
+	@echo "make run-verl   - the same chain, its training through verl's real loop on the CPU (conf/verl_cpu)"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
 	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control)"
@@ -92,6 +93,14 @@ run: $(STAMP)
 run-method-%: $(STAMP)
 	OMP_NUM_THREADS=$(HALF_THE_CORES) $(KEDRO_RUN) --nodes train_$*.train_policy
 
+# The embedded default's training through verl's real loop on this machine's CPU (conf/verl_cpu;
+# docs/training.md, "verl on a CPU"): make run's three phases under its own data root and experiment, the
+# methods one after another with every core (a verl run holds an FSDP actor, a rollout server and their
+# workers: two side by side would not fit a 16 GB laptop). What a user runs to check a verl configuration
+# before spending GPU hours.
+run-verl: $(STAMP)
+	$(MAKE) --no-print-directory run RUN_ENV=verl_cpu SIDE_BY_SIDE=1 HALF_THE_CORES=$(call cores_per,1)
+
 # The long profile: more warm start and RL steps, one more held-out set (conf/long).
 run-long: $(STAMP)
 	$(MAKE) --no-print-directory run RUN_ENV=long
@@ -135,7 +144,7 @@ test: $(STAMP)
 # verl's own trainer loop with its real workers on the CPU (FSDP2 over gloo, our rollout server, verl's
 # weight sync): tests marked verl_workers, which `make test` leaves out (minutes of fit()); CI runs both.
 test-verl: $(STAMP)
-	$(BIN)/python -m pytest -m verl_workers
+	$(BIN)/python -m pytest -m "verl_workers and not gpu"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"
