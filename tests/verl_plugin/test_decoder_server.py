@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("verl")
 
-from spader_pipeline.verl_plugin.decoder_rollout.server import DecoderServer, SamplingKey, turn_budget  # noqa: E402
+from spader_pipeline.verl_plugin.decoder_rollout.batching import SamplingKey, turn_budget  # noqa: E402
+from spader_pipeline.verl_plugin.decoder_rollout.server import DecoderServer  # noqa: E402
 
 PROMPT, RESPONSE, CONTEXT = 64, 32, 128
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
@@ -162,7 +163,7 @@ def test_weights_arrive_in_buckets_and_every_weight_must_arrive(model_dir):
 
 
 def test_the_wait_for_stragglers_is_a_share_of_the_decoding_time():
-    from spader_pipeline.verl_plugin.decoder_rollout.server import MAX_WAIT_S, cohort_wait
+    from spader_pipeline.verl_plugin.decoder_rollout.batching import MAX_WAIT_S, cohort_wait
 
     assert cohort_wait(0.1, 0.05) == 0.05  # a fast batch: the window
     assert cohort_wait(10.0, 0.05) == pytest.approx(0.2)  # 2% of its decoding time

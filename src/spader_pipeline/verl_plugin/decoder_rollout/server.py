@@ -31,7 +31,7 @@ The lifecycle verl calls: ``sleep``/``wake_up`` (on CUDA the weights leave the d
 trainer runs; the KV cache is dropped on every device), ``clear_kv_cache``, ``set_global_steps``,
 ``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
 ``aborted`` when the replica leaves), and ``load_weights``, through which the in-worker adapter
-(:mod:`.adapter`) hands over the actor's weights that verl's checkpoint engine yields.
+(:class:`~.replica.DecoderServerAdapter`) hands over the actor's weights that verl's checkpoint engine yields.
 """
 
 from __future__ import annotations
@@ -40,114 +40,22 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from spader_pipeline.verl_plugin.decoder_rollout.batching import (
+    BATCH_WINDOW_S,
+    MAX_WAIT_S,
+    Cohort,
+    Request,
+    SamplingKey,
+    cohort_wait,
+    turn_budget,
+)
+from spader_pipeline.verl_plugin.decoder_rollout.weights import tied_to_embeddings, weights_checksum
+
 logger = logging.getLogger(__name__)
-
-#: how long the server waits for more requests after the last one arrived before it decodes a batch
-BATCH_WINDOW_S = 0.05
-#: most time a request waits for others to join its batch
-MAX_WAIT_S = 0.5
-#: a cohort waits for its stragglers at most this share of the time its last batch took to decode
-COHORT_WAIT_SHARE = 0.02
-
-
-def cohort_wait(decode_seconds: float, batch_window_s: float = BATCH_WINDOW_S) -> float:
-    """Seconds after the first of a cohort's next turns arrived before its batch may start without the
-    sequences that have not come back: ``COHORT_WAIT_SHARE`` of the cohort's last decoding time, at least
-    ``batch_window_s``, at most ``MAX_WAIT_S``. A straggler left out costs a prefill of its whole context,
-    which grows with the decoding time; waiting for a trajectory that ended costs idle time, bounded by
-    the share."""
-    return min(MAX_WAIT_S, max(batch_window_s, COHORT_WAIT_SHARE * decode_seconds))
-
-
-def turn_budget(prompt_length: int, sampling_params: dict[str, Any], *, max_model_len: int, prompt_budget: int,
-                response_length: int) -> int:
-    """Most tokens this turn may sample: SGLang's rule in verl (module docstring). Raises
-    ``ValueError`` when the prompt alone exceeds the context. ``sampling_params`` loses its
-    ``max_new_tokens``/``max_tokens`` key, as it does there."""
-    possible = max_model_len - prompt_length - 1
-    if possible < 0:
-        raise ValueError(f"prompt of {prompt_length} tokens exceeds the model's context of {max_model_len}")
-    if "max_new_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_new_tokens")
-    elif "max_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_tokens")
-    else:
-        wanted = min(response_length, prompt_budget + response_length - prompt_length)
-    return max(0, min(int(wanted), possible))
-
-
-@dataclass(frozen=True)
-class SamplingKey:
-    """Requests decoded in one batch share these (one decoder, and its cache, per key)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-
-    @classmethod
-    def of(cls, params: dict[str, Any]) -> SamplingKey:
-        penalty = float(params.get("repetition_penalty", 1.0) or 1.0)
-        if penalty != 1.0:
-            raise ValueError(f"repetition_penalty={penalty} is not supported by the decoder server")
-        top_k = params.get("top_k", -1)
-        return cls(float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0) or 1.0),
-                   int(top_k) if top_k not in (None, 0) else -1)
-
-
-#: tokens of a sequence's tail that index it (a lookup compares whole sequences only on a match)
-_TAIL = 8
-
-
-@dataclass(eq=False)
-class _Cohort:
-    """The sequences one batch produced, and the decoder whose KV cache holds them."""
-
-    key: SamplingKey
-    decoder: Any
-    rows: list[str] = field(default_factory=list)  # each cache row's uid, in the decoder's row order
-    finished: float = 0.0  # when its last batch ended (monotonic)
-    decode_seconds: float = 0.0  # how long that batch decoded
-    _produced: dict[tuple[int, ...], list[str]] = field(default_factory=dict)  # sequence → the rows holding it
-    _index: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]] = field(default_factory=dict)  # (length, tail)
-    _lengths: list[int] = field(default_factory=list)  # the sequences' lengths, longest first
-
-    def update(self, produced: list[tuple[tuple[int, ...], str]], decode_seconds: float) -> None:
-        """The batch just decoded: ``(sequence, uid)`` per cache row, in row order."""
-        self.rows = [uid for _, uid in produced]
-        self.decode_seconds, self.finished = decode_seconds, time.monotonic()
-        self._produced, self._index = {}, {}
-        for seq, uid in produced:
-            if seq not in self._produced:
-                self._index.setdefault((len(seq), seq[-_TAIL:]), []).append(seq)
-            self._produced.setdefault(seq, []).append(uid)
-        self._lengths = sorted({n for n, _ in self._index}, reverse=True)
-
-    def find(self, prompt: list[int]) -> list[str]:
-        """The rows holding the longest sequence of the cohort that ``prompt`` starts with (``[]``: none)."""
-        for n in self._lengths:
-            if n <= len(prompt):
-                seqs = self._index.get((n, tuple(prompt[max(0, n - _TAIL) : n])), ())
-                head = tuple(prompt[:n]) if seqs else None
-                if head in seqs:
-                    return self._produced[head]
-        return []
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    budget: int
-    key: SamplingKey
-    want_log_probs: bool
-    done: asyncio.Future
-    arrived: float = field(default_factory=time.monotonic)
-    cohort: _Cohort | None = None  # whose cache it continues (found on arrival; cleared once that cache moved on)
-
 
 class DecoderServer:
     """One replica's server (a Ray actor, :class:`~.replica.DecoderReplica` starts it).
@@ -178,9 +86,9 @@ class DecoderServer:
         self.batch_window_s = batch_window_s
         self.max_batch = max(1, int(getattr(config, "max_num_seqs", 256) or 256))
         self.global_steps: int | None = None
-        self._cohorts: list[_Cohort] = []  # least recently decoded first
+        self._cohorts: list[Cohort] = []  # least recently decoded first
         self._idle: dict[SamplingKey, list[Any]] = {}  # decoders without a cohort, for the next ones
-        self._queue: list[_Request] = []
+        self._queue: list[Request] = []
         self._arrival = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -210,7 +118,7 @@ class DecoderServer:
                                extra_fields={"global_steps": self.global_steps})
         if self._reject:
             return self._aborted(want)
-        request = _Request(prompt, budget, SamplingKey.of(params), want, asyncio.get_running_loop().create_future())
+        request = Request(prompt, budget, SamplingKey.of(params), want, asyncio.get_running_loop().create_future())
         request.cohort = next((c for c in self._cohorts if c.key == request.key and c.find(prompt)), None)
         self._queue.append(request)
         self._arrival.set()
@@ -253,10 +161,10 @@ class DecoderServer:
                 if not request.done.done():
                     request.done.set_result(output)
 
-    def _ready(self) -> tuple[list[_Request] | None, float]:
+    def _ready(self) -> tuple[list[Request] | None, float]:
         """The batch to decode now (``None``: none is ready) and, when none is, the time to look again."""
         now, wake = time.monotonic(), float("inf")
-        groups: dict[tuple[SamplingKey, int], list[_Request]] = {}
+        groups: dict[tuple[SamplingKey, int], list[Request]] = {}
         for request in self._queue:  # grouped in the order of their oldest request
             groups.setdefault((request.key, id(request.cohort)), []).append(request)
         for group in groups.values():
@@ -273,7 +181,7 @@ class DecoderServer:
             wake = min(wake, due)
         return None, wake
 
-    def _new_cohort(self, key: SamplingKey) -> _Cohort:
+    def _new_cohort(self, key: SamplingKey) -> Cohort:
         from spader_pipeline.agent.hf_backend import HFGenerator
         from spader_pipeline.agent.types import SamplingParams
 
@@ -285,11 +193,11 @@ class DecoderServer:
                                       max_new_tokens=self.max_model_len)
             decoder = HFGenerator(self.model, self.tokenizer, sampling, max_prompt_tokens=self.max_model_len,
                                   micro_batch_size=self.max_batch, bf16=self.bf16, return_log_probs=True)
-        cohort = _Cohort(key, decoder)
+        cohort = Cohort(key, decoder)
         self._cohorts.append(cohort)
         return cohort
 
-    async def _drop(self, cohort: _Cohort) -> None:
+    async def _drop(self, cohort: Cohort) -> None:
         """Free a cohort's cache (its decoder waits for the next cohort); its queued requests start afresh."""
         self._cohorts.remove(cohort)
         await cohort.decoder.aclose()
@@ -303,7 +211,7 @@ class DecoderServer:
         """Every cohort's decoder (tests read their counters)."""
         return {id(c): c.decoder for c in self._cohorts}
 
-    async def _decode(self, batch: list[_Request]) -> list[Any]:
+    async def _decode(self, batch: list[Request]) -> list[Any]:
         """One batch through a decoder: a cohort's next turns continue its cache (in its row order), fresh
         requests start a new cohort."""
         from verl.workers.rollout.replica import TokenOutput
@@ -421,7 +329,7 @@ class DecoderServer:
                 self._loaded.add(name)
         if not last:
             return
-        missing = [name for name in state if name not in self._loaded and not _tied(self.model, name)]
+        missing = [name for name in state if name not in self._loaded and not tied_to_embeddings(self.model, name)]
         checksum = weights_checksum(self.model)
         self._loaded = set()
         if missing:
@@ -436,16 +344,3 @@ class DecoderServer:
 
     def ready(self) -> bool:
         return True
-
-
-def _tied(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``name`` is the output layer tied to the input embeddings (a trainer may not send it)."""
-    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
-
-
-def weights_checksum(model: torch.nn.Module) -> float:
-    """A position-weighted sum of every weight (one pass over memory): two weight updates that change
-    any weight differ in it (tests compare updates, and the server's weights with the actor's, by it)."""
-    with torch.no_grad():
-        return float(sum((k + 1) * tensor.double().sum() for k, (_, tensor) in
-                         enumerate(sorted(model.state_dict().items()))))
