@@ -40,6 +40,8 @@ NATIVE_NAMES = {
     "timing_s/old_log_prob": "perf/old_log_prob_seconds",
     "timing_s/ref": "perf/reference_seconds",
     "timing_s/testing": "perf/validation_seconds",
+    # our plugin's search health, which verl files among its timings: failed searches / searches
+    "timing_s/search/error_rate": "rollout/search_failed",
 }
 #: the files a launch's metrics go to, in ``run_dir``: verl's tracker's, then our plugin's
 METRICS_FILES = ("verl_metrics.jsonl", "step_metrics.jsonl")
