@@ -193,8 +193,8 @@ def log_step_metrics(metrics: dict[str, float], step: int | None) -> None:
     batch's ``timing`` to its logger, which would file them as ``timing_s/…``; without an MLflow run
     they are logged at debug level only. Under the launcher they are appended to the file
     ``SPADER_METRICS_PATH`` names, which it sends on without ever blocking this process
-    (:mod:`spader_pipeline.tracking_buffer`)."""
-    from spader_pipeline.tracking_buffer import METRICS_PATH_ENV, append_metrics_line
+    (:mod:`spader_pipeline.tracking.metrics_files`)."""
+    from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, append_metrics_line
 
     if os.environ.get(METRICS_PATH_ENV):  # the launcher ships this file through a buffered writer
         append_metrics_line(os.environ[METRICS_PATH_ENV], metrics, step)
