@@ -43,12 +43,17 @@ def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_follower_logs_the_native_names_into_the_run(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+def test_the_follower_logs_the_native_names_into_the_run(tmp_path):
+    # The tracking URI is process state: a Kedro run earlier in this worker may have set it (the
+    # hooks do), so the test sets its own store and puts the previous one back.
+    uri, previous = f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow.get_tracking_uri()
     files = [tmp_path / name for name in METRICS_FILES]
-    with mlflow.start_run() as run:
-        with following(files):
-            append_metrics_line(files[0], VERL_STEP, 1)
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run() as run:
+            with following(files):
+                append_metrics_line(files[0], VERL_STEP, 1)
+    finally:
+        mlflow.set_tracking_uri(previous)
     logged = mlflow.MlflowClient(uri).get_run(run.info.run_id).data.metrics
     assert logged["loss/policy"] == 0.25 and logged["actor/pg_loss"] == 0.25 and logged["perf/step_seconds"] == 30.0

@@ -47,7 +47,6 @@ from verl_loop_support import (  # noqa: E402
     local_ray,
     method_block,
     run_fit,
-    trainer_loop_workspace,
 )
 
 pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
@@ -56,12 +55,6 @@ LOGP_ATOL = 1e-5
 ADV_ATOL = 1e-5
 LOSS_RTOL = 1e-4
 METHODS = ("grpo", "spader")
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    with trainer_loop_workspace(tmp_path_factory.mktemp("verl-parity")) as ws:
-        yield ws
 
 
 @pytest.fixture(scope="module")

@@ -54,12 +54,6 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    with trainer_loop_workspace(tmp_path_factory.mktemp("verl-real")) as ws:
-        yield ws
-
-
-@pytest.fixture(scope="module")
 def cpu_ray(workspace):
     with local_ray(gpus=2, cpu_platform=True):
         yield

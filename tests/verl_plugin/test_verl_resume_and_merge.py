@@ -28,18 +28,12 @@ pytest.importorskip("ray")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from verl_loop_support import REAL_WORKER_OVERRIDES, compose_config, method_block, trainer_loop_workspace  # noqa: E402
+from verl_loop_support import REAL_WORKER_OVERRIDES, compose_config, method_block  # noqa: E402
 
 pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
 
 WORLD = 2
 CHILD_TIMEOUT = 600
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    with trainer_loop_workspace(tmp_path_factory.mktemp("verl-resume")) as ws:
-        yield ws
 
 
 def fit_in_child(config_path: Path, run_dir: Path, *extra: str) -> int:

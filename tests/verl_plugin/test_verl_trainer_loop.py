@@ -55,7 +55,6 @@ from verl_loop_support import (  # noqa: E402
     local_ray,
     method_block,
     run_fit,
-    trainer_loop_workspace,
 )
 
 # verl's whole fit() loop, in Ray actors, five times in one worker: the suite's longest module
@@ -64,12 +63,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.longest]
 METHODS = ("grpo", "spader", "calibadv", "tspo")
 TOOL_COST = 0.2  # scaled up (the configs use 0.01) so it is visible; only where the method pays one
 FREE_STEPS = 2  # the schedule: step 1 is free, step 2 pays the full cost (no ramp)
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    with trainer_loop_workspace(tmp_path_factory.mktemp("verl-loop")) as ws:
-        yield ws
 
 
 @pytest.fixture(scope="module")
