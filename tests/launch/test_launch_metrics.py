@@ -44,13 +44,15 @@ def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):
 
 @pytest.mark.slow
 def test_the_follower_logs_the_native_names_into_the_run(tmp_path):
-    # The tracking URI is process state: a Kedro run earlier in this worker may have set it (the
-    # hooks do), so the test sets its own store and puts the previous one back.
+    # The tracking URI and the active experiment are process state: a Kedro run earlier in this worker
+    # may have set both (the hooks do), so the test names its own store and experiment, and puts the
+    # previous store back.
     uri, previous = f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow.get_tracking_uri()
     files = [tmp_path / name for name in METRICS_FILES]
+    experiment = mlflow.MlflowClient(uri).create_experiment("follower")
     mlflow.set_tracking_uri(uri)
     try:
-        with mlflow.start_run() as run:
+        with mlflow.start_run(experiment_id=experiment) as run:
             with following(files):
                 append_metrics_line(files[0], VERL_STEP, 1)
     finally:
