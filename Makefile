@@ -30,7 +30,7 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench bench-llamacpp viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -43,6 +43,7 @@ help:
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
 	@echo "make bench      - run the benchmarks under benchmarks/"
+	@echo "make bench-llamacpp - our decoder vs llama.cpp on the same weights (builds llama.cpp under build/llamacpp once)"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
 	@echo "make mlflow-ui  - serve the MLflow UI on 127.0.0.1:$(MLFLOW_PORT)"
 
@@ -171,6 +172,14 @@ bench: $(STAMP)
 	@for b in $(BENCHMARKS); do \
 	  if [ -f benchmarks/$$b.py ]; then echo "== $$b"; $(BIN)/python benchmarks/$$b.py || exit 1; fi; \
 	done
+
+# Issue 57: prefill and decoding tokens/s of our decoder against llama.cpp's llama-batched-bench, same
+# model and shapes. llama.cpp is built from the llama-cpp-python sdist and the model converted to a bf16
+# GGUF, both under build/llamacpp/ and once (never a project dependency); not part of `make bench`.
+# Options of the script: BENCH_LLAMACPP_ARGS="--threads 1 --rows 1,16 --json PATH".
+BENCH_LLAMACPP_ARGS ?=
+bench-llamacpp: $(STAMP)
+	$(BIN)/python benchmarks/bench_vs_llamacpp.py $(BENCH_LLAMACPP_ARGS)
 
 viz-build: $(STAMP)
 	$(BIN)/kedro viz build

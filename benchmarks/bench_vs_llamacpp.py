@@ -1,0 +1,401 @@
+"""Our decoder against llama.cpp on the same weights: prefill and decoding tokens per second on the CPU.
+
+    .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
+        [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
+        [--ours-only | --llamacpp-only] [--jobs 2]
+
+Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
+:class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`, what the rollouts run) from a dedicated CPU
+inference engine? Both run the same model folder (SmolLM2-135M-Instruct, ``make run``'s base model) at
+the same shapes: ``rows`` sequences of ``--prompt-tokens`` random tokens, then ``--new-tokens`` decoding
+steps of one token per row, no early stop.
+
+* **llama.cpp**: its ``llama-batched-bench`` (``-npp P -ntg N -npl rows``, ``-b 2048 -ub 512``), built
+  from the ``llama-cpp-python`` sdist's llama.cpp tree with ``GGML_NATIVE`` (this CPU's instruction
+  set), on a bf16 GGUF converted from the model folder by the tree's ``convert_hf_to_gguf.py``.
+  Everything lives under ``build/llamacpp/`` and is made once (the GGUF per content hash of the
+  folder); llama.cpp is never a dependency of the project. The converter runs on the project venv's
+  torch, transformers and numpy with the tree's ``gguf-py`` first on ``PYTHONPATH``; the one module
+  the venv lacks, ``sentencepiece``, is installed into ``build/llamacpp/pydeps`` (not into the venv).
+* **ours**: the model from ``load_model_and_tokenizer``, under bf16 autocast when ``resolve_bf16("auto")``
+  turns it on for this CPU (each weight cast once per call, :func:`~spader_pipeline.modeling.precision.
+  bf16_inference`, as a rollout turn runs), ``torch.set_num_threads(threads)``; greedy, no
+  end-of-sequence id, so every row decodes its whole budget. The prefill's forward yields the first new
+  token (llama.cpp's prefill too computes the last prompt position's logits); the decoding phase is the
+  ``--new-tokens`` forwards after it. Both phases are timed within one call: the prefill ends when the
+  first forward returns.
+
+Columns (median over ``--repeats``; the two engines alternate which goes first in each repeat):
+
+* ``prefill tok/s``: rows x prompt tokens / prefill seconds (llama.cpp's ``S_PP t/s``);
+* ``decode tok/s (ms/step)``: rows x new tokens / decoding seconds (llama.cpp's ``S_TG t/s``), and the
+  milliseconds of one decoding step of all rows (``T_TG s`` / new tokens);
+* ``ratio``: ours / llama.cpp, above 1 where ours is faster.
+
+Also printed: the CPU (model name, family/model, whether it has avx512_bf16 and AMX), what
+``-march=native`` enables for the compiler that built llama.cpp, torch's version, llama.cpp's flash
+attention setting, and the load average before and after (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
+WORK = ROOT / "build/llamacpp"
+SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+TREE = SOURCE / "vendor/llama.cpp"
+CMAKE_DIR = WORK / f"cmake-{LLAMA_CPP_PYTHON}"
+BINARY = CMAKE_DIR / "bin/llama-batched-bench"
+PYDEPS = WORK / "pydeps"  # the converter's modules missing from the project venv
+CONVERTER_EXTRA = ["sentencepiece>=0.1.98,<0.3.0"]
+
+
+def _run(cmd: list[Any], log: Path | None = None, **kwargs: Any) -> None:
+    """Run ``cmd``; with ``log``, its output goes there (appended) and only its tail is shown on failure."""
+    print("+", " ".join(str(c) for c in cmd) + (f"  (output: {log.relative_to(ROOT)})" if log else ""), flush=True)
+    if log is None:
+        subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a", encoding="utf-8") as out:
+        done = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, check=False, **kwargs)
+    if done.returncode != 0:
+        raise SystemExit(f"failed ({done.returncode}); the end of {log}:\n" + "".join(log.read_text().splitlines(True)[-40:]))
+
+
+# ---- llama.cpp: source, build, model conversion -------------------------------------------------------
+
+
+def llamacpp_tree() -> Path:
+    """The llama.cpp tree of the sdist, downloaded and unpacked under build/llamacpp/ once."""
+    if (TREE / "CMakeLists.txt").is_file():
+        return TREE
+    sdist = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", WORK])
+    with tarfile.open(sdist) as archive:
+        archive.extractall(WORK, filter="data")
+    return TREE
+
+
+def build_batched_bench(jobs: int) -> Path:
+    """``llama-batched-bench`` built for this CPU (``GGML_NATIVE``), once."""
+    if BINARY.is_file():
+        return BINARY
+    tree = llamacpp_tree()
+    started = time.perf_counter()
+    log = WORK / "build.log"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not make's -w
+    _run(["cmake", "-S", tree, "-B", CMAKE_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], log, env=env)
+    _run(["cmake", "--build", CMAKE_DIR, "--config", "Release", "--target", "llama-batched-bench", "-j", jobs],
+         log, env=env)
+    print(f"built {BINARY.relative_to(ROOT)} in {time.perf_counter() - started:.0f} s", flush=True)
+    return BINARY
+
+
+def folder_hash(folder: Path) -> str:
+    """Content hash of a model folder: every file's relative path and bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with path.open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
+
+
+def converted_gguf(folder: Path) -> Path:
+    """The model folder as a bf16 GGUF (converted once per content hash)."""
+    out = WORK / "models" / f"{folder.resolve().name}-{folder_hash(folder)}.bf16.gguf"
+    if out.is_file():
+        return out
+    tree = llamacpp_tree()
+    if not (PYDEPS / "sentencepiece").is_dir():  # imported by the llama converter before it looks for a file
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", PYDEPS, *CONVERTER_EXTRA])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(PYDEPS)])}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    _run([sys.executable, tree / "convert_hf_to_gguf.py", folder, "--outtype", "bf16", "--outfile", partial],
+         WORK / "convert.log", env=env)
+    partial.rename(out)
+    return out
+
+
+def run_batched_bench(gguf: Path, rows: list[int], threads: int, prompt: int, new: int) -> dict[str, Any]:
+    """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates."""
+    context = max(rows) * (prompt + new)  # every sequence its own prompt and tokens (no shared prompt)
+    cmd = [BINARY, "-m", gguf, "-c", context, "-b", 2048, "-ub", 512, "-npp", prompt, "-ntg", new,
+           "-npl", ",".join(map(str, rows)), "-t", threads, "-tb", threads]
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
+    text = out.stdout + out.stderr
+    if out.returncode != 0:
+        raise SystemExit(f"llama-batched-bench failed ({out.returncode}):\n{text[-3000:]}")
+    return parse_batched_bench(text)
+
+
+def parse_batched_bench(text: str) -> dict[str, Any]:
+    """The markdown table of ``llama-batched-bench`` (columns by name) and its settings line."""
+    header: list[str] | None = None
+    results: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        if "|" not in line:
+            continue
+        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]  # any log prefix off
+        if "S_PP t/s" in cells:
+            header = cells
+        elif header and len(cells) == len(header) and cells[0].isdigit():
+            row = dict(zip(header, map(float, cells), strict=True))
+            results[int(row["B"])] = {"prefill_tps": row["S_PP t/s"], "decode_tps": row["S_TG t/s"],
+                                      "prefill_s": row["T_PP s"], "decode_s": row["T_TG s"],
+                                      "step_ms": 1e3 * row["T_TG s"] / row["TG"]}
+    if not results:
+        raise SystemExit(f"no table in llama-batched-bench's output:\n{text[-3000:]}")
+    settings = re.search(r"n_kv_max = .*", text)
+    return {"rows": results, "settings": settings.group(0) if settings else ""}
+
+
+# ---- ours ---------------------------------------------------------------------------------------------
+
+
+class FirstForwardClock:
+    """The model as ``decode_batch`` calls it, noting when its first forward (the prefill) returns."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.forward, self.prefill_end = model, model.forward, None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        out = self.model(**kwargs)
+        if self.prefill_end is None:
+            self.prefill_end = time.perf_counter()
+        return out
+
+
+def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: int,
+              generator: torch.Generator) -> dict[str, float]:
+    """One ``decode_batch`` call: ``rows`` random prompts, ``new`` forwards after the prefill."""
+    from transformers import LogitsProcessorList
+
+    from spader_pipeline.modeling.decode import decode_batch
+    from spader_pipeline.modeling.kv_cache import GrowingKVCache
+    from spader_pipeline.modeling.precision import bf16_inference
+
+    ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=generator)
+    mask = torch.ones_like(ids)
+    clock = FirstForwardClock(model)
+    with bf16_inference(model, "cpu", bf16):
+        started = time.perf_counter()
+        # budget new + 1: the prefill samples the first token, each of the `new` forwards one more
+        result = decode_batch(clock, ids, mask, GrowingKVCache(), [new + 1] * rows, eos_ids=set(), pad_id=pad_id,
+                              processors=LogitsProcessorList(), do_sample=False)
+        ended = time.perf_counter()
+    assert result.steps == new + 1 and result.row_steps == rows * (new + 1), "a row stopped early"
+    prefill_s, decode_s = clock.prefill_end - started, ended - clock.prefill_end
+    return {"prefill_tps": rows * prompt / prefill_s, "decode_tps": rows * new / decode_s,
+            "prefill_s": prefill_s, "decode_s": decode_s, "step_ms": 1e3 * decode_s / new}
+
+
+def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, bf16: bool, pad_id: int,
+             seed: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(seed)
+    time_ours(model, 1, min(prompt, 32), 2, bf16, pad_id, generator)  # warm-up at this thread count
+    return {"rows": {n: time_ours(model, n, prompt, new, bf16, pad_id, generator) for n in rows}}
+
+
+def cast_ms(model: Any) -> float:
+    """About what casting every fp32 weight to bf16 once costs (autocast's cached casts, paid in each
+    call's prefill): all copies held until the end, as autocast holds them; the fastest of 3."""
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            started = time.perf_counter()
+            copies = [p.to(torch.bfloat16) for p in model.parameters()]
+            times.append(time.perf_counter() - started)
+            del copies
+    return 1e3 * min(times)
+
+
+# ---- the machine and the report ------------------------------------------------------------------------
+
+
+def cpu_info() -> dict[str, Any]:
+    fields: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break  # the first processor is enough
+    flags = set(fields.get("flags", "").split())
+    return {"model_name": fields.get("model name", "?"), "family": fields.get("cpu family", "?"),
+            "model": fields.get("model", "?"), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
+            "amx": sorted(f for f in flags if f.startswith("amx")), "avx512f": "avx512f" in flags}
+
+
+def native_features() -> list[str]:
+    """What ``-march=native`` turns on for the C compiler of the llama.cpp build (its macros)."""
+    cache = CMAKE_DIR / "CMakeCache.txt"
+    compiler = "cc"
+    if cache.is_file():
+        found = re.search(r"^CMAKE_C_COMPILER:\w+=(.+)$", cache.read_text(), re.MULTILINE)
+        compiler = found.group(1) if found else compiler
+    if not shutil.which(compiler):
+        return []
+    out = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+                         capture_output=True, text=True, check=False).stdout
+    wanted = ("__AVX2__", "__AVX512F__", "__AVX512BW__", "__AVX512VNNI__", "__AVX512BF16__", "__AMX_TILE__",
+              "__AMX_BF16__")
+    return [m.strip("_") for m in wanted if re.search(rf"#define {m} ", out)]
+
+
+def _median(runs: list[dict[str, Any]], rows: int, key: str) -> float:
+    return statistics.median(r["rows"][rows][key] for r in runs)
+
+
+def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, Any]]],
+              rows: list[int], threads: list[int]) -> list[dict[str, Any]]:
+    table = []
+    for t in threads:
+        for n in rows:
+            entry: dict[str, Any] = {"rows": n, "threads": t, "prompt_tokens": args.prompt_tokens,
+                                     "new_tokens": args.new_tokens}
+            for engine in ("llamacpp", "ours"):
+                runs = results.get((engine, t), [])
+                if runs:
+                    entry[engine] = {key: _median(runs, n, key) for key in
+                                     ("prefill_tps", "decode_tps", "step_ms", "prefill_s", "decode_s")}
+                    entry[engine]["repeats"] = [r["rows"][n] for r in runs]
+            if "llamacpp" in entry and "ours" in entry:
+                entry["prefill_ratio"] = entry["ours"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
+                entry["decode_ratio"] = entry["ours"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
+            table.append(entry)
+    return table
+
+
+def print_table(table: list[dict[str, Any]]) -> None:
+    def rate(entry: dict[str, Any], engine: str, key: str) -> str:
+        return f"{entry[engine][key]:.1f}" if engine in entry else "-"
+
+    def decode(entry: dict[str, Any], engine: str) -> str:
+        return f"{entry[engine]['decode_tps']:.1f} ({entry[engine]['step_ms']:.1f})" if engine in entry else "-"
+
+    def ratio(entry: dict[str, Any], key: str) -> str:
+        return f"{entry[key]:.2f}" if key in entry else "-"
+
+    head = (f"{'rows':>4} | {'threads':>7} | {'llama.cpp prefill tok/s':>23} | {'ours prefill tok/s':>18} | "
+            f"{'ratio':>5} | {'llama.cpp decode tok/s (ms/step)':>32} | {'ours decode tok/s (ms/step)':>27} | "
+            f"{'ratio':>5}")
+    print(head)
+    print("-" * len(head))
+    for e in table:
+        print(f"{e['rows']:>4} | {e['threads']:>7} | {rate(e, 'llamacpp', 'prefill_tps'):>23} | "
+              f"{rate(e, 'ours', 'prefill_tps'):>18} | {ratio(e, 'prefill_ratio'):>5} | {decode(e, 'llamacpp'):>32} | "
+              f"{decode(e, 'ours'):>27} | {ratio(e, 'decode_ratio'):>5}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,32,64", help="sequences decoded together, comma-separated")
+    parser.add_argument("--threads", default="1,2", help="CPU threads of both engines, comma-separated")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64, help="decoding steps after the prefill")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model-dir", default="data/06_models/base_model", help="a Hugging Face model folder")
+    parser.add_argument("--json", default=None, help="also write the table (and the machine) to this file")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp build")
+    parser.add_argument("--seed", type=int, default=0)
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
+    only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
+    args = parser.parse_args()
+    rows = [int(n) for n in args.rows.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    folder = Path(args.model_dir)
+    folder = folder if folder.is_absolute() or folder.exists() else ROOT / folder
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"{folder}: no Hugging Face model there (make run writes data/06_models/base_model)")
+
+    engines = [e for e in ("llamacpp", "ours") if not (e == "llamacpp" and args.ours_only)
+               and not (e == "ours" and args.llamacpp_only)]
+    gguf = None
+    if "llamacpp" in engines:
+        build_batched_bench(args.jobs)
+        gguf = converted_gguf(folder)
+    model = pad_id = None
+    bf16 = False
+    if "ours" in engines:
+        from spader_pipeline.modeling import load_model_and_tokenizer
+        from spader_pipeline.modeling.precision import resolve_bf16
+
+        model, tokenizer = load_model_and_tokenizer(folder)
+        bf16 = resolve_bf16("auto", torch.device("cpu"), model)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    cpu = cpu_info()
+    features = native_features() if "llamacpp" in engines else []
+    load_before = os.getloadavg()
+    print(f"CPU: {cpu['model_name']} (family {cpu['family']}, model {cpu['model']}), {cpu['cores']} cores; "
+          f"avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}, AMX: {' '.join(cpu['amx']) or 'no'}; "
+          f"torch {torch.__version__}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
+          flush=True)
+    if gguf is not None:
+        print(f"llama.cpp: {BINARY.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
+              f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
+    if model is not None:
+        print(f"ours: decode_batch + GrowingKVCache, bf16 autocast {'on' if bf16 else 'off'}"
+              + (f" (casting the weights once: ~{cast_ms(model):.0f} ms at {torch.get_num_threads()} threads, inside "
+                 "each call's prefill)" if bf16 else ""),
+              flush=True)
+
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    settings = ""
+    for repeat in range(args.repeats):
+        for t in threads:
+            for engine in engines if repeat % 2 == 0 else engines[::-1]:
+                started = time.perf_counter()
+                if engine == "llamacpp":
+                    run = run_batched_bench(gguf, rows, t, args.prompt_tokens, args.new_tokens)
+                    settings = run["settings"]
+                else:
+                    run = run_ours(model, rows, t, args.prompt_tokens, args.new_tokens, bf16, pad_id,
+                                   args.seed + repeat)
+                results.setdefault((engine, t), []).append(run)
+                summary = ", ".join(f"{n}: {r['prefill_tps']:.0f} / {r['decode_tps']:.0f}" for n, r in run["rows"].items())
+                print(f"  repeat {repeat} threads {t} {engine:8s} ({time.perf_counter() - started:.0f} s) "
+                      f"rows: prefill / decode tok/s  {summary}; load {os.getloadavg()[0]:.2f}", flush=True)
+
+    load_after = os.getloadavg()
+    table = summarise(args, results, rows, threads)
+    print(f"\nOurs vs llama.cpp, {folder.name}: {args.prompt_tokens} prompt tokens + {args.new_tokens} decoding steps "
+          f"per row, median of {args.repeats}; ratio = ours / llama.cpp; load average {load_before[0]:.2f} -> "
+          f"{load_after[0]:.2f}")
+    if settings:
+        print(f"llama-batched-bench: {settings}")
+    print_table(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "cpu": cpu, "march_native": features, "torch": torch.__version__, "bf16_autocast": bf16,
+            "llama_cpp_python": LLAMA_CPP_PYTHON, "batched_bench_settings": settings,
+            "load_before": load_before, "load_after": load_after, "model_dir": str(folder), "rows": table,
+        }, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
