@@ -91,6 +91,7 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
+        ("packed_linear",),  # oneDNN's weight layout, which the precision's inference block uses
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged"),  # each one concern of running a model
         ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it

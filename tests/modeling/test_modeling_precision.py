@@ -106,11 +106,16 @@ def _half_frozen_lm() -> torch.nn.Module:
     return model
 
 
-def test_bf16_inference_casts_a_frozen_weight_once_per_block_and_gives_the_same_logits():
+def test_bf16_inference_casts_a_frozen_weight_once_per_block_and_gives_the_same_logits(monkeypatch):
     """Inside ``bf16_inference`` autocast keeps its bf16 copy of every weight, frozen ones too (a change
     to the fp32 weight inside the block is not seen: the cast was made once), the logits are the bits of
-    plain no-grad autocast, no graph is built, and the frozen weights are frozen again after."""
+    plain no-grad autocast, no graph is built, and the frozen weights are frozen again after. (Autocast's
+    own path: with packed weights the linear layers read their packed copies instead, which follow a
+    change; tests/modeling/test_modeling_packed_linear.py.)"""
+    from spader_pipeline.modeling import packed_linear
     from spader_pipeline.modeling.precision import bf16_inference
+
+    monkeypatch.setattr(packed_linear, "PACK_WEIGHTS", False)
 
     model = _half_frozen_lm()
     ids = torch.tensor([[1, 5, 9, 3]])

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from spader_pipeline.bf16_switch import BF16_FLAGS, FORCE_ENV, FORCE_VALUES, cpu_has_bf16, forced_bf16
+from spader_pipeline.modeling.packed_linear import packed_bf16_linears
 
 __all__ = ["BF16_FLAGS", "FORCE_ENV", "FORCE_VALUES", "bf16_faster_on_cpu", "bf16_inference", "cpu_has_bf16",
            "forced_bf16", "resolve_bf16"]
@@ -65,8 +66,10 @@ def bf16_inference(model: torch.nn.Module, device_type: str, enabled: bool) -> I
     cast again at every decoding step, reading and writing every frozen weight per generated token:
     the greedy validation of one question at a time ran 1.5× slower for it (docs/performance.md). Inside
     ``no_grad`` a weight that requires grad builds no graph, so the frozen weights are marked as requiring
-    grad for the block and restored after; the casts, hence the tokens, are the same bits. Without
-    ``enabled``: plain ``no_grad``.
+    grad for the block and restored after; the casts, hence the tokens, are the same bits. On a CPU with
+    a bf16 unit the linear layers also read their weights in oneDNN's layout, packed once
+    (:func:`~spader_pipeline.modeling.packed_linear.packed_bf16_linears`: the same products, bit for
+    bit). Without ``enabled``: plain ``no_grad``.
     """
     if not enabled:
         with torch.no_grad():
@@ -76,7 +79,7 @@ def bf16_inference(model: torch.nn.Module, device_type: str, enabled: bool) -> I
     try:
         for weight in frozen:
             weight.requires_grad_(True)
-        with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16), packed_bf16_linears(model):
             yield
     finally:
         for weight in frozen:

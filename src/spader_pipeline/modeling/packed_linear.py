@@ -1,0 +1,100 @@
+"""bf16 weights in oneDNN's own layout for CPU inference: the same products, each weight read once per step.
+
+Under CPU bf16 autocast every ``nn.Linear`` hands oneDNN an fp32 input and the weight's bf16 copy,
+and oneDNN first reorders that weight into its blocked layout, at every call. At one decoding row the
+reorder costs as much as the product itself: SmolLM2-135M's projections and head at one row took
+18.5 ms a pass on one thread against 9.8 ms from weights reordered once
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s frozen CPU graphs use;
+docs/performance.md). :func:`packed_bf16_linears` gives a model's linear layers that layout for the
+length of an inference block. The product is the same oneDNN bf16 kernel on the same bf16 values, so
+the outputs are bit-identical to autocast's (``tests/modeling/test_modeling_packed_linear.py``),
+at any number of rows: prefill and decoding alike.
+
+The reordered copies are kept per model between blocks and re-made only for a weight that changed since
+(its tensor's version counter, which every in-place write bumps: an optimizer step, ``copy_``,
+``load_state_dict``), so a training loop that updates its top blocks re-packs only those. They cost
+one bf16 copy of the linear weights (270 MB for SmolLM2-135M) for the model's lifetime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from spader_pipeline.bf16_switch import cpu_has_bf16
+
+__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packing_available"]
+
+#: pack where available (benchmarks set it off to time autocast's own path in the same process)
+PACK_WEIGHTS = True
+
+#: per model: linear module → (weight's version, data pointer, packed weight, bf16 bias or None)
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Linear, tuple[int, int, torch.Tensor, Any]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def packing_available() -> bool:
+    """Whether this torch and CPU pack bf16 weights for oneDNN: the ops exist, oneDNN is built in, and the
+    CPU has a bf16 unit (where it lacks one, bf16 autocast is off by default and oneDNN would emulate)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise") and cpu_has_bf16() is True)
+
+
+def _packable(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, torch.nn.Linear) and weight is not None and weight.dim() == 2
+            and weight.device.type == "cpu" and weight.dtype == torch.float32)
+
+
+def _packed(cache: dict, module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``module``'s packed bf16 weight and bf16 bias, re-made when the weight changed since."""
+    weight = module.weight
+    key = (weight._version, weight.data_ptr())
+    entry = cache.get(module)
+    if entry is None or entry[:2] != key:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 1)
+        bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
+        entry = cache[module] = (*key, packed, bias)
+    return entry[2], entry[3]
+
+
+@contextlib.contextmanager
+def packed_bf16_linears(model: torch.nn.Module, enabled: bool | None = None) -> Iterator[int]:
+    """While active, ``model``'s fp32 CPU ``nn.Linear`` layers compute ``x @ W.T + b`` from bf16 weights
+    packed for oneDNN: under CPU bf16 autocast and without grad, where autocast would run the same
+    kernel on the same bf16 values (other calls, e.g. with grad enabled, run the layer as it is).
+
+    Yields the number of layers packed (0 where :func:`packing_available` is false, or ``enabled``, by
+    default :data:`PACK_WEIGHTS`, is false).
+    Inputs ``[..., in]`` of any dtype (cast to bf16, as autocast casts them); outputs bf16 ``[..., out]``.
+    """
+    if not (PACK_WEIGHTS if enabled is None else enabled) or not packing_available():
+        yield 0
+        return
+    cache = _PACKED.setdefault(model, {})
+    layers = [m for m in model.modules() if _packable(m)]
+    for module in layers:
+        module.forward = _packed_forward(module, cache)  # an instance attribute: removed below
+    try:
+        yield len(layers)
+    finally:
+        for module in layers:
+            module.__dict__.pop("forward", None)
+
+
+def _packed_forward(module: torch.nn.Linear, cache: dict):
+    original = type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if (torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu")
+                or torch.get_autocast_dtype("cpu") != torch.bfloat16 or x.device.type != "cpu"):
+            return original(x)
+        weight, bias = _packed(cache, module)
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
+
+    return forward
