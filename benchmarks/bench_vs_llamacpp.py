@@ -30,11 +30,15 @@ Columns (median over ``--repeats``; the two engines alternate which goes first i
 * ``prefill tok/s``: rows x prompt tokens / prefill seconds (llama.cpp's ``S_PP t/s``);
 * ``decode tok/s (ms/step)``: rows x new tokens / decoding seconds (llama.cpp's ``S_TG t/s``), and the
   milliseconds of one decoding step of all rows (``T_TG s`` / new tokens);
-* ``ratio``: ours / llama.cpp, above 1 where ours is faster.
+* ``ratio``: ours / llama.cpp, above 1 where ours is faster;
+* ``before``: our decoder with autocast's own linear layers (each bf16 weight reordered for oneDNN at
+  every call) instead of weights packed once (:mod:`~spader_pipeline.modeling.packed_linear`), in the
+  same run and process, and its ratio to llama.cpp (``--no-before`` skips it; absent where nothing is
+  packed: no bf16 unit).
 
 Also printed: the CPU (model name, family/model, whether it has avx512_bf16 and AMX), what
-``-march=native`` enables for the compiler that built llama.cpp, torch's version, llama.cpp's flash
-attention setting, and the load average before and after (the machine may be shared).
+``-march=native`` enables for the compiler that built llama.cpp, torch's version, llama.cpp's settings
+(flash attention: what its ``auto`` chose), and the load average before and after (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+#: llama.cpp; our decoder; our decoder before the packed weights (autocast reordering each weight per call)
+ENGINES = ("llamacpp", "ours", "unpacked")
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -143,7 +149,7 @@ def run_batched_bench(gguf: Path, rows: list[int], threads: int, prompt: int, ne
     """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates."""
     context = max(rows) * (prompt + new)  # every sequence its own prompt and tokens (no shared prompt)
     cmd = [BINARY, "-m", gguf, "-c", context, "-b", 2048, "-ub", 512, "-npp", prompt, "-ntg", new,
-           "-npl", ",".join(map(str, rows)), "-t", threads, "-tb", threads]
+           "-npl", ",".join(map(str, rows)), "-t", threads, "-tb", threads, "-lv", 4]  # -lv 4: what auto chose
     out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
     text = out.stdout + out.stderr
     if out.returncode != 0:
@@ -169,7 +175,9 @@ def parse_batched_bench(text: str) -> dict[str, Any]:
     if not results:
         raise SystemExit(f"no table in llama-batched-bench's output:\n{text[-3000:]}")
     settings = re.search(r"n_kv_max = .*", text)
-    return {"rows": results, "settings": settings.group(0) if settings else ""}
+    flash = re.search(r"Flash Attention (\w+)", text)  # what flash_attn = -1 (auto) resolved to
+    return {"rows": results, "settings": (settings.group(0) if settings else "")
+            + (f" (flash attention {flash.group(1)})" if flash else "")}
 
 
 # ---- ours ---------------------------------------------------------------------------------------------
@@ -213,7 +221,13 @@ def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: 
 
 
 def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, bf16: bool, pad_id: int,
-             seed: int) -> dict[str, Any]:
+             seed: int, packed: bool = True) -> dict[str, Any]:
+    """``time_ours`` for each row count; ``packed``: the linear layers read weights packed for oneDNN
+    (:mod:`~spader_pipeline.modeling.packed_linear`, the default), else autocast's own path (the reorder
+    at every call: the decoder before that change, timed in the same run)."""
+    from spader_pipeline.modeling import packed_linear
+
+    packed_linear.PACK_WEIGHTS = packed
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(seed)
     time_ours(model, 1, min(prompt, 32), 2, bf16, pad_id, generator)  # warm-up at this thread count
@@ -276,7 +290,7 @@ def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict
         for n in rows:
             entry: dict[str, Any] = {"rows": n, "threads": t, "prompt_tokens": args.prompt_tokens,
                                      "new_tokens": args.new_tokens}
-            for engine in ("llamacpp", "ours"):
+            for engine in ENGINES:
                 runs = results.get((engine, t), [])
                 if runs:
                     entry[engine] = {key: _median(runs, n, key) for key in
@@ -285,6 +299,9 @@ def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict
             if "llamacpp" in entry and "ours" in entry:
                 entry["prefill_ratio"] = entry["ours"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
                 entry["decode_ratio"] = entry["ours"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
+            if "unpacked" in entry and "llamacpp" in entry:
+                entry["unpacked_prefill_ratio"] = entry["unpacked"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
+                entry["unpacked_decode_ratio"] = entry["unpacked"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
             table.append(entry)
     return table
 
@@ -302,12 +319,19 @@ def print_table(table: list[dict[str, Any]]) -> None:
     head = (f"{'rows':>4} | {'threads':>7} | {'llama.cpp prefill tok/s':>23} | {'ours prefill tok/s':>18} | "
             f"{'ratio':>5} | {'llama.cpp decode tok/s (ms/step)':>32} | {'ours decode tok/s (ms/step)':>27} | "
             f"{'ratio':>5}")
+    before = any("unpacked" in e for e in table)
+    if before:
+        head += f" | {'before: prefill, ratio':>22} | {'before: decode (ms/step), ratio':>31}"
     print(head)
     print("-" * len(head))
     for e in table:
-        print(f"{e['rows']:>4} | {e['threads']:>7} | {rate(e, 'llamacpp', 'prefill_tps'):>23} | "
-              f"{rate(e, 'ours', 'prefill_tps'):>18} | {ratio(e, 'prefill_ratio'):>5} | {decode(e, 'llamacpp'):>32} | "
-              f"{decode(e, 'ours'):>27} | {ratio(e, 'decode_ratio'):>5}")
+        line = (f"{e['rows']:>4} | {e['threads']:>7} | {rate(e, 'llamacpp', 'prefill_tps'):>23} | "
+                f"{rate(e, 'ours', 'prefill_tps'):>18} | {ratio(e, 'prefill_ratio'):>5} | {decode(e, 'llamacpp'):>32} | "
+                f"{decode(e, 'ours'):>27} | {ratio(e, 'decode_ratio'):>5}")
+        if before:
+            line += (f" | {rate(e, 'unpacked', 'prefill_tps') + ', ' + ratio(e, 'unpacked_prefill_ratio'):>22} | "
+                     f"{decode(e, 'unpacked') + ', ' + ratio(e, 'unpacked_decode_ratio'):>31}")
+        print(line)
 
 
 def main() -> None:
@@ -324,6 +348,8 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
+    parser.add_argument("--no-before", action="store_true",
+                        help="skip our decoder without packed weights (autocast's reorder at every call)")
     args = parser.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -332,8 +358,8 @@ def main() -> None:
     if not (folder / "config.json").is_file():
         raise SystemExit(f"{folder}: no Hugging Face model there (make run writes data/06_models/base_model)")
 
-    engines = [e for e in ("llamacpp", "ours") if not (e == "llamacpp" and args.ours_only)
-               and not (e == "ours" and args.llamacpp_only)]
+    engines = [e for e in ENGINES if not (e == "llamacpp" and args.ours_only)
+               and not (e in ("ours", "unpacked") and args.llamacpp_only) and not (e == "unpacked" and args.no_before)]
     gguf = None
     if "llamacpp" in engines:
         build_batched_bench(args.jobs)
@@ -347,6 +373,10 @@ def main() -> None:
         model, tokenizer = load_model_and_tokenizer(folder)
         bf16 = resolve_bf16("auto", torch.device("cpu"), model)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        from spader_pipeline.modeling.packed_linear import packing_available
+
+        if not (bf16 and packing_available()) and "unpacked" in engines:
+            engines.remove("unpacked")  # nothing is packed here: "ours" is already autocast's own path
 
     cpu = cpu_info()
     features = native_features() if "llamacpp" in engines else []
@@ -375,7 +405,7 @@ def main() -> None:
                     settings = run["settings"]
                 else:
                     run = run_ours(model, rows, t, args.prompt_tokens, args.new_tokens, bf16, pad_id,
-                                   args.seed + repeat)
+                                   args.seed + repeat, packed=engine == "ours")
                 results.setdefault((engine, t), []).append(run)
                 summary = ", ".join(f"{n}: {r['prefill_tps']:.0f} / {r['decode_tps']:.0f}" for n, r in run["rows"].items())
                 print(f"  repeat {repeat} threads {t} {engine:8s} ({time.perf_counter() - started:.0f} s) "
