@@ -234,19 +234,6 @@ def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, b
     return {"rows": {n: time_ours(model, n, prompt, new, bf16, pad_id, generator) for n in rows}}
 
 
-def cast_ms(model: Any) -> float:
-    """About what casting every fp32 weight to bf16 once costs (autocast's cached casts, paid in each
-    call's prefill): all copies held until the end, as autocast holds them; the fastest of 3."""
-    times = []
-    with torch.no_grad():
-        for _ in range(3):
-            started = time.perf_counter()
-            copies = [p.to(torch.bfloat16) for p in model.parameters()]
-            times.append(time.perf_counter() - started)
-            del copies
-    return 1e3 * min(times)
-
-
 # ---- the machine and the report ------------------------------------------------------------------------
 
 
@@ -390,8 +377,9 @@ def main() -> None:
               f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
     if model is not None:
         print(f"ours: decode_batch + GrowingKVCache, bf16 autocast {'on' if bf16 else 'off'}"
-              + (f" (casting the weights once: ~{cast_ms(model):.0f} ms at {torch.get_num_threads()} threads, inside "
-                 "each call's prefill)" if bf16 else ""),
+              + (", the linear layers' weights packed for oneDNN once" if "unpacked" in engines else "")
+              + ("; before: autocast's linear layers (each weight cast to bf16 once a call, in its prefill, and "
+                 "reordered for oneDNN at every product)" if "unpacked" in engines else ""),
               flush=True)
 
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
