@@ -97,6 +97,13 @@ def test_with_gradients_a_layer_runs_as_it_is(model):
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+def test_where_packed_products_differ_from_autocasts_nothing_is_packed(model, monkeypatch):
+    """The machine's own check (oneDNN may take another kernel for the packed layout on another CPU)."""
+    monkeypatch.setattr(packed_linear, "_packing_matches_autocast", lambda: False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_bf16_linears(model) as packed:
+        assert packed == 0
+
+
 def test_without_a_bf16_unit_nothing_is_packed(model, monkeypatch):
     monkeypatch.setattr(packed_linear, "cpu_has_bf16", lambda: False)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_bf16_linears(model) as packed:

@@ -19,6 +19,8 @@ one bf16 copy of the linear weights (270 MB for SmolLM2-135M) for the model's li
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +31,8 @@ from spader_pipeline.bf16_switch import cpu_has_bf16
 
 __all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packing_available"]
 
+logger = logging.getLogger(__name__)
+
 #: pack where available (benchmarks set it off to time autocast's own path in the same process)
 PACK_WEIGHTS = True
 
@@ -38,11 +42,31 @@ _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Linear, tuple[
 
 
 def packing_available() -> bool:
-    """Whether this torch and CPU pack bf16 weights for oneDNN: the ops exist, oneDNN is built in, and the
-    CPU has a bf16 unit (where it lacks one, bf16 autocast is off by default and oneDNN would emulate)."""
+    """Whether this torch and CPU pack bf16 weights for oneDNN: the ops exist, oneDNN is built in, the
+    CPU has a bf16 unit (where it lacks one, bf16 autocast is off by default and oneDNN would emulate),
+    and the packed products equal autocast's here (:func:`_packing_matches_autocast`)."""
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise") and cpu_has_bf16() is True)
+            and hasattr(ops, "_linear_pointwise") and cpu_has_bf16() is True and _packing_matches_autocast())
+
+
+@functools.lru_cache(maxsize=1)
+def _packing_matches_autocast() -> bool:
+    """Whether packed products are autocast's bit for bit on this machine, checked once per process on
+    a few shapes and row counts. oneDNN picks its kernel by the CPU's instruction set (AMX, AVX-512) and
+    the shapes, so the packed layout could take another kernel, whose sums round differently, on a CPU
+    the equality was not measured on; there the linear layers keep autocast's path."""
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((192, 576), (1536, 576), (576, 1536)):
+        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        for rows in (1, 16, 300):
+            x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+            packed_out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            if not torch.equal(packed_out, torch.nn.functional.linear(x, weight)):
+                logger.info("bf16 weights not packed: oneDNN's packed products differ from autocast's on this CPU")
+                return False
+    return True
 
 
 def _packable(module: torch.nn.Module) -> bool:
