@@ -57,6 +57,7 @@ from spader_pipeline.verl_plugin.decoder_rollout.weights import tied_to_embeddin
 
 logger = logging.getLogger(__name__)
 
+
 class DecoderServer:
     """One replica's server (a Ray actor, :class:`~.replica.DecoderReplica` starts it).
 
