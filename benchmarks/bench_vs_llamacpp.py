@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
-        [--ours-only | --llamacpp-only] [--jobs 2]
+        [--ours-only | --llamacpp-only] [--before unfused|unpacked|none] [--jobs 2]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`, what the rollouts run) from a dedicated CPU
@@ -22,8 +22,8 @@ steps of one token per row, no early stop.
   bf16_inference`, as a rollout turn runs), ``torch.set_num_threads(threads)``; greedy, no
   end-of-sequence id, so every row decodes its whole budget. The prefill's forward yields the first new
   token (llama.cpp's prefill too computes the last prompt position's logits); the decoding phase is the
-  ``--new-tokens`` forwards after it. Both phases are timed within one call: the prefill ends when the
-  first forward returns.
+  ``--new-tokens`` steps after it. Both phases are timed within one call: the prefill ends when the
+  model's first forward returns (:func:`prefill_clock`).
 
 Columns (median over ``--repeats``; the two engines alternate which goes first in each repeat):
 
@@ -31,10 +31,12 @@ Columns (median over ``--repeats``; the two engines alternate which goes first i
 * ``decode tok/s (ms/step)``: rows x new tokens / decoding seconds (llama.cpp's ``S_TG t/s``), and the
   milliseconds of one decoding step of all rows (``T_TG s`` / new tokens);
 * ``ratio``: ours / llama.cpp, above 1 where ours is faster;
-* ``before``: our decoder with autocast's own linear layers (each bf16 weight reordered for oneDNN at
-  every call) instead of weights packed once (:mod:`~spader_pipeline.modeling.packed_linear`), in the
-  same run and process, and its ratio to llama.cpp (``--no-before`` skips it; absent where nothing is
-  packed: no bf16 unit).
+* ``before``: our decoder before a change, in the same run and process, and its ratio to llama.cpp:
+  ``--before unfused`` (the default), every decoding step through the model's forward instead of the
+  fused step (:mod:`~spader_pipeline.modeling.decode_step`); ``--before unpacked``, that and autocast's
+  own linear layers (each bf16 weight reordered for oneDNN at every call) instead of weights packed once
+  (:mod:`~spader_pipeline.modeling.packed_linear`); ``--before none`` skips it. Absent where nothing is
+  packed (no bf16 unit).
 
 Also printed: the CPU (model name, family/model, whether it has avx512_bf16 and AMX), what
 ``-march=native`` enables for the compiler that built llama.cpp, torch's version, llama.cpp's settings
@@ -44,6 +46,8 @@ Also printed: the CPU (model name, family/model, whether it has avx512_bf16 and 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +58,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +66,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 #: llama.cpp; our decoder; our decoder before the packed weights (autocast reordering each weight per call)
-ENGINES = ("llamacpp", "ours", "unpacked")
+ENGINES = ("llamacpp", "ours", "before")
+#: our decoder's variants: (weights packed for oneDNN, decoding steps through the fused step)
+VARIANTS = {"ours": (True, True), "unfused": (True, False), "unpacked": (False, False)}
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -183,17 +190,25 @@ def parse_batched_bench(text: str) -> dict[str, Any]:
 # ---- ours ---------------------------------------------------------------------------------------------
 
 
-class FirstForwardClock:
-    """The model as ``decode_batch`` calls it, noting when its first forward (the prefill) returns."""
+@contextlib.contextmanager
+def prefill_clock(model: Any) -> Iterator[dict[str, float]]:
+    """While active, ``model``'s forward notes when its first call (the prefill) returns: ``["end"]``.
+    An instance attribute over ``forward`` (its signature kept), not a hook, so the decoding steps run as
+    they do outside the benchmark (the fused step runs them without the forward; a hook would stop it)."""
+    clock: dict[str, float] = {}
+    forward = model.forward
 
-    def __init__(self, model: Any) -> None:
-        self.model, self.forward, self.prefill_end = model, model.forward, None
-
-    def __call__(self, **kwargs: Any) -> Any:
-        out = self.model(**kwargs)
-        if self.prefill_end is None:
-            self.prefill_end = time.perf_counter()
+    @functools.wraps(forward)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        clock.setdefault("end", time.perf_counter())
         return out
+
+    model.forward = timed
+    try:
+        yield clock
+    finally:
+        del model.forward
 
 
 def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: int,
@@ -207,27 +222,27 @@ def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: 
 
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=generator)
     mask = torch.ones_like(ids)
-    clock = FirstForwardClock(model)
-    with bf16_inference(model, "cpu", bf16):
+    with bf16_inference(model, "cpu", bf16), prefill_clock(model) as clock:
         started = time.perf_counter()
         # budget new + 1: the prefill samples the first token, each of the `new` forwards one more
-        result = decode_batch(clock, ids, mask, GrowingKVCache(), [new + 1] * rows, eos_ids=set(), pad_id=pad_id,
+        result = decode_batch(model, ids, mask, GrowingKVCache(), [new + 1] * rows, eos_ids=set(), pad_id=pad_id,
                               processors=LogitsProcessorList(), do_sample=False)
         ended = time.perf_counter()
     assert result.steps == new + 1 and result.row_steps == rows * (new + 1), "a row stopped early"
-    prefill_s, decode_s = clock.prefill_end - started, ended - clock.prefill_end
+    prefill_s, decode_s = clock["end"] - started, ended - clock["end"]
     return {"prefill_tps": rows * prompt / prefill_s, "decode_tps": rows * new / decode_s,
             "prefill_s": prefill_s, "decode_s": decode_s, "step_ms": 1e3 * decode_s / new}
 
 
 def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, bf16: bool, pad_id: int,
-             seed: int, packed: bool = True) -> dict[str, Any]:
-    """``time_ours`` for each row count; ``packed``: the linear layers read weights packed for oneDNN
-    (:mod:`~spader_pipeline.modeling.packed_linear`, the default), else autocast's own path (the reorder
-    at every call: the decoder before that change, timed in the same run)."""
-    from spader_pipeline.modeling import packed_linear
+             seed: int, variant: str = "ours") -> dict[str, Any]:
+    """``time_ours`` for each row count, our decoder as :data:`VARIANTS` says: ``ours`` as it is;
+    ``unfused``: every decoding step through the model's forward (no
+    :mod:`~spader_pipeline.modeling.decode_step`); ``unpacked``: that, and autocast's own linear layers
+    (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call)."""
+    from spader_pipeline.modeling import decode_step, packed_linear
 
-    packed_linear.PACK_WEIGHTS = packed
+    packed_linear.PACK_WEIGHTS, decode_step.FUSED_DECODE_STEP = VARIANTS[variant]
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(seed)
     time_ours(model, 1, min(prompt, 32), 2, bf16, pad_id, generator)  # warm-up at this thread count
@@ -286,9 +301,9 @@ def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict
             if "llamacpp" in entry and "ours" in entry:
                 entry["prefill_ratio"] = entry["ours"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
                 entry["decode_ratio"] = entry["ours"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
-            if "unpacked" in entry and "llamacpp" in entry:
-                entry["unpacked_prefill_ratio"] = entry["unpacked"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
-                entry["unpacked_decode_ratio"] = entry["unpacked"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
+            if "before" in entry and "llamacpp" in entry:
+                entry["before_prefill_ratio"] = entry["before"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
+                entry["before_decode_ratio"] = entry["before"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
             table.append(entry)
     return table
 
@@ -306,7 +321,7 @@ def print_table(table: list[dict[str, Any]]) -> None:
     head = (f"{'rows':>4} | {'threads':>7} | {'llama.cpp prefill tok/s':>23} | {'ours prefill tok/s':>18} | "
             f"{'ratio':>5} | {'llama.cpp decode tok/s (ms/step)':>32} | {'ours decode tok/s (ms/step)':>27} | "
             f"{'ratio':>5}")
-    before = any("unpacked" in e for e in table)
+    before = any("before" in e for e in table)
     if before:
         head += f" | {'before: prefill, ratio':>22} | {'before: decode (ms/step), ratio':>31}"
     print(head)
@@ -316,8 +331,8 @@ def print_table(table: list[dict[str, Any]]) -> None:
                 f"{rate(e, 'ours', 'prefill_tps'):>18} | {ratio(e, 'prefill_ratio'):>5} | {decode(e, 'llamacpp'):>32} | "
                 f"{decode(e, 'ours'):>27} | {ratio(e, 'decode_ratio'):>5}")
         if before:
-            line += (f" | {rate(e, 'unpacked', 'prefill_tps') + ', ' + ratio(e, 'unpacked_prefill_ratio'):>22} | "
-                     f"{decode(e, 'unpacked') + ', ' + ratio(e, 'unpacked_decode_ratio'):>31}")
+            line += (f" | {rate(e, 'before', 'prefill_tps') + ', ' + ratio(e, 'before_prefill_ratio'):>22} | "
+                     f"{decode(e, 'before') + ', ' + ratio(e, 'before_decode_ratio'):>31}")
         print(line)
 
 
@@ -335,8 +350,9 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
-    parser.add_argument("--no-before", action="store_true",
-                        help="skip our decoder without packed weights (autocast's reorder at every call)")
+    parser.add_argument("--before", choices=("unfused", "unpacked", "none"), default="unfused",
+                        help="our decoder before a change, timed in the same run: unfused (decoding steps through "
+                             "the model's forward), unpacked (and autocast's own linear layers), none")
     args = parser.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -346,7 +362,7 @@ def main() -> None:
         raise SystemExit(f"{folder}: no Hugging Face model there (make run writes data/06_models/base_model)")
 
     engines = [e for e in ENGINES if not (e == "llamacpp" and args.ours_only)
-               and not (e in ("ours", "unpacked") and args.llamacpp_only) and not (e == "unpacked" and args.no_before)]
+               and not (e in ("ours", "before") and args.llamacpp_only) and not (e == "before" and args.before == "none")]
     gguf = None
     if "llamacpp" in engines:
         build_batched_bench(args.jobs)
@@ -362,8 +378,8 @@ def main() -> None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         from spader_pipeline.modeling.packed_linear import packing_available
 
-        if not (bf16 and packing_available()) and "unpacked" in engines:
-            engines.remove("unpacked")  # nothing is packed here: "ours" is already autocast's own path
+        if not (bf16 and packing_available()) and "before" in engines:
+            engines.remove("before")  # nothing is packed nor fused here: "ours" is already the model's forward
 
     cpu = cpu_info()
     features = native_features() if "llamacpp" in engines else []
@@ -376,11 +392,18 @@ def main() -> None:
         print(f"llama.cpp: {BINARY.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
               f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
     if model is not None:
+        from spader_pipeline.modeling.decode_step import fused_decode_step
+        from spader_pipeline.modeling.precision import bf16_inference
+
+        with bf16_inference(model, "cpu", bf16):
+            fused = fused_decode_step(model) is not None
+        before = {"unfused": "decoding steps through the model's forward",
+                  "unpacked": "decoding steps through the model's forward, autocast's own linear layers (each "
+                              "weight reordered for oneDNN at every product)"}.get(args.before)
         print(f"ours: decode_batch + GrowingKVCache, bf16 autocast {'on' if bf16 else 'off'}"
-              + (", the linear layers' weights packed for oneDNN once" if "unpacked" in engines else "")
-              + ("; before: autocast's linear layers (each weight cast to bf16 once a call, in its prefill, and "
-                 "reordered for oneDNN at every product)" if "unpacked" in engines else ""),
-              flush=True)
+              + (", weights packed for oneDNN once" if bf16 and packing_available() else "")
+              + (", decoding steps fused (modeling/decode_step.py)" if fused else "")
+              + (f"; before: {before}" if "before" in engines else ""), flush=True)
 
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     settings = ""
@@ -393,7 +416,7 @@ def main() -> None:
                     settings = run["settings"]
                 else:
                     run = run_ours(model, rows, t, args.prompt_tokens, args.new_tokens, bf16, pad_id,
-                                   args.seed + repeat, packed=engine == "ours")
+                                   args.seed + repeat, variant=args.before if engine == "before" else "ours")
                 results.setdefault((engine, t), []).append(run)
                 summary = ", ".join(f"{n}: {r['prefill_tps']:.0f} / {r['decode_tps']:.0f}" for n, r in run["rows"].items())
                 print(f"  repeat {repeat} threads {t} {engine:8s} ({time.perf_counter() - started:.0f} s) "

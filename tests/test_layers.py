@@ -94,6 +94,7 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("packed_linear",),  # oneDNN's weight layout, which the precision's inference block uses
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged"),  # each one concern of running a model
+        ("decode_step",),  # one decoding step over fused packed weights, which decoding and the capture use
         ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it
         ("provide", "warm_start"),  # the base model of a run; supervised fine-tuning
     ),

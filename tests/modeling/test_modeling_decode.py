@@ -4,9 +4,10 @@ samples greedily (each row cut at its stop token or budget), and the same contin
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.boundary import capture_block_output
 from spader_pipeline.modeling.decode import (
     decode_batch,
     generation_processors,
@@ -16,6 +17,7 @@ from spader_pipeline.modeling.decode import (
     supports_decode_batch,
 )
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.precision import bf16_inference
 
 
 def _cut(row: list[int], budget: int, stops: set[int]) -> list[int]:
@@ -161,3 +163,28 @@ def test_log_probs_of_sampled_tokens_equal_a_teacher_forced_forward(gqa_model_di
         torch.testing.assert_close(torch.tensor(result.log_probs[row]), expected, atol=1e-4, rtol=1e-4)
     assert decode_batch(model, ids, mask, GrowingKVCache(), budgets, eos_ids=set(), pad_id=0, processors=processors,
                         do_sample=do_sample).log_probs is None
+
+
+def test_a_long_fresh_prefill_in_chunks_of_rows_is_one_forwards_bit_for_bit(gqa_model_dir):
+    """Rows 0-1, 2-3 and 4 as three forwards (at most 20 tokens each) against one forward of all five:
+    the same tokens, log-probabilities and cache, a padded row and the boundary states included."""
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    ids = torch.randint(3, 64, (5, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[3, :2] = 0
+
+    def run(chunk_tokens):
+        cache = GrowingKVCache(capture_states=True)
+        with bf16_inference(model, "cpu", True), capture_block_output(model, 1):
+            result = decode_batch(model, ids, mask, cache, [5] * 5, eos_ids=set(), pad_id=0,
+                                  processors=LogitsProcessorList(), do_sample=False, log_prob_temperature=1.0,
+                                  prefill_chunk_tokens=chunk_tokens)
+        return result, cache
+
+    (chunked, chunked_cache), (whole, whole_cache) = run(20), run(None)
+    assert (chunked.tokens, chunked.log_probs) == (whole.tokens, whole.log_probs)
+    assert chunked.prefill_blocks == 3 and whole.prefill_blocks == 1
+    for a, b in zip([*chunked_cache.layers, chunked_cache.states], [*whole_cache.layers, whole_cache.states],
+                    strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

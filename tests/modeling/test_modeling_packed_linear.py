@@ -81,8 +81,8 @@ def test_a_changed_weight_is_packed_again_and_only_it(model, monkeypatch):
         model.state_dict()["model.layers.0.self_attn.q_proj.weight"].mul_(1.5)  # as a weight sync copies
     assert torch.equal(logits(True), logits(False))
     after = packed_linear._PACKED[model]
-    renewed = {m for m in after if after[m][2] is not before[m][2]}
-    assert renewed == {changed, model.model.layers[0].self_attn.q_proj}
+    renewed = {m for m in after if after[m][1] is not before[m][1]}
+    assert renewed == {(changed,), (model.model.layers[0].self_attn.q_proj,)}
 
 
 @needs_packing

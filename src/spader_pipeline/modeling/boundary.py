@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from spader_pipeline.modeling.decode_step import CAPTURED_BLOCK
 from spader_pipeline.modeling.shared_prefix import MIN_SHARED_PREFIX, common_prefix_length
 
 __all__ = [
@@ -75,7 +76,8 @@ def capture_block_output(model: Any, block: int) -> Iterator[None]:
     """While active, decoder block ``block``'s output ``[b, T, H]`` is appended (detached) to the
     ``states`` buffer of the cache it is called with (``past_key_values``, a
     :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` with ``capture_states=True``);
-    calls without such a cache record nothing."""
+    calls without such a cache record nothing. Decoding steps that bypass the modules
+    (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`) append the same output."""
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         states = getattr(kwargs.get("past_key_values"), "states", None)
@@ -83,10 +85,12 @@ def capture_block_output(model: Any, block: int) -> Iterator[None]:
             states.append((output[0] if isinstance(output, tuple) else output).detach())
 
     handle = decoder_blocks(model)[block].register_forward_hook(hook, with_kwargs=True)
+    CAPTURED_BLOCK[model] = (block, handle.id)  # the fused decoding step appends as the hook would
     try:
         yield
     finally:
         handle.remove()
+        CAPTURED_BLOCK.pop(model, None)
 
 
 class TopBlocksCache(DynamicCache):

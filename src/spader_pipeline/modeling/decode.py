@@ -9,12 +9,18 @@ exchanged with going rows behind them in a :class:`~spader_pipeline.modeling.kv_
 :meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.move_rows`) and the model
 sees the active prefix of the cache, so the cache of every row stays in one piece for the next turn.
 
+A fresh cache's prefill of many rows runs as forwards over chunks of rows
+(:data:`PREFILL_CHUNK_TOKENS`), each row's keys and logits the same as in one forward.
 A continued turn's prefill (each row's new tokens: its last sampled token and an observation of its
 own length) runs in blocks of rows of similar length when that saves more padding than the extra
 forwards cost (:func:`~spader_pipeline.modeling.batching.padding_blocks`): rows are ordered by their
 number of new tokens, each block is padded only to its longest row
 (:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.row_window`), and a shorter row's block ends
 in masked positions instead of starting with padding. Exact: every key keeps its logical position.
+
+Each decoding step (one new token per row) runs through
+:func:`~spader_pipeline.modeling.decode_step.fused_decode_step` where it applies: the model's own forward,
+bit for bit, as tensor code over fused packed weights instead of the modules; elsewhere through the model.
 
 Sampling uses ``generate``'s own logits processors (:func:`generation_processors`) and the same
 softmax, then draws by inverse CDF (:func:`sample_categorical`) instead of ``torch.multinomial``,
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 
 from spader_pipeline.modeling.batching import padding_blocks
+from spader_pipeline.modeling.decode_step import fused_decode_step
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
 __all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
@@ -46,6 +53,12 @@ ROW_WISE_PROCESSORS = frozenset({
 #: ``(min_tokens, overhead_tokens)`` of :func:`~spader_pipeline.modeling.batching.padding_blocks` for a
 #: continued turn's prefill (``decode_batch``'s and ``HFGenerator``'s default)
 PREFILL_BLOCK_COST = (128, 32)
+#: most tokens (rows x padded width) one forward of a fresh cache's prefill takes; a longer batch is
+#: prefilled in chunks of rows. Past ~8k tokens a forward's activations outgrow the CPU's caches: at 32
+#: and 64 rows of 512 tokens the prefill's tokens per second fell by a quarter and a third against 16
+#: rows (SmolLM2 on the 2-core AMD, docs/performance.md). Each row's keys and logits are the same either
+#: way (a row's products and attention do not depend on the other rows).
+PREFILL_CHUNK_TOKENS = 8192
 #: processors that read only the scores, not the ids before them: with these a row's ids may have
 #: masked gaps (a blocked prefill) and the processors still see what ``generate`` would
 SCORE_ONLY_PROCESSORS = frozenset({
@@ -221,6 +234,7 @@ def decode_batch(
     do_sample: bool,
     prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
     log_prob_temperature: float | None = None,
+    prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
 ) -> DecodeResult:
     """Sample up to ``budgets[b]`` tokens for each row ``b``, a row leaving the batch when it ends.
 
@@ -242,6 +256,9 @@ def decode_batch(
         log_prob_temperature: also return each sampled token's log-probability under
             ``log_softmax(logits / log_prob_temperature)`` (fp32, before top-k/top-p: what a trainer
             recomputes at its sampling temperature, as vLLM and SGLang report them); ``None``: none.
+        prefill_chunk_tokens: a fresh :class:`GrowingKVCache`'s prefill of more tokens (rows x width)
+            than this runs as forwards over chunks of rows of at most this many tokens
+            (:data:`PREFILL_CHUNK_TOKENS`); ``None``: one forward.
 
     Position ids follow the mask (``cumsum - 1``, as ``generate``), so the cached rows continue
     correctly in the next call with more tokens appended.
@@ -261,6 +278,12 @@ def decode_batch(
             input_ids, attention_mask = _block_layout(input_ids, attention_mask, past, new_lengths, order, ends,
                                                       blocks, pad_id)
             cache.batch_select_indices(torch.tensor(order, device=device))
+    chunked = (past == 0 and prefill_chunk_tokens is not None and isinstance(cache, GrowingKVCache)
+               and len(budgets) * input_ids.shape[1] > prefill_chunk_tokens)
+    if chunked:  # the first chunk allocates the cache; the others fill their rows' windows after add_rows
+        step_rows = max(1, prefill_chunk_tokens // input_ids.shape[1])
+        blocks = [range(start, min(start + step_rows, len(budgets))) for start in range(0, len(budgets), step_rows)]
+        ends = [input_ids.shape[1]] * len(blocks)
     batch, width = input_ids.shape
     longest = max(budgets)
     seq = input_ids.new_full((batch, width + longest), pad_id)  # physical ids, cache-row order
@@ -278,7 +301,9 @@ def decode_batch(
     blocked = len(blocks) > 1
     parts = []
     for block, end in zip(blocks, ends, strict=True):  # one block: the whole batch; else each to its longest row
-        if blocked:
+        if blocked and not (chunked and block.start == 0):  # a fresh cache's first chunk allocates it
+            if chunked and block.start == blocks[1].start:
+                cache.add_rows(batch)  # room for the other chunks' rows
             cache.row_window(block.start, block.stop, past)
         rows = slice(block.start, block.stop)
         parts.append(model(
@@ -288,6 +313,7 @@ def decode_batch(
     if blocked:
         cache.close_windows()
     logits = torch.cat(parts) if blocked else parts[0]
+    fused_step = fused_decode_step(model)  # None: each step through the model's forward
     active, step, row_steps = batch, 0, 0
     while True:
         scores = processors(seq[:active, : width + step], logits.to(dtype=torch.float32))
@@ -318,11 +344,13 @@ def decode_batch(
         mask[:active, width + step - 1] = 1
         if finished:
             cache.set_active_rows(active)
-        logits = model(
-            input_ids=seq[:active, width + step - 1 : width + step].contiguous(),
-            attention_mask=mask[:active, : width + step], position_ids=next_position[:active, None].clone(),
-            past_key_values=cache, **extra,
-        ).logits[:, -1, :]
+        step_inputs = {"input_ids": seq[:active, width + step - 1 : width + step].contiguous(),
+                       "attention_mask": mask[:active, : width + step],
+                       "position_ids": next_position[:active, None].clone()}
+        if fused_step is not None:
+            logits = fused_step(**step_inputs, cache=cache)
+        else:
+            logits = model(**step_inputs, past_key_values=cache, **extra).logits[:, -1, :]
         next_position[:active] += 1
     cache.set_active_rows(None)
     length = cache.get_seq_length()

@@ -22,7 +22,9 @@ past a row's last write hold zeros (never uninitialised memory), so a masked pos
 turn attention into NaN.
 
 A prefill whose rows bring different numbers of new tokens can run as several forwards over blocks of
-rows, each padded only to its own longest row (:meth:`GrowingKVCache.row_window`): a window exposes
+rows, each padded only to its own longest row (:meth:`GrowingKVCache.row_window`), and a long fresh
+prefill as forwards over chunks of rows (the first chunk allocates the cache, :meth:`GrowingKVCache.
+add_rows` makes room for the others): a window exposes
 rows ``[start, stop)`` with ``length`` cached positions, so the model appends that block's positions
 after ``length``; :meth:`GrowingKVCache.close_windows` exposes every row again, as long as the
 furthest write. A block's rows then hold zeros (masked) between their last write and that length.
@@ -94,6 +96,18 @@ class GrowingLayer(DynamicLayer):
         self._row_start, self._rows, self._length = 0, None, self._furthest
         if self._key_buffer is not None:
             self._expose()
+
+    def add_rows(self, rows: int) -> None:
+        """Grow to ``rows`` rows, the new ones empty (zeros, as spare positions are), length and capacity
+        kept: a prefill that filled the first rows goes on with the others through row windows."""
+        if self._key_buffer is None or rows <= self._key_buffer.shape[0]:
+            return
+        for name in ("_key_buffer", "_value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros((rows, *old.shape[1:]))
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+        self._expose()
 
     def gather_positions(self, index: torch.Tensor) -> None:
         """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, ``L'`` at most the length,
@@ -289,6 +303,11 @@ class GrowingKVCache(DynamicCache):
         (:meth:`GrowingLayer.set_window`); the model's next forward appends after ``length``."""
         for layer in [*self.layers, *self._extra()]:
             layer.set_window(start, stop, length)
+
+    def add_rows(self, rows: int) -> None:
+        """Grow every layer to ``rows`` rows, the new ones empty (:meth:`GrowingLayer.add_rows`)."""
+        for layer in [*self.layers, *self._extra()]:
+            layer.add_rows(rows)
 
     def close_windows(self) -> None:
         """Expose every row of every layer again, as long as the furthest write."""

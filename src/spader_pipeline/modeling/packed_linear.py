@@ -29,15 +29,16 @@ import torch
 
 from spader_pipeline.bf16_switch import cpu_has_bf16
 
-__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packing_available"]
+__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packed_weights", "packing_available"]
 
 logger = logging.getLogger(__name__)
 
 #: pack where available (benchmarks set it off to time autocast's own path in the same process)
 PACK_WEIGHTS = True
 
-#: per model: linear module → (weight's version, data pointer, packed weight, bf16 bias or None)
-_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Linear, tuple[int, int, torch.Tensor, Any]]] = (
+#: per model: linear modules packed as one weight → (each weight's (version, data pointer), packed weight,
+#: bf16 bias or None)
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[torch.nn.Linear, ...], tuple[tuple, torch.Tensor, Any]]] = (
     weakref.WeakKeyDictionary())
 
 
@@ -75,16 +76,24 @@ def _packable(module: torch.nn.Module) -> bool:
             and weight.device.type == "cpu" and weight.dtype == torch.float32)
 
 
-def _packed(cache: dict, module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``module``'s packed bf16 weight and bf16 bias, re-made when the weight changed since."""
-    weight = module.weight
-    key = (weight._version, weight.data_ptr())
-    entry = cache.get(module)
-    if entry is None or entry[:2] != key:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 1)
-        bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
-        entry = cache[module] = (*key, packed, bias)
-    return entry[2], entry[3]
+def packed_weights(model: torch.nn.Module, modules: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, Any]:
+    """The packed bf16 weight of ``modules`` stacked along their outputs (one product computes all of
+    them: ``[..., sum of out]``, in the order given) and their bf16 bias (``None`` when none has one),
+    kept for ``model`` and re-made when any of the weights changed since. One module: its own weight,
+    the copy the layer reads inside :func:`packed_bf16_linears`."""
+    cache = _PACKED.setdefault(model, {})
+    key = tuple((m.weight._version, m.weight.data_ptr()) for m in modules)
+    entry = cache.get(modules)
+    if entry is None or entry[0] != key:
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 1)
+        biases = [m.bias for m in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                              for b, m in zip(biases, modules, strict=True)]).to(torch.bfloat16)
+        entry = cache[modules] = (key, packed, bias)
+    return entry[1], entry[2]
 
 
 @contextlib.contextmanager
@@ -100,10 +109,9 @@ def packed_bf16_linears(model: torch.nn.Module, enabled: bool | None = None) -> 
     if not (PACK_WEIGHTS if enabled is None else enabled) or not packing_available():
         yield 0
         return
-    cache = _PACKED.setdefault(model, {})
     layers = [m for m in model.modules() if _packable(m)]
     for module in layers:
-        module.forward = _packed_forward(module, cache)  # an instance attribute: removed below
+        module.forward = _packed_forward(model, module)  # an instance attribute: removed below
     try:
         yield len(layers)
     finally:
@@ -111,14 +119,14 @@ def packed_bf16_linears(model: torch.nn.Module, enabled: bool | None = None) -> 
             module.__dict__.pop("forward", None)
 
 
-def _packed_forward(module: torch.nn.Linear, cache: dict):
+def _packed_forward(model: torch.nn.Module, module: torch.nn.Linear):
     original = type(module).forward.__get__(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu")
                 or torch.get_autocast_dtype("cpu") != torch.bfloat16 or x.device.type != "cpu"):
             return original(x)
-        weight, bias = _packed(cache, module)
+        weight, bias = packed_weights(model, (module,))
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
     return forward

@@ -1,0 +1,200 @@
+"""One decoding step of a Llama-family decoder as plain tensor code over fused, packed bf16 weights.
+
+At one decoding row a step through transformers' modules is mostly not arithmetic: the products read
+the weights in a third of the step, and the rest goes to some thousands of small operator calls and the
+Python of the modules, the mask functions and the cache around them (docs/performance.md). llama.cpp
+runs the same step as one graph. :class:`FusedDecodeStep` is that step for the decoders we run on a
+CPU (``llama``: SmolLM2; ``qwen3``), written once as tensor code:
+
+* the query, key and value projections are one product, and so are the gate and up projections
+  (:func:`~spader_pipeline.modeling.packed_linear.packed_weights`: their weights stacked, packed
+  for oneDNN once); each output column is still its own dot product over the same bf16 values, so
+  the result equals the separate products bit for bit;
+* the rotary embedding is applied to the query and key heads together, with the sign of
+  ``rotate_half`` carried by a pre-signed sine (the same products: negation is exact);
+* no mask is built when no row is padded; a padded row's mask is the attention mask itself (one query
+  position attends to every cached one).
+
+It computes what the model's forward computes under CPU bf16 autocast with the ``sdpa_gqa`` attention
+(:mod:`~spader_pipeline.modeling.attention`), operation for operation: RMSNorm in fp32 as the model's
+norm modules write it, the projections as oneDNN bf16 products, the rotary embedding in fp32, the
+attention in fp32 over the cache, the residual stream in fp32. Tokens and log-probabilities are the
+same bits (``tests/modeling/test_modeling_decode_step.py``). :func:`fused_decode_step` gives the step
+only where that holds; everywhere else (another family, another attention, a GPU, no bf16 unit,
+gradients, a forward hook it does not know) it gives ``None`` and the caller runs the model.
+
+A rollout that collects the boundary states (:func:`~spader_pipeline.modeling.boundary.
+capture_block_output`) registers the block here (:data:`CAPTURED_BLOCK`), and the step appends that
+block's output to the cache's ``states`` as the hook would.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spader_pipeline.modeling import packed_linear
+from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
+from spader_pipeline.modeling.packed_linear import packed_weights, packing_available
+
+__all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "fused_decode_step"]
+
+#: run decoding steps through :class:`FusedDecodeStep` where it applies (benchmarks switch it off to time
+#: the model's own forward in the same process)
+FUSED_DECODE_STEP = True
+#: decoder families whose block is RMSNorm → attention (optionally RMSNorm on query and key heads, as
+#: Qwen3) → residual → RMSNorm → SwiGLU MLP → residual, with one rotary embedding
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen3"})
+#: per model: (the block whose output the cache's ``states`` collects, the id of the forward hook that
+#: collects it), while :func:`~spader_pipeline.modeling.boundary.capture_block_output` is active
+CAPTURED_BLOCK: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+_LINEAR = torch.ops.mkldnn._linear_pointwise
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """``norm``'s forward (``LlamaRMSNorm``/``Qwen3RMSNorm``) written out: fp32 statistics, the
+    normalised values back in the input's dtype, times the fp32 weight."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _fused_norm_matches(width: int) -> bool:
+    """Whether ``torch.rms_norm`` on fp32 rows of ``width`` equals :func:`_rms_norm` bit for bit here
+    (checked once per process and width): one call instead of six on the residual stream's norms. In
+    this torch it is the same operations in C++; a version with a kernel that sums in another order
+    would fail the check, and the norms keep the written-out form."""
+    generator = torch.Generator().manual_seed(0)
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.randn(width, generator=generator), 1e-5
+    x = torch.randn(5, width, generator=generator) * 3
+    return torch.equal(torch.rms_norm(x, (width,), norm.weight, 1e-5), _rms_norm(x, norm))
+
+
+def _residual_norm(norm: torch.nn.Module, fused: bool):
+    """The norm of an fp32 residual row: ``torch.rms_norm`` where :func:`_fused_norm_matches`, else the
+    model's formula."""
+    if fused:
+        weight, shape, eps = norm.weight, (norm.weight.shape[0],), norm.variance_epsilon
+        return lambda x: torch.rms_norm(x, shape, weight, eps)
+    return lambda x: _rms_norm(x, norm)
+
+
+def _linear(x: torch.Tensor, weight_and_bias: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    weight, bias = weight_and_bias
+    return _LINEAR(x.to(torch.bfloat16), weight, bias, "none", [], "")
+
+
+class FusedDecodeStep:
+    """A decoding step of ``model`` (one new token per row): ``step(input_ids [n, 1], attention_mask
+    [n, L], position_ids [n, 1], cache) → logits [n, V]`` (bf16, the last position's, as
+    ``model(...).logits[:, -1]``), the cache extended by one position per row as the forward would.
+
+    ``L`` = the cached positions + 1; ``cache``: a ``DynamicCache`` (``update(keys, values, layer)``),
+    e.g. a :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` with its active rows set. Made by
+    :func:`fused_decode_step`, which also checks when it may run; the packed weights are looked up
+    when it is made (re-packed where a weight changed), so make one per decoding call.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config, body = model.config, model.model
+        self.body = body
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        fused_norm = _fused_norm_matches(config.hidden_size)
+        self.layers = []  # per block: what a step reads, looked up once (a module attribute is a dict walk)
+        for block in body.layers:
+            attention, mlp = block.self_attn, block.mlp
+            self.layers.append((
+                _residual_norm(block.input_layernorm, fused_norm),
+                packed_weights(model, (attention.q_proj, attention.k_proj, attention.v_proj)),
+                getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.scaling,
+                packed_weights(model, (attention.o_proj,)),
+                _residual_norm(block.post_attention_layernorm, fused_norm),
+                packed_weights(model, (mlp.gate_proj, mlp.up_proj)),
+                packed_weights(model, (mlp.down_proj,)),
+            ))
+        self.final_norm = _residual_norm(body.norm, fused_norm)
+        self.head = packed_weights(model, (model.lm_head,))
+        self.captured = CAPTURED_BLOCK.get(model, (None, None))[0]
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        rows, heads, kv_heads, dim = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        half, gqa = dim // 2, kv_heads != heads
+        x = F.embedding(input_ids[:, 0], self.body.embed_tokens.weight)  # [n, hidden] fp32: the residual
+        cos, sin = self.body.rotary_emb(x, position_ids)  # [n, 1, D] fp32
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
+        mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
+        states = getattr(cache, "states", None) if self.captured is not None else None
+        for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
+                    down_weight) in enumerate(self.layers):
+            qkv = _linear(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
+            if q_norm is not None:  # Qwen3: RMSNorm over each query and key head, before the rotation
+                qk = torch.cat((_rms_norm(qkv[:, :heads], q_norm), _rms_norm(qkv[:, heads : heads + kv_heads], k_norm)),
+                               dim=1)
+            else:
+                qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * signed_sin  # [n, H + H_kv, D]
+            keys, values = cache.update(qk[:, heads:, None], qkv[:, heads + kv_heads :, None], index)
+            with torch.autocast("cpu", enabled=False):  # sdpa_gqa's decoding attention: fp32
+                out = F.scaled_dot_product_attention(qk[:, :heads, None], keys.float(), values.float(),
+                                                     attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [n, H, 1, D]
+            x = x + _linear(out.reshape(rows, heads * dim), o_weight)
+            gate_up = _linear(norm_mid(x), gate_up_weight)
+            inner = gate_up.shape[-1] // 2
+            x = x + _linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
+            if index == self.captured and states is not None:
+                states.append(x[:, None])
+        return _linear(self.final_norm(x), self.head)
+
+
+def _has_foreign_hooks(model: torch.nn.Module) -> bool:
+    """Whether a forward hook other than the boundary capture's would miss the step's calls."""
+    module_hooks = torch.nn.modules.module
+    if any(getattr(module_hooks, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")):
+        return True
+    known = {CAPTURED_BLOCK.get(model, (None, None))[1]}
+    return any(set(m._forward_hooks) - known or m._forward_pre_hooks for m in model.modules())
+
+
+def _structure_supported(model: Any) -> bool:
+    config, body = getattr(model, "config", None), getattr(model, "model", None)
+    if not isinstance(model, torch.nn.Module) or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "_attn_implementation", None) != GQA_ATTENTION or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return False
+    head = getattr(model, "lm_head", None)
+    linears = [head] + [getattr(part, name, None) for block in body.layers
+                        for part, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                            (block.mlp, ("gate_proj", "up_proj", "down_proj")))
+                        for name in names]
+    return all(isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+               for m in linears)
+
+
+def fused_decode_step(model: Any) -> FusedDecodeStep | None:
+    """:class:`FusedDecodeStep` for ``model`` where its result is the model's own, else ``None``: a
+    supported family (:data:`SUPPORTED_MODEL_TYPES`, full attention, SiLU) on the CPU in fp32 with the
+    ``sdpa_gqa`` attention, called without gradients under bf16 autocast with packed weights
+    (:func:`~spader_pipeline.modeling.packed_linear.packing_available`), and no forward hook but the
+    boundary capture's. Call it once per decoding call (it re-packs weights that changed)."""
+    if not (FUSED_DECODE_STEP and packed_linear.PACK_WEIGHTS) or torch.is_grad_enabled():
+        return None
+    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return None
+    if not _structure_supported(model) or _has_foreign_hooks(model) or not packing_available():
+        return None
+    return FusedDecodeStep(model)
