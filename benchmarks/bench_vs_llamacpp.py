@@ -23,7 +23,7 @@ steps of one token per row, no early stop.
   end-of-sequence id, so every row decodes its whole budget. The prefill's forward yields the first new
   token (llama.cpp's prefill too computes the last prompt position's logits); the decoding phase is the
   ``--new-tokens`` steps after it. Both phases are timed within one call: the prefill ends when the
-  model's first forward returns (:func:`prefill_clock`).
+  prefill's last forward returns (:func:`forward_clock`).
 
 Columns (median over ``--repeats``; the two engines alternate which goes first in each repeat):
 
@@ -191,22 +191,23 @@ def parse_batched_bench(text: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def prefill_clock(model: Any) -> Iterator[dict[str, float]]:
-    """While active, ``model``'s forward notes when its first call (the prefill) returns: ``["end"]``.
-    An instance attribute over ``forward`` (its signature kept), not a hook, so the decoding steps run as
-    they do outside the benchmark (the fused step runs them without the forward; a hook would stop it)."""
-    clock: dict[str, float] = {}
+def forward_clock(model: Any) -> Iterator[list[float]]:
+    """While active, the times at which ``model``'s forward calls return (the prefill's forwards come
+    first: ``DecodeResult.prefill_blocks`` of them). An instance attribute over ``forward`` (its signature
+    kept), not a hook, so the decoding steps run as they do outside the benchmark (the fused step runs
+    them without the forward; a hook would make it step aside)."""
+    returns: list[float] = []
     forward = model.forward
 
     @functools.wraps(forward)
     def timed(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
-        clock.setdefault("end", time.perf_counter())
+        returns.append(time.perf_counter())
         return out
 
     model.forward = timed
     try:
-        yield clock
+        yield returns
     finally:
         del model.forward
 
@@ -222,14 +223,15 @@ def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: 
 
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=generator)
     mask = torch.ones_like(ids)
-    with bf16_inference(model, "cpu", bf16), prefill_clock(model) as clock:
+    with bf16_inference(model, "cpu", bf16), forward_clock(model) as returns:
         started = time.perf_counter()
         # budget new + 1: the prefill samples the first token, each of the `new` forwards one more
         result = decode_batch(model, ids, mask, GrowingKVCache(), [new + 1] * rows, eos_ids=set(), pad_id=pad_id,
                               processors=LogitsProcessorList(), do_sample=False)
         ended = time.perf_counter()
     assert result.steps == new + 1 and result.row_steps == rows * (new + 1), "a row stopped early"
-    prefill_s, decode_s = clock["end"] - started, ended - clock["end"]
+    prefill_end = returns[result.prefill_blocks - 1]  # a long prefill is several forwards (row chunks)
+    prefill_s, decode_s = prefill_end - started, ended - prefill_end
     return {"prefill_tps": rows * prompt / prefill_s, "decode_tps": rows * new / decode_s,
             "prefill_s": prefill_s, "decode_s": decode_s, "step_ms": 1e3 * decode_s / new}
 
