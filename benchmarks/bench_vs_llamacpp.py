@@ -74,7 +74,7 @@ WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
 TREE = SOURCE / "vendor/llama.cpp"
 CMAKE_DIR = WORK / f"cmake-{LLAMA_CPP_PYTHON}"
-BINARY = CMAKE_DIR / "bin/llama-batched-bench"
+CUDA_CMAKE_DIR = WORK / f"cmake-{LLAMA_CPP_PYTHON}-cuda"  # the GPU half: GGML_CUDA, every layer offloaded
 PYDEPS = WORK / "pydeps"  # the converter's modules missing from the project venv
 CONVERTER_EXTRA = ["sentencepiece>=0.1.98,<0.3.0"]
 
@@ -108,21 +108,28 @@ def llamacpp_tree() -> Path:
     return TREE
 
 
-def build_batched_bench(jobs: int) -> Path:
-    """``llama-batched-bench`` built for this CPU (``GGML_NATIVE``), once."""
-    if BINARY.is_file():
-        return BINARY
+def build_batched_bench(jobs: int, cuda: bool = False) -> Path:
+    """``llama-batched-bench`` built for this CPU (``GGML_NATIVE``), or with ``cuda`` for the GPU
+    (``GGML_CUDA``: needs the CUDA toolkit's ``nvcc``), once each."""
+    cmake_dir = CUDA_CMAKE_DIR if cuda else CMAKE_DIR
+    binary = cmake_dir / "bin/llama-batched-bench"
+    if binary.is_file():
+        return binary
+    if cuda and shutil.which("nvcc") is None:
+        raise SystemExit("llama.cpp's CUDA build needs nvcc (the CUDA toolkit), not found on PATH; "
+                         "--ours-only times our decoder alone")
     tree = llamacpp_tree()
     started = time.perf_counter()
     log = WORK / "build.log"
     log.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not make's -w
-    _run(["cmake", "-S", tree, "-B", CMAKE_DIR, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], log, env=env)
-    _run(["cmake", "--build", CMAKE_DIR, "--config", "Release", "--target", "llama-batched-bench", "-j", jobs],
+    _run(["cmake", "-S", tree, "-B", cmake_dir, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+          f"-DGGML_CUDA={'ON' if cuda else 'OFF'}", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+          "-DLLAMA_BUILD_TESTS=OFF"], log, env=env)
+    _run(["cmake", "--build", cmake_dir, "--config", "Release", "--target", "llama-batched-bench", "-j", jobs],
          log, env=env)
-    print(f"built {BINARY.relative_to(ROOT)} in {time.perf_counter() - started:.0f} s", flush=True)
-    return BINARY
+    print(f"built {binary.relative_to(ROOT)} in {time.perf_counter() - started:.0f} s", flush=True)
+    return binary
 
 
 def folder_hash(folder: Path) -> str:
@@ -152,10 +159,13 @@ def converted_gguf(folder: Path) -> Path:
     return out
 
 
-def run_batched_bench(gguf: Path, rows: list[int], threads: int, prompt: int, new: int) -> dict[str, Any]:
-    """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates."""
+def run_batched_bench(binary: Path, gguf: Path, rows: list[int], threads: int, prompt: int, new: int,
+                      cuda: bool = False) -> dict[str, Any]:
+    """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates
+    (``cuda``: every layer on the GPU, ``-ngl 999``)."""
     context = max(rows) * (prompt + new)  # every sequence its own prompt and tokens (no shared prompt)
-    cmd = [BINARY, "-m", gguf, "-c", context, "-b", 2048, "-ub", 512, "-npp", prompt, "-ntg", new,
+    cmd = [binary, *(["-ngl", 999] if cuda else []), "-m", gguf, "-c", context, "-b", 2048, "-ub", 512,
+           "-npp", prompt, "-ntg", new,
            "-npl", ",".join(map(str, rows)), "-t", threads, "-tb", threads, "-lv", 4]  # -lv 4: what auto chose
     out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
     text = out.stdout + out.stderr
@@ -191,17 +201,20 @@ def parse_batched_bench(text: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def forward_clock(model: Any) -> Iterator[list[float]]:
+def forward_clock(model: Any, sync: Any = None) -> Iterator[list[float]]:
     """While active, the times at which ``model``'s forward calls return (the prefill's forwards come
     first: ``DecodeResult.prefill_blocks`` of them). An instance attribute over ``forward`` (its signature
     kept), not a hook, so the decoding steps run as they do outside the benchmark (the fused step runs
-    them without the forward; a hook would make it step aside)."""
+    them without the forward; a hook would make it step aside). ``sync``: called before each time is
+    taken (``torch.cuda.synchronize`` on a GPU, whose forward returns before it has run)."""
     returns: list[float] = []
     forward = model.forward
 
     @functools.wraps(forward)
     def timed(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
+        if sync is not None:
+            sync()
         returns.append(time.perf_counter())
         return out
 
@@ -221,13 +234,19 @@ def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: 
     from spader_pipeline.modeling.kv_cache import GrowingKVCache
     from spader_pipeline.modeling.precision import bf16_inference
 
-    ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=generator)
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=generator).to(device)
     mask = torch.ones_like(ids)
-    with bf16_inference(model, "cpu", bf16), forward_clock(model) as returns:
+    with bf16_inference(model, device.type, bf16), forward_clock(model, sync) as returns:
+        if sync is not None:
+            sync()
         started = time.perf_counter()
         # budget new + 1: the prefill samples the first token, each of the `new` forwards one more
         result = decode_batch(model, ids, mask, GrowingKVCache(), [new + 1] * rows, eos_ids=set(), pad_id=pad_id,
                               processors=LogitsProcessorList(), do_sample=False)
+        if sync is not None:
+            sync()
         ended = time.perf_counter()
     assert result.steps == new + 1 and result.row_steps == rows * (new + 1), "a row stopped early"
     prefill_end = returns[result.prefill_blocks - 1]  # a long prefill is several forwards (row chunks)
@@ -349,6 +368,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the table (and the machine) to this file")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs of the llama.cpp build")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU half (our model on the GPU; llama.cpp built with GGML_CUDA, every "
+                             "layer offloaded); --threads are then the host's")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
@@ -365,9 +387,9 @@ def main() -> None:
 
     engines = [e for e in ENGINES if not (e == "llamacpp" and args.ours_only)
                and not (e in ("ours", "before") and args.llamacpp_only) and not (e == "before" and args.before == "none")]
-    gguf = None
+    gguf = binary = None
     if "llamacpp" in engines:
-        build_batched_bench(args.jobs)
+        binary = build_batched_bench(args.jobs, cuda=args.device == "cuda")
         gguf = converted_gguf(folder)
     model = pad_id = None
     bf16 = False
@@ -375,8 +397,8 @@ def main() -> None:
         from spader_pipeline.modeling import load_model_and_tokenizer
         from spader_pipeline.modeling.precision import resolve_bf16
 
-        model, tokenizer = load_model_and_tokenizer(folder)
-        bf16 = resolve_bf16("auto", torch.device("cpu"), model)
+        model, tokenizer = load_model_and_tokenizer(folder, device=args.device)
+        bf16 = resolve_bf16("auto", torch.device(args.device), model)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         from spader_pipeline.modeling.packed_linear import packing_available
 
@@ -391,13 +413,13 @@ def main() -> None:
           f"torch {torch.__version__}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
           flush=True)
     if gguf is not None:
-        print(f"llama.cpp: {BINARY.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
+        print(f"llama.cpp: {binary.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
               f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
     if model is not None:
         from spader_pipeline.modeling.decode_step import fused_decode_step
         from spader_pipeline.modeling.precision import bf16_inference
 
-        with bf16_inference(model, "cpu", bf16):
+        with bf16_inference(model, args.device, bf16):
             fused = fused_decode_step(model) is not None
         before = {"unfused": "decoding steps through the model's forward",
                   "unpacked": "decoding steps through the model's forward, autocast's own linear layers (each "
@@ -414,7 +436,8 @@ def main() -> None:
             for engine in engines if repeat % 2 == 0 else engines[::-1]:
                 started = time.perf_counter()
                 if engine == "llamacpp":
-                    run = run_batched_bench(gguf, rows, t, args.prompt_tokens, args.new_tokens)
+                    run = run_batched_bench(binary, gguf, rows, t, args.prompt_tokens, args.new_tokens,
+                                            cuda=args.device == "cuda")
                     settings = run["settings"]
                 else:
                     run = run_ours(model, rows, t, args.prompt_tokens, args.new_tokens, bf16, pad_id,

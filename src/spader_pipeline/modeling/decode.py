@@ -53,8 +53,8 @@ ROW_WISE_PROCESSORS = frozenset({
 #: ``(min_tokens, overhead_tokens)`` of :func:`~spader_pipeline.modeling.batching.padding_blocks` for a
 #: continued turn's prefill (``decode_batch``'s and ``HFGenerator``'s default)
 PREFILL_BLOCK_COST = (128, 32)
-#: most tokens (rows x padded width) one forward of a fresh cache's prefill takes; a longer batch is
-#: prefilled in chunks of rows. Past ~8k tokens a forward's activations outgrow the CPU's caches: at 32
+#: most tokens (rows x padded width) one forward of a fresh cache's prefill takes on a CPU; a longer batch
+#: is prefilled in chunks of rows. Past ~8k tokens a forward's activations outgrow the CPU's caches: at 32
 #: and 64 rows of 512 tokens the prefill's tokens per second fell by a quarter and a third against 16
 #: rows (SmolLM2 on the 2-core AMD, docs/performance.md). Each row's keys and logits are the same either
 #: way (a row's products and attention do not depend on the other rows).
@@ -256,9 +256,9 @@ def decode_batch(
         log_prob_temperature: also return each sampled token's log-probability under
             ``log_softmax(logits / log_prob_temperature)`` (fp32, before top-k/top-p: what a trainer
             recomputes at its sampling temperature, as vLLM and SGLang report them); ``None``: none.
-        prefill_chunk_tokens: a fresh :class:`GrowingKVCache`'s prefill of more tokens (rows x width)
-            than this runs as forwards over chunks of rows of at most this many tokens
-            (:data:`PREFILL_CHUNK_TOKENS`); ``None``: one forward.
+        prefill_chunk_tokens: on a CPU, a fresh :class:`GrowingKVCache`'s prefill of more tokens (rows x
+            width) than this runs as forwards over chunks of rows of at most this many tokens
+            (:data:`PREFILL_CHUNK_TOKENS`); ``None``: one forward (always on a GPU).
 
     Position ids follow the mask (``cumsum - 1``, as ``generate``), so the cached rows continue
     correctly in the next call with more tokens appended.
@@ -279,7 +279,7 @@ def decode_batch(
                                                       blocks, pad_id)
             cache.batch_select_indices(torch.tensor(order, device=device))
     chunked = (past == 0 and prefill_chunk_tokens is not None and isinstance(cache, GrowingKVCache)
-               and len(budgets) * input_ids.shape[1] > prefill_chunk_tokens)
+               and device.type == "cpu" and len(budgets) * input_ids.shape[1] > prefill_chunk_tokens)
     if chunked:  # the first chunk allocates the cache; the others fill their rows' windows after add_rows
         step_rows = max(1, prefill_chunk_tokens // input_ids.shape[1])
         blocks = [range(start, min(start + step_rows, len(budgets))) for start in range(0, len(budgets), step_rows)]
