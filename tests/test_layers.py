@@ -91,7 +91,7 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
-        ("packed_linear",),  # oneDNN's weight layout, which the precision's inference block uses
+        ("packed_linear", "decode_attention"),  # oneDNN's weight layout; the bf16 cache's decoding attention
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged"),  # each one concern of running a model
         ("decode_step",),  # one decoding step over fused packed weights, which decoding and the capture use

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from spader_pipeline.modeling import decode_attention
 from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
 from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
 
 
@@ -142,12 +144,17 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
     assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0
 
 
-def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache():
+@pytest.mark.parametrize("bf16_cache", [True, False], ids=["compiled-attention", "sdpa"])
+def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache(bf16_cache, monkeypatch):
     """Under bf16 autocast the keys come fp32 (rotary's fp32 cos/sin) and the values bf16. Off the CPU
     (the meta device stands in for CUDA here) both are cached in bf16, the dtype attention casts them
-    to; on the CPU, where a decoding step attends in fp32, both are cached in fp32, holding exactly
-    the values given."""
-    for device, expected in (("meta", torch.bfloat16), ("cpu", torch.float32)):
+    to; on the CPU both are cached in bf16 where decoding attends with the compiled kernel over a bf16
+    cache, else in fp32 (SDPA attends in fp32), holding exactly the values given."""
+    monkeypatch.setattr(decode_attention, "BF16_CACHE", bf16_cache)
+    if bf16_cache and not bf16_decode_attention_available():
+        pytest.skip("the decoding attention does not compile on this machine")
+    cpu_dtype = torch.bfloat16 if bf16_cache else torch.float32
+    for device, expected in (("meta", torch.bfloat16), ("cpu", cpu_dtype)):
         layer = GrowingLayer()
         keys = torch.randn(2, 3, 5, 4, device=device)
         values = torch.randn(2, 3, 6, 4, device=device, dtype=torch.bfloat16)
@@ -156,8 +163,8 @@ def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache():
         assert layer.keys.dtype == expected and layer.values.dtype == expected
         assert layer.get_seq_length() == 6
         if device == "cpu":
-            assert torch.equal(layer.keys[:, :, :5], keys)
-            assert torch.equal(layer.values, values.float())
+            assert torch.equal(layer.keys[:, :, :5], keys.to(cpu_dtype))
+            assert torch.equal(layer.values, values.to(cpu_dtype))
 
 
 def test_fp32_values_change_no_logit_under_cpu_autocast(gqa_model_dir, monkeypatch):
@@ -173,6 +180,7 @@ def test_fp32_values_change_no_logit_under_cpu_autocast(gqa_model_dir, monkeypat
     kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)
     runs = {}
+    monkeypatch.setattr(decode_attention, "BF16_CACHE", False)  # the fp32 key cache's layout
     for fp32_values in (True, False):
         monkeypatch.setattr(GrowingLayer, "fp32_values_on_cpu", fp32_values)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from spader_pipeline.modeling import packed_linear
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
+from spader_pipeline.modeling.decode_attention import decode_attention
 from spader_pipeline.modeling.packed_linear import packed_weights, packing_available
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "fused_decode_step"]
@@ -129,11 +130,11 @@ class FusedDecodeStep:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache: Any) -> torch.Tensor:
         rows, heads, kv_heads, dim = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        half, gqa = dim // 2, kv_heads != heads
+        half = dim // 2
         x = F.embedding(input_ids[:, 0], self.body.embed_tokens.weight)  # [n, hidden] fp32: the residual
         cos, sin = self.body.rotary_emb(x, position_ids)  # [n, 1, D] fp32
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
-        mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
+        mask = None if bool(attention_mask.all()) else attention_mask.bool()
         states = getattr(cache, "states", None) if self.captured is not None else None
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
@@ -145,9 +146,7 @@ class FusedDecodeStep:
                 qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * signed_sin  # [n, H + H_kv, D]
             keys, values = cache.update(qk[:, heads:, None], qkv[:, heads + kv_heads :, None], index)
-            with torch.autocast("cpu", enabled=False):  # sdpa_gqa's decoding attention: fp32
-                out = F.scaled_dot_product_attention(qk[:, :heads, None], keys.float(), values.float(),
-                                                     attn_mask=mask, scale=scaling, enable_gqa=gqa)  # [n, H, 1, D]
+            out = decode_attention(qk[:, :heads, None], keys, values, mask, scaling)  # [n, H, 1, D] fp32, as sdpa_gqa
             x = x + _linear(out.reshape(rows, heads * dim), o_weight)
             gate_up = _linear(norm_mid(x), gate_up_weight)
             inner = gate_up.shape[-1] // 2

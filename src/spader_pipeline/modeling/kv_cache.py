@@ -40,6 +40,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
+
 __all__ = ["GrowingKVCache", "GrowingLayer", "GrowingStates"]
 
 
@@ -147,14 +149,17 @@ class GrowingLayer(DynamicLayer):
         cos/sin promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast
         casts its inputs to bf16) then read an fp32 key cache and cast all of it again at every step.
         Stored in bf16 the cache is a third smaller and the attention gets the same bf16 keys. On a
-        CPU a decoding step attends in fp32 (:func:`spader_pipeline.modeling.attention.
-        sdpa_gqa_attention_forward`), so there the values are stored in fp32 beside the fp32 keys: the
-        bf16 values are exact in fp32, and a step reads the cache as it is instead of casting every
-        cached value to a new fp32 tensor (benchmarks/profile_rollout.py). Prefill under autocast
-        casts them back to the same bf16.
+        CPU a decoding step attends in fp32: where its compiled kernel reads a bf16 cache
+        (:func:`~spader_pipeline.modeling.decode_attention.bf16_decode_attention_available`) the keys
+        are stored in bf16 as on a GPU (half the bytes a step reads; the prefill's attention under
+        autocast reads the same bf16 keys). Elsewhere SDPA attends in fp32
+        (:func:`spader_pipeline.modeling.attention.sdpa_gqa_attention_forward`), so the values are
+        stored in fp32 beside the fp32 keys: the bf16 values are exact in fp32, and a step reads the
+        cache as it is instead of casting every cached value to a new fp32 tensor
+        (benchmarks/profile_rollout.py). Prefill under autocast casts them back to the same bf16.
         """
         if key_states.dtype != value_states.dtype:
-            if key_states.device.type != "cpu":
+            if key_states.device.type != "cpu" or bf16_decode_attention_available():
                 key_states = key_states.to(value_states.dtype)
             elif key_states.dtype == torch.float32 and self.fp32_values_on_cpu:
                 value_states = value_states.float()
