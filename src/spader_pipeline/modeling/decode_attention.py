@@ -71,7 +71,9 @@ def _kernel_works() -> bool:
     shapes, a padded row among them; ``False`` where either fails."""
     generator = torch.Generator().manual_seed(0)
     try:
-        for rows, length in ((5, 7), (4, 40)):  # no two sizes alike: a dynamic graph, not equal sizes
+        # no two sizes alike (a dynamic graph, not one that assumes equal sizes equal), and the first
+        # call of decoding's size: Inductor decides from it whether the loops run on several threads
+        for rows, length in ((17, 513), (5, 7)):
             query = torch.randn(rows, 6, 1, 16, generator=generator)
             keys = torch.randn(rows, 3, length + 5, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
             values = torch.randn(rows, 3, length + 5, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
@@ -115,6 +117,6 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     mask = (torch.ones(flat, length, dtype=torch.bool, device=keys.device) if mask is None
             else mask[:, None, :].expand(rows, kv_heads, length).reshape(flat, length).contiguous())
     with torch.autocast("cpu", enabled=False):
-        out = _compiled()((query * scale).reshape(flat, heads // kv_heads, dim), keys.reshape(flat, length, dim),
-                          values.reshape(flat, length, dim), mask)
+        scaled = query.reshape(flat, heads // kv_heads, dim) * scale  # a new tensor: no base of n rows to guard on
+        out = _compiled()(scaled, keys.reshape(flat, length, dim), values.reshape(flat, length, dim), mask)
     return out.reshape(rows, heads, 1, dim)
