@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from spader_pipeline.modeling import packed_linear
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.decode_attention import decode_attention
-from spader_pipeline.modeling.packed_linear import packed_weights, packing_available
+from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "fused_decode_step"]
 
@@ -53,8 +53,6 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen3"})
 #: per model: (the block whose output the cache's ``states`` collects, the id of the forward hook that
 #: collects it), while :func:`~spader_pipeline.modeling.boundary.capture_block_output` is active
 CAPTURED_BLOCK: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
-
-_LINEAR = torch.ops.mkldnn._linear_pointwise
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -86,11 +84,6 @@ def _residual_norm(norm: torch.nn.Module, fused: bool):
         weight, shape, eps = norm.weight, (norm.weight.shape[0],), norm.variance_epsilon
         return lambda x: torch.rms_norm(x, shape, weight, eps)
     return lambda x: _rms_norm(x, norm)
-
-
-def _linear(x: torch.Tensor, weight_and_bias: tuple[torch.Tensor, Any]) -> torch.Tensor:
-    weight, bias = weight_and_bias
-    return _LINEAR(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
 
 class FusedDecodeStep:
@@ -138,7 +131,7 @@ class FusedDecodeStep:
         states = getattr(cache, "states", None) if self.captured is not None else None
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
-            qkv = _linear(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
+            qkv = packed_product(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
             if q_norm is not None:  # Qwen3: RMSNorm over each query and key head, before the rotation
                 qk = torch.cat((_rms_norm(qkv[:, :heads], q_norm), _rms_norm(qkv[:, heads : heads + kv_heads], k_norm)),
                                dim=1)
@@ -147,13 +140,13 @@ class FusedDecodeStep:
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * signed_sin  # [n, H + H_kv, D]
             keys, values = cache.update(qk[:, heads:, None], qkv[:, heads + kv_heads :, None], index)
             out = decode_attention(qk[:, :heads, None], keys, values, mask, scaling)  # [n, H, 1, D] fp32, as sdpa_gqa
-            x = x + _linear(out.reshape(rows, heads * dim), o_weight)
-            gate_up = _linear(norm_mid(x), gate_up_weight)
+            x = x + packed_product(out.reshape(rows, heads * dim), o_weight)
+            gate_up = packed_product(norm_mid(x), gate_up_weight)
             inner = gate_up.shape[-1] // 2
-            x = x + _linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
+            x = x + packed_product(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
             if index == self.captured and states is not None:
                 states.append(x[:, None])
-        return _linear(self.final_norm(x), self.head)
+        return packed_product(self.final_norm(x), self.head)
 
 
 def _has_foreign_hooks(model: torch.nn.Module) -> bool:

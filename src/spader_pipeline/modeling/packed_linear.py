@@ -29,7 +29,7 @@ import torch
 
 from spader_pipeline.bf16_switch import cpu_has_bf16
 
-__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packed_weights", "packing_available"]
+__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packed_product", "packed_weights", "packing_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,17 @@ def _packing_matches_autocast() -> bool:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         for rows in (1, 16, 300):
             x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-            packed_out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            if not torch.equal(packed_out, torch.nn.functional.linear(x, weight)):
+            if not torch.equal(packed_product(x, (packed, None)), torch.nn.functional.linear(x, weight)):
                 logger.info("bf16 weights not packed: oneDNN's packed products differ from autocast's on this CPU")
                 return False
     return True
+
+
+def packed_product(x: torch.Tensor, weight_and_bias: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    """``x @ W.T + b`` from a packed bf16 weight and bf16 bias (:func:`packed_weights`): ``x`` ``[..., in]``
+    of any dtype, cast to bf16 as autocast casts it; returns bf16 ``[..., out]``."""
+    weight, bias = weight_and_bias
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -126,7 +132,6 @@ def _packed_forward(model: torch.nn.Module, module: torch.nn.Linear):
         if (torch.is_grad_enabled() or not torch.is_autocast_enabled("cpu")
                 or torch.get_autocast_dtype("cpu") != torch.bfloat16 or x.device.type != "cpu"):
             return original(x)
-        weight, bias = packed_weights(model, (module,))
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
+        return packed_product(x, packed_weights(model, (module,)))
 
     return forward
