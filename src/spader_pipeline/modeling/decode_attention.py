@@ -68,29 +68,43 @@ def _reference(query, keys, values, mask, scale):
             scale=scale, enable_gqa=keys.shape[1] != query.shape[1])
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_works() -> bool:
-    """Compile the kernel (once per process) and check it against fp32 SDPA on bf16 inputs of a few
-    shapes, a padded row among them; ``False`` where either fails."""
+def _compiled_matches_sdpa(masked: bool) -> bool:
+    """Run the compiled kernel (with a mask or without) and check it against fp32 SDPA on bf16 inputs;
+    ``False`` where it fails to compile or differs. The first call has decoding's size (Inductor decides
+    from it whether the loops run on several threads), and no two sizes are alike (a dynamic graph, not
+    one that takes equal sizes for equal)."""
     generator = torch.Generator().manual_seed(0)
     try:
-        # no two sizes alike (a dynamic graph, not one that assumes equal sizes equal), and the first
-        # call of decoding's size: Inductor decides from it whether the loops run on several threads
         for rows, length in ((17, 513), (5, 7)):
             query = torch.randn(rows, 6, 1, 16, generator=generator)
             keys = torch.randn(rows, 3, length + 5, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
             values = torch.randn(rows, 3, length + 5, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
-            mask = torch.ones(rows, length, dtype=torch.bool)
-            mask[-1, : length // 3] = False
+            mask = None
+            if masked:
+                mask = torch.ones(rows, length, dtype=torch.bool)
+                mask[-1, : length // 3] = False
             with torch.no_grad():
-                got = decode_attention(query, keys, values, mask, 0.25, compiled=True)
+                got = _compiled_attention(query, keys, values, mask, 0.25)
             if (got - _reference(query, keys, values, mask, 0.25)).abs().max().item() > _CHECK_TOLERANCE:
-                logger.info("bf16 KV cache off: the compiled decoding attention differs from SDPA here")
+                logger.info("the compiled decoding attention (mask: %s) differs from SDPA here", masked)
                 return False
-    except Exception as error:  # noqa: BLE001 - any compile failure (no compiler, an Inductor bug): fp32 cache
-        logger.info("bf16 KV cache off: the decoding attention did not compile here (%s)", type(error).__name__)
+    except Exception as error:  # noqa: BLE001 - any compile failure (no compiler, an Inductor bug)
+        logger.info("the decoding attention (mask: %s) did not compile here (%s)", masked, type(error).__name__)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_works() -> bool:
+    """The masked graph compiled and checked (once per process): where it is not, the cache stays fp32."""
+    return _compiled_matches_sdpa(masked=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _unmasked_graph_works() -> bool:
+    """The graph without a mask, compiled and checked on its first use; where it is not, unpadded rows go
+    through the masked graph."""
+    return _compiled_matches_sdpa(masked=False)
 
 
 def bf16_decode_attention_available() -> bool:
@@ -114,31 +128,21 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                     and bf16_decode_attention_available())
     if not compiled:
         return _reference(query, keys, values, mask, scale)
+    if mask is None and not _unmasked_graph_works():
+        mask = torch.ones(query.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
+    return _compiled_attention(query, keys, values, mask, scale)
+
+
+def _compiled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """:func:`decode_attention`'s shapes through the compiled :func:`_grouped_attention`: rows and
+    key/value heads flattened into one dimension, the query scaled, the mask repeated per head."""
     rows, heads, _, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     flat = rows * kv_heads
-    if mask is None and not _unmasked_graph_works():
-        mask = torch.ones(rows, length, dtype=torch.bool, device=keys.device)
     if mask is not None:
         mask = mask[:, None, :].expand(rows, kv_heads, length).reshape(flat, length).contiguous()
     with torch.autocast("cpu", enabled=False):
         scaled = query.reshape(flat, heads // kv_heads, dim) * scale  # a new tensor: no base of n rows to guard on
         out = _compiled()(scaled, keys.reshape(flat, length, dim), values.reshape(flat, length, dim), mask)
     return out.reshape(rows, heads, 1, dim)
-
-
-@functools.lru_cache(maxsize=1)
-def _unmasked_graph_works() -> bool:
-    """The graph without a mask, compiled and checked against SDPA on its first use (the availability
-    check covers the masked one); where it fails, unpadded rows go through the masked graph."""
-    generator = torch.Generator().manual_seed(1)
-    query = torch.randn(17, 6, 1, 16, generator=generator)  # decoding's size first, as in _kernel_works
-    keys = torch.randn(17, 3, 513, 16, generator=generator).to(torch.bfloat16)
-    values = torch.randn(17, 3, 513, 16, generator=generator).to(torch.bfloat16)
-    try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            got = _compiled()((query * 0.25).reshape(51, 2, 16), keys.reshape(51, 513, 16),
-                              values.reshape(51, 513, 16), None).reshape(17, 6, 1, 16)
-        return (got - _reference(query, keys, values, None, 0.25)).abs().max().item() <= _CHECK_TOLERANCE
-    except Exception:  # noqa: BLE001 - as in _kernel_works: the masked graph serves
-        return False
