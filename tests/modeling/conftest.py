@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, build_tiny_qwen3
 
@@ -45,3 +47,14 @@ def gqa_model_dir(tmp_path_factory):
                          intermediate_size=64, max_position_embeddings=256)
     build_tiny_qwen3(_SixtyFourTokens(), spec).save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def tiny_llama() -> LlamaForCausalLM:
+    """A 3-layer Llama (SmolLM2's family) with grouped-query attention (6 query heads, 2 key-value heads),
+    tied embeddings, 64 tokens, randomly initialised from seed 0: a fresh model for each test."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config)

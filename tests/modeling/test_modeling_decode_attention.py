@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from spader_pipeline.modeling import decode_attention
 from spader_pipeline.modeling.attention import use_gqa_attention
@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(not bf16_decode_attention_available(),
                                   reason="the decoding attention does not compile on this machine")
 
 #: largest change of a sampled token's log-probability the bf16 key cache may make on the tiny models,
-#: up to the first token where the two runs part (measured: 0.002; their logits are small, so bf16's
+#: up to the first token where the two runs part (measured: up to 0.004; their logits are small, so bf16's
 #: step at their magnitude is 1/64 or finer). On SmolLM2, whose logits reach 20-30, one bf16 step of a
 #: logit is 0.125 and the measured change is that step (docs/performance.md).
 LOG_PROB_BOUND = 0.01
@@ -42,13 +42,6 @@ def test_the_kernel_is_fp32_sdpa_on_the_same_cache(rows, heads, kv_heads):
             expected = decode_attention.decode_attention(query, keys, values, row_mask, 0.17, compiled=False)
             assert got.shape == (rows, heads, 1, 32) and got.dtype == torch.float32
             assert (got - expected).abs().max() < 1e-5
-
-
-def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                                        bos_token_id=1, eos_token_id=2, pad_token_id=0))
 
 
 def _greedy_runs(model, bf16_cache: bool, monkeypatch) -> list:
@@ -95,11 +88,11 @@ def test_a_bf16_cache_keeps_the_tiny_models_greedy_text_and_moves_log_probs_with
 
 
 @needs_kernel
-def test_on_a_random_llama_log_probs_move_within_the_bound(monkeypatch):
+def test_on_a_random_llama_log_probs_move_within_the_bound(tiny_llama, monkeypatch):
     """A randomly initialised Llama samples from a near-uniform distribution (log-probabilities about
-    -3.8 over 64 tokens), where a change of 0.002 can flip a near-tie: its greedy text may part; up to
+    -3.8 over 64 tokens), where a change of a few thousandths can flip a near-tie: its greedy text may part; up to
     where it does, every log-probability stays within the bound."""
-    model = _tiny_llama().eval().requires_grad_(False)
+    model = tiny_llama.eval().requires_grad_(False)
     use_gqa_attention(model)
     for bf16_run, fp32_run in zip(_greedy_runs(model, True, monkeypatch), _greedy_runs(model, False, monkeypatch),
                                   strict=True):

@@ -4,9 +4,11 @@ and the model's forward wherever the step would not be exact."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from spader_pipeline.modeling import decode_step, packed_linear
 from spader_pipeline.modeling.attention import use_gqa_attention
@@ -20,18 +22,10 @@ from spader_pipeline.modeling.precision import bf16_inference
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no bf16 unit or no oneDNN packing on this CPU")
 
 
-def _tiny_llama() -> LlamaForCausalLM:
-    """A 3-layer Llama with grouped-query attention (6 query heads, 2 key-value heads), 64 tokens."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return LlamaForCausalLM(config)
-
-
 @pytest.fixture(params=["llama", "qwen3"])
 def model(request, gqa_model_dir):
-    model = _tiny_llama() if request.param == "llama" else AutoModelForCausalLM.from_pretrained(gqa_model_dir)
+    model = (request.getfixturevalue("tiny_llama") if request.param == "llama"
+             else AutoModelForCausalLM.from_pretrained(gqa_model_dir))
     model.eval().requires_grad_(False)
     assert use_gqa_attention(model)
     return model
@@ -46,7 +40,7 @@ def _decode(model, *, sample: bool, capture: bool = False):
     cache = GrowingKVCache(capture_states=capture)
     runs = []
     torch.manual_seed(5)
-    with bf16_inference(model, "cpu", True), capture_block_output(model, 0) if capture else _nothing():
+    with bf16_inference(model, "cpu", True), capture_block_output(model, 0) if capture else contextlib.nullcontext():
         first = decode_batch(model, ids, mask, cache, [10, 4, 10, 7], eos_ids={2}, pad_id=0,
                              processors=LogitsProcessorList(), do_sample=sample, log_prob_temperature=1.0)
         extra = torch.randint(3, 64, (4, 3), generator=torch.Generator().manual_seed(1))
@@ -56,14 +50,6 @@ def _decode(model, *, sample: bool, capture: bool = False):
     runs = [(run.tokens, run.log_probs, run.ids.tolist()) for run in (first, second)]
     states = cache.states.states.clone() if capture else None
     return runs, states
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
