@@ -300,10 +300,11 @@ def decode_batch(
         extra["logits_to_keep"] = 1
     blocked = len(blocks) > 1
     parts = []
-    for block, end in zip(blocks, ends, strict=True):  # one block: the whole batch; else each to its longest row
-        if blocked and not (chunked and block.start == 0):  # a fresh cache's first chunk allocates it
-            if chunked and block.start == blocks[1].start:
-                cache.add_rows(batch)  # room for the other chunks' rows
+    # one block: the whole batch; else each to its longest row, or (chunked) each chunk of rows
+    for number, (block, end) in enumerate(zip(blocks, ends, strict=True)):
+        if chunked and number == 1:
+            cache.add_rows(batch)  # the first chunk allocated the cache for its rows: room for the others
+        if blocked and not (chunked and number == 0):  # a fresh cache's first chunk runs without a window
             cache.row_window(block.start, block.stop, past)
         rows = slice(block.start, block.stop)
         parts.append(model(
