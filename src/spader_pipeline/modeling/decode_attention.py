@@ -28,6 +28,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from spader_pipeline.modeling.native_step import native_available
+
 __all__ = ["BF16_CACHE", "bf16_decode_attention_available", "decode_attention"]
 
 logger = logging.getLogger(__name__)
@@ -108,9 +110,10 @@ def _unmasked_graph_works() -> bool:
 
 
 def bf16_decode_attention_available() -> bool:
-    """Whether the CPU's decoding steps cache bf16 keys and attend with the compiled kernel:
-    :data:`BF16_CACHE` and a kernel that compiled and checked out in this process."""
-    return BF16_CACHE and _kernel_works()
+    """Whether the CPU's decoding steps cache bf16 keys and attend with a kernel that reads them:
+    :data:`BF16_CACHE`, and the native attention (:mod:`~spader_pipeline.modeling.native_step`) or
+    else the compiled kernel built and checked out in this process."""
+    return BF16_CACHE and (native_available() or _kernel_works())
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -128,6 +131,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                     and bf16_decode_attention_available())
     if not compiled:
         return _reference(query, keys, values, mask, scale)
+    if native_available():
+        return torch.ops.spader_native.decode_attention(query[:, :, 0], keys, values, mask, scale)[:, :, None]
     if mask is None and not _unmasked_graph_works():
         mask = torch.ones(query.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
     return _compiled_attention(query, keys, values, mask, scale)

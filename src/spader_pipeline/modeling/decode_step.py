@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from spader_pipeline.modeling import packed_linear
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.decode_attention import decode_attention
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "fused_decode_step"]
@@ -118,6 +120,40 @@ class FusedDecodeStep:
         self.final_norm = _residual_norm(body.norm, fused_norm)
         self.head = packed_weights(model, (model.lm_head,))
         self.captured = CAPTURED_BLOCK.get(model, (None, None))[0]
+        self.native = self._native_arguments(model, fused_norm) if native_available() else None
+
+    def _native_arguments(self, model: torch.nn.Module, fused_norm: bool) -> dict[str, Any] | None:
+        """The C++ step's weights, norms and constants (:mod:`~spader_pipeline.modeling.native_step`),
+        or ``None`` where it does not cover this model: a bias, or norms or scales that differ by block."""
+        blocks = self.body.layers
+        if any(bias is not None for layer in self.layers for _, bias in (layer[1], layer[5], layer[7], layer[8])):
+            return None
+        head_norms = self.layers[0][2] is not None
+        residual = [norm for block in blocks for norm in (block.input_layernorm, block.post_attention_layernorm)]
+        per_head = [norm for layer in self.layers for norm in (layer[2], layer[3])] if head_norms else []
+        if (len({norm.variance_epsilon for norm in [*residual, self.body.norm]}) != 1
+                or len({norm.variance_epsilon for norm in per_head}) > 1 or len({layer[4] for layer in self.layers}) != 1):
+            return None
+        norms = []
+        for block, layer in zip(blocks, self.layers, strict=True):
+            norms += [block.input_layernorm.weight, block.post_attention_layernorm.weight]
+            norms += [layer[2].weight, layer[3].weight] if head_norms else []
+        return {
+            "weights": [w for layer in self.layers for w, _ in (layer[1], layer[5], layer[7], layer[8])] + [self.head[0]],
+            "norms": [*norms, self.body.norm.weight], "heads": self.heads, "kv_heads": self.kv_heads,
+            "eps": self.body.norm.variance_epsilon, "head_norm_eps": per_head[0].variance_epsilon if head_norms else 0.0,
+            "scaling": self.layers[0][4], "fused_norm": fused_norm, "head_norms": head_norms,
+        }
+
+    def _native_cache(self, cache: Any) -> bool:
+        """Whether the C++ step can write ``cache`` in place: a :class:`GrowingKVCache` holding bf16 keys
+        and values for every block."""
+        layers = getattr(cache, "layers", None)
+        if not isinstance(cache, GrowingKVCache) or len(layers) != len(self.layers):
+            return False
+        first = layers[0]
+        return (first._key_buffer is not None and first._key_buffer.dtype == torch.bfloat16
+                and first._value_buffer.dtype == torch.bfloat16)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -129,6 +165,14 @@ class FusedDecodeStep:
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         mask = None if bool(attention_mask.all()) else attention_mask.bool()
         states = getattr(cache, "states", None) if self.captured is not None else None
+        if self.native is not None and self._native_cache(cache):
+            keys, values = cache.reserve(1)
+            logits, state = torch.ops.spader_native.decode_step(
+                x, cos, signed_sin, key_caches=keys, value_caches=values, mask=mask,
+                captured=self.captured if states is not None else -1, **self.native)
+            if states is not None:
+                states.append(state[:, None])
+            return logits
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
             qkv = packed_product(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)

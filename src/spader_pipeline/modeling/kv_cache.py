@@ -169,15 +169,24 @@ class GrowingLayer(DynamicLayer):
         if self._key_buffer is None:
             self._adopt(key_states, value_states, headroom=max(self.min_headroom, new // 2))
             return self.keys, self.values
+        keys, values = self.reserve(new)
+        keys[:, :, -new:] = key_states
+        values[:, :, -new:] = value_states
+        return keys, values
+
+    def reserve(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend the exposed rows by ``new`` positions and return the whole cache (views ``[b, H_kv,
+        length + new, D]``) for the caller to write the last ``new`` positions: :meth:`update` without
+        its copy, for a step that writes them itself (:mod:`~spader_pipeline.modeling.native_step`).
+        The cache must hold something already."""
+        if self._key_buffer is None:
+            raise ValueError("reserve on an empty cache: the first update allocates it")
         end = self._length + new
         if end > self._key_buffer.shape[-2]:  # full: reallocate with room to grow (one copy, every row)
             length, kept = self._length, max(self._length, self._furthest)
             self._adopt(self._key_buffer[:, :, :kept], self._value_buffer[:, :, :kept],
                         headroom=max(end - kept, 0) + new + max(self.min_headroom, end // 2))
             self._length = length
-        rows = slice(self._row_start, self._rows)
-        self._key_buffer[rows, :, self._length : end] = key_states
-        self._value_buffer[rows, :, self._length : end] = value_states
         self._length = end
         self._furthest = max(self._furthest, end)
         self._expose()
@@ -353,6 +362,13 @@ class GrowingKVCache(DynamicCache):
         super().reorder_cache(beam_idx)
         for layer in self._extra():
             layer.reorder_cache(beam_idx)
+
+    def reserve(self, new: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Extend every decoder layer by ``new`` positions (:meth:`GrowingLayer.reserve`): each layer's
+        keys and values (views), their last ``new`` positions for the caller to write. Not the
+        captured states, which their own ``append`` extends."""
+        reserved = [layer.reserve(new) for layer in self.layers]
+        return [keys for keys, _ in reserved], [values for _, values in reserved]
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)

@@ -1,0 +1,131 @@
+"""The CPU decoding step and its attention in C++, built once per machine.
+
+At one decoding row a step of SmolLM2 reads its bf16 weights in ~9 ms, and the Python step around
+those products (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`: ~900 operator calls,
+the cache's bookkeeping, a compiled attention per block) took as long again: llama.cpp's whole step
+is 11 ms. ``native/decode_step.cpp`` runs the same operator calls in C++, one call per step, and
+attends over the bf16 cache with its own two loops around ATen's softmax:
+
+* ``spader_native::decode_step``: :meth:`FusedDecodeStep.__call__` after the embedding and the
+  rotary tables: the same ATen operators (the packed oneDNN products, ``rms_norm`` or the norm's
+  written-out formula, the rotary embedding, SiLU) on the same tensors in the same order, so the
+  logits are the Python step's bit for bit, and the cache's new positions written in place
+  (:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.reserve`);
+* ``spader_native::decode_attention``: one query position per row over a bf16 cache, fp32
+  arithmetic, each key/value head's keys and values read once for its group of query heads. The
+  model's own decoding forward (``sdpa_gqa``'s decoding branch) attends with it too, so both paths
+  agree bit for bit.
+
+It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as torch's own) into
+torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
+under a name keyed by the source, torch's version and the CPU's flags: the first process on a machine
+builds it (~10 s on two cores; concurrent processes wait on its lock), later ones load it. Where it
+does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA, or
+:data:`NATIVE_STEP` is off, :func:`native_available` is false and decoding runs as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NATIVE_STEP", "native_available"]
+
+logger = logging.getLogger(__name__)
+
+#: use the C++ step and attention where they build (benchmarks and tests switch it off to time or check
+#: the Python step in the same process)
+NATIVE_STEP = True
+SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
+#: -march=native: the build is for this machine (its name carries the CPU's flags); OpenMP as torch's
+#: (the library binds to the libgomp torch loaded)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+#: the attention's largest difference from fp32 SDPA on the same bf16 keys and values allowed by the
+#: availability check: reassociation of fp32 sums only
+CHECK_TOLERANCE = 1e-4
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), else the platform's processor string."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.processor() or platform.machine()
+
+
+def extension_name() -> str:
+    """The build's name: one per source, torch version, compiler flags and CPU."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
+        key.update(part)
+    return f"spader_native_{key.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The venv's scripts (the ``ninja`` wheel's binary) on ``PATH`` while building: torch's builder
+    looks for ``ninja`` there, and a venv used without activation does not put them on it."""
+    scripts, path = str(Path(sys.executable).parent), os.environ.get("PATH", "")
+    os.environ["PATH"] = scripts + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+@functools.lru_cache(maxsize=1)
+def _built() -> bool:
+    """Build (or load) the extension once per process; ``False`` where it does not build or check out."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        with _ninja_on_path():
+            cpp_extension.load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a build error: decode as before
+        logger.info("the native decoding step did not build here (%s: %s)", type(error).__name__, str(error)[:200])
+        return False
+    return _attention_matches_sdpa()
+
+
+def _attention_matches_sdpa() -> bool:
+    """The native attention against fp32 SDPA on bf16 keys and values: grouped heads, strided cache
+    views, with and without a mask."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, length, masked in ((3, 37, True), (2, 130, False), (1, 5, False)):
+        query = torch.randn(rows, 6, 16, generator=generator)
+        keys = torch.randn(rows, 3, length + 7, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
+        values = torch.randn(rows, 3, length + 7, 16, generator=generator).to(torch.bfloat16)[:, :, :length]
+        mask = None
+        if masked:
+            mask = torch.ones(rows, length, dtype=torch.bool)
+            mask[-1, : length // 3] = False
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # checked on first use, maybe under autocast
+            got = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.25)
+            expected = F.scaled_dot_product_attention(
+                query[:, :, None], keys.float(), values.float(), scale=0.25, enable_gqa=True,
+                attn_mask=None if mask is None else mask[:, None, None, :])[:, :, 0]
+        if (got - expected).abs().max().item() > CHECK_TOLERANCE:
+            logger.info("the native decoding attention differs from SDPA here")
+            return False
+    return True
+
+
+def native_available() -> bool:
+    """Whether the C++ step and attention run here: :data:`NATIVE_STEP`, and the extension built,
+    loaded and checked out in this process."""
+    return NATIVE_STEP and _built()
