@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from spader_pipeline.modeling import decode_attention
+from spader_pipeline.modeling import decode_attention, native_step
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.decode import decode_batch
 from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
@@ -16,7 +16,7 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.precision import bf16_inference
 
 needs_kernel = pytest.mark.skipif(not bf16_decode_attention_available(),
-                                  reason="the decoding attention does not compile on this machine")
+                                  reason="the native decoding attention does not build on this machine")
 
 #: largest change of a sampled token's log-probability the bf16 key cache may make on the tiny models,
 #: up to the first token where the two runs part (measured: up to 0.004; their logits are small, so bf16's
@@ -26,21 +26,22 @@ LOG_PROB_BOUND = 0.01
 
 
 @needs_kernel
-@pytest.mark.parametrize(("rows", "heads", "kv_heads"), [(1, 9, 3), (7, 4, 2), (3, 6, 6)])
-def test_the_kernel_is_fp32_sdpa_on_the_same_cache(rows, heads, kv_heads):
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim"), [(1, 9, 3, 32), (7, 4, 2, 64), (3, 6, 6, 128), (2, 4, 2, 40)])
+def test_the_native_attention_is_fp32_sdpa_on_the_same_cache(rows, heads, kv_heads, dim):
     """Within fp32 reassociation of SDPA on the same bf16 keys and values (cache views with spare
-    capacity, a padded row), for one row and many, grouped heads and not."""
+    capacity, a padded row), for one row and many, grouped heads and not, head dimensions that fill
+    vector registers and one that does not (the plain loops)."""
     generator = torch.Generator().manual_seed(rows)
-    query = torch.randn(rows, heads, 1, 32, generator=generator)
-    keys = torch.randn(rows, kv_heads, 90, 32, generator=generator).to(torch.bfloat16)[:, :, :77]
-    values = torch.randn(rows, kv_heads, 90, 32, generator=generator).to(torch.bfloat16)[:, :, :77]
+    query = torch.randn(rows, heads, 1, dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, 90, dim, generator=generator).to(torch.bfloat16)[:, :, :77]
+    values = torch.randn(rows, kv_heads, 90, dim, generator=generator).to(torch.bfloat16)[:, :, :77]
     mask = torch.ones(rows, 77, dtype=torch.bool)
     mask[0, :20] = False
     with torch.no_grad():
         for row_mask in (mask, None):
             got = decode_attention.decode_attention(query, keys, values, row_mask, 0.17)
-            expected = decode_attention.decode_attention(query, keys, values, row_mask, 0.17, compiled=False)
-            assert got.shape == (rows, heads, 1, 32) and got.dtype == torch.float32
+            expected = decode_attention.decode_attention(query, keys, values, row_mask, 0.17, native=False)
+            assert got.shape == (rows, heads, 1, dim) and got.dtype == torch.float32
             assert (got - expected).abs().max() < 1e-5
 
 
@@ -99,12 +100,13 @@ def test_on_a_random_llama_log_probs_move_within_the_bound(tiny_llama, monkeypat
         assert max(_log_prob_changes(bf16_run, fp32_run)) <= LOG_PROB_BOUND
 
 
-def test_where_the_kernel_does_not_compile_the_cache_stays_fp32(monkeypatch):
-    def broken():
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(decode_attention, "_compiled", broken)
-    monkeypatch.setattr(decode_attention, "_kernel_works", decode_attention._kernel_works.__wrapped__)
+def test_where_the_extension_does_not_build_the_cache_stays_fp32(monkeypatch, tmp_path):
+    """A build that fails (here: a source that does not compile) leaves the extension unavailable, with a
+    log line, and the cache fp32."""
+    broken = tmp_path / "decode_step.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_step, "SOURCE", broken)
+    monkeypatch.setattr(native_step, "_built", native_step._built.__wrapped__)
     assert not bf16_decode_attention_available()
     from spader_pipeline.modeling.kv_cache import GrowingLayer
 

@@ -1,6 +1,7 @@
-"""The fused decoding step (modeling/decode_step.py): the model's own forward bit for bit, for Llama and
-Qwen3, through decode_batch's sampling, early stops, padding, continued turns and the boundary capture;
-and the model's forward wherever the step would not be exact."""
+"""The fused decoding step (modeling/decode_step.py), in C++ (modeling/native_step.py) and in Python: the
+model's own forward bit for bit, for Llama and Qwen3, through decode_batch's sampling, early stops,
+padding, continued turns and the boundary capture; and the model's forward wherever the step would not
+be exact."""
 
 from __future__ import annotations
 
@@ -10,20 +11,30 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from spader_pipeline.modeling import decode_step, packed_linear
+from spader_pipeline.modeling import decode_step, native_step, packed_linear
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.boundary import capture_block_output
 from spader_pipeline.modeling.decode import decode_batch
 from spader_pipeline.modeling.decode_step import fused_decode_step
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packing_available
 from spader_pipeline.modeling.precision import bf16_inference
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no bf16 unit or no oneDNN packing on this CPU")
 
 
+@pytest.fixture(params=["native", "python"])
+def step_kind(request, monkeypatch):
+    """The step in C++ (where the extension builds) or the Python step."""
+    if request.param == "native" and not native_available():
+        pytest.skip("the native decoding step does not build on this machine")
+    monkeypatch.setattr(native_step, "NATIVE_STEP", request.param == "native")
+    return request.param
+
+
 @pytest.fixture(params=["llama", "qwen3"])
-def model(request, gqa_model_dir):
+def model(request, gqa_model_dir, step_kind):
     model = (request.getfixturevalue("tiny_llama") if request.param == "llama"
              else AutoModelForCausalLM.from_pretrained(gqa_model_dir))
     model.eval().requires_grad_(False)
@@ -81,7 +92,7 @@ def test_the_boundary_states_are_the_blocks_output_as_the_hook_records_it(model,
     hooked, hooked_states = _decode(model, sample=False, capture=True)
     assert fused == hooked and torch.equal(fused_states, hooked_states)
     assert fused_states.shape[1] == len(fused[1][2][0])  # every cached position has its state
-    monkeypatch.undo()
+    monkeypatch.setattr(decode_step, "FUSED_DECODE_STEP", True)
     with bf16_inference(model, "cpu", True), capture_block_output(model, 0):
         assert fused_decode_step(model) is not None  # the capture's own hook is no reason to step aside
 
@@ -125,3 +136,29 @@ def test_where_the_step_would_not_be_the_models_forward_there_is_none(model, mon
         model.config._attn_implementation = "sdpa"  # bf16 attention under autocast: not the step's fp32
         assert fused_decode_step(model) is None
 
+
+
+def test_the_native_step_is_the_python_steps_logits_and_cache_bit_for_bit(model, step_kind):
+    """One step each from the same prefilled cache, with a padded row: the same logits and the same new
+    key and value positions."""
+    if step_kind != "native":
+        pytest.skip("compares the native step with the Python one")
+    ids = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[2, :2] = 0
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    results = []
+    for native in (True, False):
+        native_step.NATIVE_STEP = native
+        with bf16_inference(model, "cpu", True):
+            cache = GrowingKVCache()
+            model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position[:, :-1], past_key_values=cache,
+                  use_cache=True)
+            step = fused_decode_step(model)
+            assert (step.native is not None) == native
+            logits = step(input_ids=ids[:, -1:], attention_mask=mask, position_ids=position[:, -1:], cache=cache)
+        results.append((logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
+    (native_logits, native_cache), (python_logits, python_cache) = results
+    assert native_logits.dtype == torch.bfloat16 and torch.equal(native_logits, python_logits)
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(native_cache, python_cache, strict=True)
+               for a, b in zip(pair_a, pair_b, strict=True))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spader_pipeline.modeling import packed_linear
+from spader_pipeline.modeling import native_step, packed_linear
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.decode_attention import decode_attention
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
@@ -120,7 +120,8 @@ class FusedDecodeStep:
         self.final_norm = _residual_norm(body.norm, fused_norm)
         self.head = packed_weights(model, (model.lm_head,))
         self.captured = CAPTURED_BLOCK.get(model, (None, None))[0]
-        self.native = self._native_arguments(model, fused_norm) if native_available() else None
+        self.native = (self._native_arguments(model, fused_norm) if native_step.NATIVE_STEP and native_available()
+                       else None)
 
     def _native_arguments(self, model: torch.nn.Module, fused_norm: bool) -> dict[str, Any] | None:
         """The C++ step's weights, norms and constants (:mod:`~spader_pipeline.modeling.native_step`),

@@ -20,8 +20,8 @@ It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name keyed by the source, torch's version and the CPU's flags: the first process on a machine
 builds it (~10 s on two cores; concurrent processes wait on its lock), later ones load it. Where it
-does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA, or
-:data:`NATIVE_STEP` is off, :func:`native_available` is false and decoding runs as before.
+does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA,
+:func:`native_available` is false and decoding runs as before: the Python step, over an fp32 cache.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = ["NATIVE_STEP", "native_available"]
 
 logger = logging.getLogger(__name__)
 
-#: use the C++ step and attention where they build (benchmarks and tests switch it off to time or check
-#: the Python step in the same process)
+#: run decoding steps through the C++ step where it builds (benchmarks and tests switch it off to time or
+#: check the Python step in the same process; the attention follows ``decode_attention.BF16_CACHE``)
 NATIVE_STEP = True
 SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
 #: -march=native: the build is for this machine (its name carries the CPU's flags); OpenMP as torch's
@@ -126,6 +126,6 @@ def _attention_matches_sdpa() -> bool:
 
 
 def native_available() -> bool:
-    """Whether the C++ step and attention run here: :data:`NATIVE_STEP`, and the extension built,
-    loaded and checked out in this process."""
-    return NATIVE_STEP and _built()
+    """Whether the C++ step and attention can run here: the extension built, loaded and checked out in
+    this process."""
+    return _built()
