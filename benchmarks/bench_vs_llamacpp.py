@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
-        [--ours-only | --llamacpp-only] [--before packed|unpacked|none] [--jobs 2]
+        [--ours-only | --llamacpp-only] [--before python|packed|unpacked|none] [--jobs 2]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`, what the rollouts run) from a dedicated CPU
@@ -32,7 +32,9 @@ Columns (median over ``--repeats``; the two engines alternate which goes first i
   milliseconds of one decoding step of all rows (``T_TG s`` / new tokens);
 * ``ratio``: ours / llama.cpp, above 1 where ours is faster;
 * ``before``: our decoder before a change, in the same run and process, and its ratio to llama.cpp:
-  ``--before packed`` (the default), every decoding step through the model's forward instead of the
+  ``--before python`` (the default), every decoding step through the Python step instead of the C++
+  one (:mod:`~spader_pipeline.modeling.native_step`), over the same bf16 cache and attention;
+  ``--before packed``, every decoding step through the model's forward instead of the
   fused step (:mod:`~spader_pipeline.modeling.decode_step`) and over an fp32 cache instead of a bf16
   one (:mod:`~spader_pipeline.modeling.decode_attention`); ``--before unpacked``, that and autocast's
   own linear layers (each bf16 weight reordered for oneDNN at every call) instead of weights packed once
@@ -69,8 +71,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: llama.cpp; our decoder; our decoder before the packed weights (autocast reordering each weight per call)
 ENGINES = ("llamacpp", "ours", "before")
 #: our decoder's variants: (weights packed for oneDNN, decoding steps through the fused step, bf16 KV cache
-#: with the compiled decoding attention)
-VARIANTS = {"ours": (True, True, True), "packed": (True, False, False), "unpacked": (False, False, False)}
+#: with the native decoding attention, the fused step in C++)
+VARIANTS = {"ours": (True, True, True, True), "python": (True, True, True, False), "packed": (True, False, False, False),
+            "unpacked": (False, False, False, False)}
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -260,13 +263,15 @@ def time_ours(model: Any, rows: int, prompt: int, new: int, bf16: bool, pad_id: 
 def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, bf16: bool, pad_id: int,
              seed: int, variant: str = "ours") -> dict[str, Any]:
     """``time_ours`` for each row count, our decoder as :data:`VARIANTS` says: ``ours`` as it is;
-    ``packed``: weights packed for oneDNN, but every decoding step through the model's forward (no
+    ``python``: the decoding steps through the Python step (:mod:`~spader_pipeline.modeling.decode_step`)
+    instead of the C++ one (:mod:`~spader_pipeline.modeling.native_step`); ``packed``: weights packed for oneDNN, but every decoding step through the model's forward (no
     :mod:`~spader_pipeline.modeling.decode_step`) over an fp32 cache (no
     :mod:`~spader_pipeline.modeling.decode_attention`); ``unpacked``: that, and autocast's own linear
     layers (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call)."""
-    from spader_pipeline.modeling import decode_attention, decode_step, packed_linear
+    from spader_pipeline.modeling import decode_attention, decode_step, native_step, packed_linear
 
-    packed_linear.PACK_WEIGHTS, decode_step.FUSED_DECODE_STEP, decode_attention.BF16_CACHE = VARIANTS[variant]
+    (packed_linear.PACK_WEIGHTS, decode_step.FUSED_DECODE_STEP, decode_attention.BF16_CACHE,
+     native_step.NATIVE_STEP) = VARIANTS[variant]
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(seed)
     time_ours(model, 1, min(prompt, 32), 2, bf16, pad_id, generator)  # warm-up at this thread count
@@ -377,8 +382,9 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
-    parser.add_argument("--before", choices=("packed", "unpacked", "none"), default="packed",
-                        help="our decoder before a change, timed in the same run: packed (weights packed; decoding "
+    parser.add_argument("--before", choices=("python", "packed", "unpacked", "none"), default="python",
+                        help="our decoder before a change, timed in the same run: python (the Python decoding "
+                             "step instead of the C++ one), packed (weights packed; decoding "
                              "steps through the model's forward over an fp32 cache), unpacked (and autocast's own "
                              "linear layers), none")
     args = parser.parse_args()
@@ -425,14 +431,17 @@ def main() -> None:
 
         with bf16_inference(model, args.device, bf16):
             fused = fused_decode_step(model) is not None
-        before = {"packed": "weights packed, decoding steps through the model's forward over an fp32 cache",
+        before = {"python": "decoding steps through the Python step (the C++ step off), the same bf16 cache",
+                  "packed": "weights packed, decoding steps through the model's forward over an fp32 cache",
                   "unpacked": "decoding steps through the model's forward over an fp32 cache, autocast's own "
                               "linear layers (each weight reordered for oneDNN at every product)"}.get(args.before)
         from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
+        from spader_pipeline.modeling.native_step import native_available
 
         print(f"ours: decode_batch + GrowingKVCache, bf16 autocast {'on' if bf16 else 'off'}"
               + (", weights packed for oneDNN once" if bf16 and packing_available() else "")
               + (", decoding steps fused (modeling/decode_step.py)" if fused else "")
+              + (", in C++ (modeling/native_step.py)" if fused and native_available() else "")
               + (", bf16 KV cache (modeling/decode_attention.py)" if bf16 and bf16_decode_attention_available() else "")
               + (f"; before: {before}" if "before" in engines else ""), flush=True)
 
