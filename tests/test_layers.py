@@ -91,10 +91,11 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
-        ("packed_linear", "decode_attention"),  # oneDNN's weight layout; the bf16 cache's decoding attention
+        ("packed_linear", "native_step"),  # oneDNN's weight layout; the decoding step and attention in C++
+        ("decode_attention",),  # the bf16 cache's decoding attention
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged"),  # each one concern of running a model
-        ("decode_step",),  # one decoding step over fused packed weights, which decoding and the capture use
+        ("decode_step",),  # one decoding step over fused packed weights (in C++ where it builds)
         ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it
         ("provide", "warm_start"),  # the base model of a run; supervised fine-tuning
     ),

@@ -23,6 +23,10 @@ same bits (``tests/modeling/test_modeling_decode_step.py``). :func:`fused_decode
 only where that holds; everywhere else (another family, another attention, a GPU, no bf16 unit,
 gradients, a forward hook it does not know) it gives ``None`` and the caller runs the model.
 
+Where the C++ extension builds (:mod:`~spader_pipeline.modeling.native_step`) and the cache is a
+:class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` over bf16 keys and values, the step's
+blocks run in C++ as one call: the same operator calls, so the same bits.
+
 A rollout that collects the boundary states (:func:`~spader_pipeline.modeling.boundary.
 capture_block_output`) registers the block here (:data:`CAPTURED_BLOCK`), and the step appends that
 block's output to the cache's ``states`` as the hook would.

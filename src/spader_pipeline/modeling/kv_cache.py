@@ -149,7 +149,7 @@ class GrowingLayer(DynamicLayer):
         cos/sin promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast
         casts its inputs to bf16) then read an fp32 key cache and cast all of it again at every step.
         Stored in bf16 the cache is a third smaller and the attention gets the same bf16 keys. On a
-        CPU a decoding step attends in fp32: where its compiled kernel reads a bf16 cache
+        CPU a decoding step attends in fp32: where its native attention reads a bf16 cache
         (:func:`~spader_pipeline.modeling.decode_attention.bf16_decode_attention_available`) the keys
         are stored in bf16 as on a GPU (half the bytes a step reads; the prefill's attention under
         autocast reads the same bf16 keys). Elsewhere SDPA attends in fp32

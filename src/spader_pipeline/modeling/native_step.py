@@ -2,8 +2,7 @@
 
 At one decoding row a step of SmolLM2 reads its bf16 weights in ~9 ms, and the Python step around
 those products (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`: ~900 operator calls,
-the cache's bookkeeping, a compiled attention per block) took as long again: llama.cpp's whole step
-is 11 ms. ``native/decode_step.cpp`` runs the same operator calls in C++, one call per step, and
+the cache's bookkeeping, an attention per block) added ~7 ms more: llama.cpp's whole step is 11 ms. ``native/decode_step.cpp`` runs the same operator calls in C++, one call per step, and
 attends over the bf16 cache with its own two loops around ATen's softmax:
 
 * ``spader_native::decode_step``: :meth:`FusedDecodeStep.__call__` after the embedding and the
