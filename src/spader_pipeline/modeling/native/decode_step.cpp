@@ -7,7 +7,7 @@
 // spader_native::decode_step. The step calls the same ATen operators as the Python step, on the same
 // tensors, in the same order (the packed oneDNN products, rms_norm or the norm's written-out formula,
 // the rotary embedding, SiLU), so its logits are the Python step's bit for bit; the attention is the
-// one both run (tests/modeling/test_modeling_native_step.py).
+// one both run (tests/modeling/test_modeling_decode_step.py, test_modeling_native_step.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

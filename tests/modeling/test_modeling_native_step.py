@@ -1,0 +1,53 @@
+"""The C++ decoding step's build and its attention's contract (modeling/native_step.py,
+modeling/native/decode_step.cpp). The step's results against the Python step and the model's forward are
+in test_modeling_decode_step.py, the attention's against fp32 SDPA in test_modeling_decode_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spader_pipeline.modeling import native_step
+from spader_pipeline.modeling.native_step import extension_name, native_available
+
+needs_native = pytest.mark.skipif(not native_available(), reason="the native decoding step does not build here")
+
+
+def test_the_build_is_named_by_its_source_torch_and_the_cpu(monkeypatch, tmp_path):
+    """A build made for another CPU (-march=native), torch or source is never loaded: each has its own name."""
+    name = extension_name()
+    assert name.startswith("spader_native_") and extension_name() == name
+    monkeypatch.setattr(native_step, "_cpu_flags", lambda: "flags : fpu sse2")
+    assert extension_name() != name
+    monkeypatch.undo()
+    changed = tmp_path / "decode_step.cpp"
+    changed.write_bytes(native_step.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native_step, "SOURCE", changed)
+    assert extension_name() != name
+
+
+@needs_native
+@pytest.mark.parametrize(("keys_dtype", "heads", "message"), [
+    (torch.float32, 6, "a bf16 cache"),
+    (torch.bfloat16, 5, "shapes"),
+])
+def test_malformed_attention_inputs_get_a_clear_error(keys_dtype, heads, message):
+    query = torch.randn(2, heads, 16)
+    keys = torch.randn(2, 3, 9, 16).to(keys_dtype)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.spader_native.decode_attention(query, keys, keys, None, 0.25)
+
+
+@needs_native
+def test_a_fully_masked_row_is_zeros_as_sdpas_and_leaves_the_other_rows_alone():
+    """A row with no position to attend to gets zeros (fp32 SDPA's answer here too); the others are
+    unaffected. decode_batch never builds such a row: every row attends to its newest token."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 16, generator=generator)
+    keys = torch.randn(2, 2, 5, 16, generator=generator).to(torch.bfloat16)
+    values = torch.randn(2, 2, 5, 16, generator=generator).to(torch.bfloat16)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0] = False
+    out = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.25)
+    alone = torch.ops.spader_native.decode_attention(query[1:], keys[1:], values[1:], None, 0.25)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1:], alone)
