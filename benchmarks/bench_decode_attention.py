@@ -1,0 +1,73 @@
+"""The decoding attention over a bf16 cache against fp32 SDPA, per layer (docs/performance.md).
+
+Decoding attends one query position per row over the cache in fp32. The straightforward way is fp32
+SDPA over the cache (what decoding ran before the bf16 cache, and still runs where the native extension
+does not build); :func:`~spader_pipeline.modeling.decode_attention.decode_attention` runs the native
+attention (``spader_native::decode_attention``, modeling/native/decode_step.cpp) over bf16 keys and
+values. Both are timed on the same cache views (SmolLM2-135M's attention shape: 9 query heads over 3
+key/value heads of 64; ``--length`` cached positions in a buffer with spare room), per row count and
+thread count, as the median of ``--repeats`` runs of ``--calls`` calls; the largest difference between
+the two is printed beside them.
+
+    python benchmarks/bench_decode_attention.py [--rows 1 16 64] [--threads 1 2] [--length 513]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from spader_pipeline.modeling.decode_attention import decode_attention
+from spader_pipeline.modeling.native_step import native_available
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def time_calls(inputs: tuple, native: bool, calls: int, repeats: int) -> float:
+    """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run)."""
+    with torch.no_grad():
+        for _ in range(calls):
+            decode_attention(*inputs, native=native)
+        runs = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(calls):
+                decode_attention(*inputs, native=native)
+            runs.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--length", type=int, default=513, help="cached positions (a 512-token prompt's first step)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if not native_available():
+        raise SystemExit("the native extension does not build here: nothing to compare")
+    print(f"per layer, {HEADS} query heads over {KV_HEADS} key/value heads of {DIM}, {args.length} cached positions; "
+          f"torch {torch.__version__}")
+    print("rows | threads | fp32 SDPA µs | native µs | SDPA / native | largest difference")
+    generator = torch.Generator().manual_seed(0)
+    for rows in args.rows:
+        query = torch.randn(rows, HEADS, 1, DIM, generator=generator)
+        spare = args.length + 64
+        keys = torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
+        values = torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
+        inputs = (query, keys, values, None, 0.125)
+        with torch.no_grad():
+            difference = (decode_attention(*inputs, native=True) - decode_attention(*inputs, native=False)).abs().max().item()
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            sdpa = time_calls(inputs, False, args.calls, args.repeats)
+            native = time_calls(inputs, True, args.calls, args.repeats)
+            print(f"{rows:4d} | {threads:7d} | {sdpa:12.1f} | {native:9.1f} | {sdpa / native:13.2f} | {difference:.1e}")
+
+
+if __name__ == "__main__":
+    main()
