@@ -138,18 +138,22 @@ def test_where_the_step_would_not_be_the_models_forward_there_is_none(model, mon
 
 
 
-def test_the_native_step_is_the_python_steps_logits_and_cache_bit_for_bit(model, step_kind):
+@pytest.mark.skipif(not native_available(), reason="the native decoding step does not build on this machine")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_native_step_is_the_python_steps_logits_and_cache_bit_for_bit(family, request, gqa_model_dir, monkeypatch):
     """One step each from the same prefilled cache, with a padded row: the same logits and the same new
     key and value positions."""
-    if step_kind != "native":
-        pytest.skip("compares the native step with the Python one")
+    model = (request.getfixturevalue("tiny_llama") if family == "llama"
+             else AutoModelForCausalLM.from_pretrained(gqa_model_dir))
+    model.eval().requires_grad_(False)
+    assert use_gqa_attention(model)
     ids = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[2, :2] = 0
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     results = []
     for native in (True, False):
-        native_step.NATIVE_STEP = native
+        monkeypatch.setattr(native_step, "NATIVE_STEP", native)
         with bf16_inference(model, "cpu", True):
             cache = GrowingKVCache()
             model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position[:, :-1], past_key_values=cache,
