@@ -20,6 +20,10 @@ export MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlruns/mlflow.db
 # in its heap, so a long run's RSS creeps up; from 4 MB they are mapped and returned to the OS
 # (peak RSS: docs/reliability.md).
 export MALLOC_MMAP_THRESHOLD_ ?= 4194304
+# A fixed mmap threshold also freezes glibc's trim threshold at 128 KB: the heap's top goes back to the
+# OS at nearly every free and is faulted in again by the next forward. Up to 64 MB of it stays
+# (spader_pipeline.host_memory.TRIM_THRESHOLD, docs/performance.md).
+export MALLOC_TRIM_THRESHOLD_ ?= 67108864
 # Python keeps the bytecode of what it imports (in .venv, src/ and tests/, all ignored by git), even
 # where PYTHONDONTWRITEBYTECODE is set (as in many containers): otherwise every process (a Kedro job, a
 # stage's child, a Ray worker, a test worker) compiles torch, transformers, verl and the project again

@@ -30,7 +30,10 @@ def test_rss_is_this_process_resident_size():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
 def test_the_threshold_is_set_unless_the_user_set_it_or_switched_the_helpers_off(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     monkeypatch.delenv("SPADER_HEAP", raising=False)
+    assert host_memory.bound_heap() is True
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "67108864")  # the user's trim threshold is kept
     assert host_memory.bound_heap() is True
     host_memory.release_free_heap()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")  # glibc read the user's own at start
