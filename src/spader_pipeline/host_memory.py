@@ -9,11 +9,11 @@ resident size grows every step although the trainer keeps nothing (docs/reliabil
 :func:`bound_heap` fixes the threshold (blocks of at least that size are mapped, and unmapped when
 freed), as the environment variable ``MALLOC_MMAP_THRESHOLD_`` would, but for whoever starts the
 process. Fixing it also freezes glibc's trim threshold at its 128 KiB default: the heap's top is handed
-back to the operating system at nearly every free and faulted in again by the next forward (a 512-token
-prefill chunk of SmolLM2 took 0.38-0.42 s instead of 0.30-0.33 s on two threads), so
-:func:`bound_heap` sets it to :data:`TRIM_THRESHOLD` too (``MALLOC_TRIM_THRESHOLD_``: at most that
-much free memory stays at the top of the heap); :func:`release_free_heap` hands the heap's free pages back (``malloc_trim``). Both do
-nothing where the C library is not glibc. ``SPADER_HEAP=keep`` switches both off, to measure what
+back to the operating system at nearly every free and faulted in again by the next forward
+(docs/reliability.md), so :func:`bound_heap` sets it to :data:`TRIM_THRESHOLD` too
+(``MALLOC_TRIM_THRESHOLD_``: at most that much free memory stays at the top of the heap).
+:func:`release_free_heap` hands the heap's free pages back (``malloc_trim``). Both do nothing where
+the C library is not glibc. ``SPADER_HEAP=keep`` switches both off, to measure what
 they change.
 """
 

@@ -56,10 +56,8 @@ PREFILL_BLOCK_COST = (128, 32)
 #: most tokens (rows x padded width) one forward of a fresh cache's prefill takes on a CPU; a longer batch
 #: is prefilled in chunks of rows (llama.cpp's micro-batch is 512 tokens too). A bigger forward's
 #: activations outgrow the CPU's caches and, past glibc's mmap threshold (the Makefile sets 4 MB), are
-#: mapped afresh and page-faulted in by every operator: with 8,192-token forwards the prefill ran at
-#: ~55-60% of the speed of 512-token ones (SmolLM2 on the 2-core AMD, docs/performance.md). Each row's
-#: keys and logits are the same either way (a row's products and attention do not depend on the other
-#: rows).
+#: mapped afresh and page-faulted in by every operator (measured: docs/performance.md). Each row's keys
+#: and logits are the same either way (a row's products and attention do not depend on the other rows).
 PREFILL_CHUNK_TOKENS = 512
 #: processors that read only the scores, not the ids before them: with these a row's ids may have
 #: masked gaps (a blocked prefill) and the processors still see what ``generate`` would

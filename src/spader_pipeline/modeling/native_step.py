@@ -1,9 +1,10 @@
 """The CPU decoding step and its attention in C++, built once per machine.
 
-At one decoding row a step of SmolLM2 reads its bf16 weights in ~9 ms, and the Python step around
-those products (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`: ~900 operator calls,
-the cache's bookkeeping, an attention per block) added ~7 ms more: llama.cpp's whole step is 11 ms. ``native/decode_step.cpp`` runs the same operator calls in C++, one call per step, and
-attends over the bf16 cache with its own two loops around ATen's softmax:
+At one decoding row a step of SmolLM2 is mostly not arithmetic: around the products that read its
+bf16 weights, the Python step (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`: some
+900 operator calls, the cache's bookkeeping, an attention per block) took nearly as long again
+(docs/performance.md, results.md). ``native/decode_step.cpp`` runs the same operator calls in C++, one
+call per step, and attends over the bf16 cache with its own two loops around ATen's softmax:
 
 * ``spader_native::decode_step``: :meth:`FusedDecodeStep.__call__` after the embedding and the
   rotary tables: the same ATen operators (the packed oneDNN products, ``rms_norm`` or the norm's
@@ -18,7 +19,7 @@ attends over the bf16 cache with its own two loops around ATen's softmax:
 It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as torch's own) into
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name keyed by the source, torch's version and the CPU's flags: the first process on a machine
-builds it (~10 s on two cores; concurrent processes wait on its lock), later ones load it. Where it
+builds it (concurrent processes wait on its lock), later ones load it. Where it
 does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA,
 :func:`native_available` is false and decoding runs as before: the Python step, over an fp32 cache.
 """
