@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
-        [--ours-only | --llamacpp-only] [--before python|packed|unpacked|none] [--jobs 2]
+        [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|none] [--jobs 2]
+        [--device cpu|cuda]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`, what the rollouts run) from a dedicated CPU
@@ -52,6 +53,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -113,6 +115,17 @@ def llamacpp_tree() -> Path:
     return TREE
 
 
+def llama_max_seq() -> int:
+    """The most sequences llama.cpp decodes in one batch (``LLAMA_MAX_SEQ`` in its ``src/llama-cparams.h``;
+    256 in the pinned tree): ``llama-batched-bench -npl`` above it fails, and a server takes more requests
+    in rounds of this many."""
+    header = llamacpp_tree() / "src/llama-cparams.h"
+    found = re.search(r"#define\s+LLAMA_MAX_SEQ\s+(\d+)", header.read_text(encoding="utf-8"))
+    if found is None:
+        raise SystemExit(f"no LLAMA_MAX_SEQ in {header}")
+    return int(found.group(1))
+
+
 def build_batched_bench(jobs: int, cuda: bool = False) -> Path:
     """``llama-batched-bench`` built for this CPU (``GGML_NATIVE``), or with ``cuda`` for the GPU
     (``GGML_CUDA``: needs the CUDA toolkit's ``nvcc``), once each."""
@@ -153,9 +166,12 @@ def converted_gguf(folder: Path) -> Path:
     if out.is_file():
         return out
     tree = llamacpp_tree()
-    if not (PYDEPS / "sentencepiece").is_dir():  # imported by the llama converter before it looks for a file
+    # sentencepiece: imported by the llama converter before it looks for a file; into PYDEPS where this
+    # interpreter lacks it (the project venv does; a GPU image may have it)
+    if importlib.util.find_spec("sentencepiece") is None and not (PYDEPS / "sentencepiece").is_dir():
         _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", PYDEPS, *CONVERTER_EXTRA])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(PYDEPS)])}
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(PYDEPS), *inherited])}
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
     _run([sys.executable, tree / "convert_hf_to_gguf.py", folder, "--outtype", "bf16", "--outfile", partial],
@@ -167,16 +183,23 @@ def converted_gguf(folder: Path) -> Path:
 def run_batched_bench(binary: Path, gguf: Path, rows: list[int], threads: int, prompt: int, new: int,
                       cuda: bool = False) -> dict[str, Any]:
     """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates
-    (``cuda``: every layer on the GPU, ``-ngl 999``)."""
-    context = max(rows) * (prompt + new)  # every sequence its own prompt and tokens (no shared prompt)
+    (``cuda``: every layer on the GPU, ``-ngl 999``). A row count above :func:`llama_max_seq` gets the rates
+    of that many sequences, marked ``sequences``: llama.cpp would take such a batch in rounds of them."""
+    cap = llama_max_seq()
+    sweep = sorted({min(n, cap) for n in rows})
+    context = max(sweep) * (prompt + new)  # every sequence its own prompt and tokens (no shared prompt)
     cmd = [binary, *(["-ngl", 999] if cuda else []), "-m", gguf, "-c", context, "-b", 2048, "-ub", 512,
            "-npp", prompt, "-ntg", new,
-           "-npl", ",".join(map(str, rows)), "-t", threads, "-tb", threads, "-lv", 4]  # -lv 4: what auto chose
+           "-npl", ",".join(map(str, sweep)), "-t", threads, "-tb", threads, "-lv", 4]  # -lv 4: what auto chose
     out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
     text = out.stdout + out.stderr
     if out.returncode != 0:
         raise SystemExit(f"llama-batched-bench failed ({out.returncode}):\n{text[-3000:]}")
-    return parse_batched_bench(text)
+    parsed = parse_batched_bench(text)
+    for n in rows:
+        if n > cap:
+            parsed["rows"][n] = {**parsed["rows"][cap], "sequences": cap}
+    return parsed
 
 
 def parse_batched_bench(text: str) -> dict[str, Any]:
@@ -327,6 +350,8 @@ def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict
                     entry[engine] = {key: _median(runs, n, key) for key in
                                      ("prefill_tps", "decode_tps", "step_ms", "prefill_s", "decode_s")}
                     entry[engine]["repeats"] = [r["rows"][n] for r in runs]
+                    if "sequences" in runs[0]["rows"][n]:
+                        entry[engine]["sequences"] = runs[0]["rows"][n]["sequences"]
             if "llamacpp" in entry and "ours" in entry:
                 entry["prefill_ratio"] = entry["ours"]["prefill_tps"] / entry["llamacpp"]["prefill_tps"]
                 entry["decode_ratio"] = entry["ours"]["decode_tps"] / entry["llamacpp"]["decode_tps"]
@@ -338,11 +363,15 @@ def summarise(args: argparse.Namespace, results: dict[tuple[str, int], list[dict
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
+    def capped(entry: dict[str, Any], engine: str) -> str:
+        return f" [{entry[engine]['sequences']}]" if "sequences" in entry.get(engine, {}) else ""
+
     def rate(entry: dict[str, Any], engine: str, key: str) -> str:
-        return f"{entry[engine][key]:.1f}" if engine in entry else "-"
+        return f"{entry[engine][key]:.1f}{capped(entry, engine)}" if engine in entry else "-"
 
     def decode(entry: dict[str, Any], engine: str) -> str:
-        return f"{entry[engine]['decode_tps']:.1f} ({entry[engine]['step_ms']:.1f})" if engine in entry else "-"
+        return (f"{entry[engine]['decode_tps']:.1f} ({entry[engine]['step_ms']:.1f}){capped(entry, engine)}"
+                if engine in entry else "-")
 
     def ratio(entry: dict[str, Any], key: str) -> str:
         return f"{entry[key]:.2f}" if key in entry else "-"
@@ -363,6 +392,10 @@ def print_table(table: list[dict[str, Any]]) -> None:
             line += (f" | {rate(e, 'before', 'prefill_tps') + ', ' + ratio(e, 'before_prefill_ratio'):>22} | "
                      f"{decode(e, 'before') + ', ' + ratio(e, 'before_decode_ratio'):>31}")
         print(line)
+    caps = {e["llamacpp"]["sequences"] for e in table if "sequences" in e.get("llamacpp", {})}
+    for cap in caps:
+        print(f"[{cap}]: llama.cpp decodes at most {cap} sequences in one batch (LLAMA_MAX_SEQ); these are its rates "
+              f"at {cap}, which a server taking more requests in rounds of {cap} keeps (its ms/step is a {cap}-row step)")
 
 
 def main() -> None:
@@ -382,6 +415,8 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--ours-only", action="store_true", help="skip llama.cpp")
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
+    only.add_argument("--build-only", action="store_true",
+                      help="build llama-batched-bench (for --device) and stop (e.g. while the model folder is made)")
     parser.add_argument("--before", choices=("python", "packed", "unpacked", "none"), default="python",
                         help="our decoder before a change, timed in the same run: python (the Python decoding "
                              "step instead of the C++ one), packed (weights packed; decoding "
@@ -390,6 +425,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    if args.build_only:
+        build_batched_bench(args.jobs, cuda=args.device == "cuda")
+        return
     folder = Path(args.model_dir)
     folder = folder if folder.is_absolute() or folder.exists() else ROOT / folder
     if not (folder / "config.json").is_file():
@@ -442,7 +480,8 @@ def main() -> None:
               + (", weights packed for oneDNN once" if bf16 and packing_available() else "")
               + (", decoding steps fused (modeling/decode_step.py)" if fused else "")
               + (", in C++ (modeling/native_step.py)" if fused and native_available() else "")
-              + (", bf16 KV cache (modeling/decode_attention.py)" if bf16 and bf16_decode_attention_available() else "")
+              + (", bf16 KV cache (modeling/decode_attention.py)"
+                 if args.device == "cpu" and bf16 and bf16_decode_attention_available() else "")
               + (f"; before: {before}" if "before" in engines else ""), flush=True)
 
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
