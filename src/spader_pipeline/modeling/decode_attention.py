@@ -23,23 +23,14 @@ Where it runs: where the native extension builds and its attention checks out ag
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from spader_pipeline.modeling.native_step import native_available
+from spader_pipeline.modeling.native_step import native_available, sdpa_decode_reference
 
 __all__ = ["BF16_CACHE", "bf16_decode_attention_available", "decode_attention"]
 
 #: cache keys in bf16 and attend with the native attention where it is available (benchmarks switch it
 #: off to time the fp32 cache in the same process)
 BF16_CACHE = True
-
-
-def _reference(query, keys, values, mask, scale):
-    """fp32 SDPA (``query`` ``[n, H, 1, D]``, ``mask`` bool ``[n, L]`` or ``None``)."""
-    with torch.autocast("cpu", enabled=False):
-        return F.scaled_dot_product_attention(
-            query, keys.float(), values.float(), attn_mask=None if mask is None else mask[:, None, None, :],
-            scale=scale, enable_gqa=keys.shape[1] != query.shape[1])
 
 
 def bf16_decode_attention_available() -> bool:
@@ -61,5 +52,5 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if native is None:
         native = keys.dtype == torch.bfloat16 and not torch.is_grad_enabled() and bf16_decode_attention_available()
     if not native:
-        return _reference(query, keys, values, mask, scale)
+        return sdpa_decode_reference(query, keys, values, mask, scale)
     return torch.ops.spader_native.decode_attention(query[:, :, 0], keys, values, mask, scale)[:, :, None]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NATIVE_STEP", "native_available"]
+__all__ = ["NATIVE_STEP", "native_available", "sdpa_decode_reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ def _built() -> bool:
     return _attention_matches_sdpa()
 
 
+def sdpa_decode_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """The decoding attention in fp32 SDPA over the widened cache: what the native attention is checked
+    against, and what runs where it does not. ``query`` fp32 ``[n, H, 1, D]``; ``keys``/``values``
+    ``[n, H_kv, L, D]`` (bf16 or fp32); ``mask`` bool ``[n, L]`` (True: attend) or ``None``; returns fp32
+    ``[n, H, 1, D]``. Autocast is off inside: the reference is fp32 whatever the caller runs under."""
+    with torch.autocast("cpu", enabled=False):
+        return F.scaled_dot_product_attention(
+            query, keys.float(), values.float(), attn_mask=None if mask is None else mask[:, None, None, :],
+            scale=scale, enable_gqa=keys.shape[1] != query.shape[1])
+
+
 def _attention_matches_sdpa() -> bool:
     """The native attention against fp32 SDPA on bf16 keys and values: grouped heads, strided cache
     views, with and without a mask."""
@@ -116,9 +128,7 @@ def _attention_matches_sdpa() -> bool:
             mask[-1, : length // 3] = False
         with torch.no_grad(), torch.autocast("cpu", enabled=False):  # checked on first use, maybe under autocast
             got = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.25)
-            expected = F.scaled_dot_product_attention(
-                query[:, :, None], keys.float(), values.float(), scale=0.25, enable_gqa=True,
-                attn_mask=None if mask is None else mask[:, None, None, :])[:, :, 0]
+            expected = sdpa_decode_reference(query[:, :, None], keys, values, mask, 0.25)[:, :, 0]
         if (got - expected).abs().max().item() > CHECK_TOLERANCE:
             logger.info("the native decoding attention differs from SDPA here")
             return False
