@@ -4,6 +4,8 @@ in test_modeling_decode_step.py, the attention's against fp32 SDPA in test_model
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -51,3 +53,22 @@ def test_a_fully_masked_row_is_zeros_as_sdpas_and_leaves_the_other_rows_alone():
     out = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.25)
     alone = torch.ops.spader_native.decode_attention(query[1:], keys[1:], values[1:], None, 0.25)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1:], alone)
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_one(monkeypatch, tmp_path):
+    """torch's build lock (a file its builder deletes when done) outlives a builder that was killed;
+    the next process must build anyway, not wait on it forever. Here a source that does not compile
+    fails fast: the point is that the call returns, with the stale lock gone."""
+    broken = tmp_path / "decode_step.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_step, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    directory = native_step.build_directory(extension_name())
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # what a killed build leaves
+    outcome: list[bool] = []
+    worker = threading.Thread(target=lambda: outcome.append(native_step._built.__wrapped__()), daemon=True)
+    worker.start()
+    worker.join(timeout=300)  # a guard against hanging the suite, not a timing: it returns in about a second
+    assert outcome == [False], "the build waited on a lock no live process holds"
+    assert not (directory / "lock").exists()

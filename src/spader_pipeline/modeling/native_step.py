@@ -18,8 +18,9 @@ call per step, and attends over the bf16 cache with its own two loops around ATe
 
 It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as torch's own) into
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
-under a name keyed by the source, torch's version and the CPU's flags: the first process on a machine
-builds it (concurrent processes wait on its lock), later ones load it. Where it
+under a name keyed by the source, torch's version, Python and the CPU's flags: the first process on a
+machine builds it (concurrent processes wait on a lock that a killed builder does not leave behind),
+later ones load it. Where it
 does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA,
 :func:`native_available` is false and decoding runs as before: the Python step, over an fp32 cache.
 """
@@ -27,6 +28,7 @@ does not build (no C++ compiler, no ninja) or its attention differs from fp32 SD
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -66,11 +68,39 @@ def _cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: one per source, torch version, compiler flags and CPU."""
+    """The build's name: one per source, torch version, Python, compiler flags and CPU."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.implementation.cache_tag.encode(),
+                 " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
     return f"spader_native_{key.hexdigest()[:16]}"
+
+
+def build_directory(name: str) -> Path:
+    """The build's folder: under ``TORCH_EXTENSIONS_DIR`` where set, else torch's default root, one folder
+    per :func:`extension_name`."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+
+
+@contextlib.contextmanager
+def _one_builder(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads the extension in ``directory``, under an ``flock`` that the
+    kernel releases when its holder dies. torch's own lock (a file ``lock`` that its builder creates
+    and deletes) outlives a builder that was killed, and every later process would wait on it forever;
+    inside this lock no live process holds torch's, so a ``lock`` found there is stale and removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "builder.flock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -93,9 +123,11 @@ def _built() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        with _ninja_on_path():
-            cpp_extension.load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                               extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+        name = extension_name()
+        directory = build_directory(name)
+        with _one_builder(directory), _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                               build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a build error: decode as before
         logger.info("the native decoding step did not build here (%s: %s)", type(error).__name__, str(error)[:200])
         return False
