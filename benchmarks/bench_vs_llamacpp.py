@@ -1,4 +1,4 @@
-"""Our decoder against llama.cpp on the same weights: prefill and decoding tokens per second on the CPU.
+"""Our decoder against llama.cpp on the same weights: prefill and decoding tokens per second on the CPU, or on one GPU (``--device cuda``).
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]

