@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_training.py [--repeats 5] [--examples 64] [--threads 1]
     .venv/bin/python benchmarks/bench_training.py --rl-step [--rl-steps 3] [--models smollm2,tiny]
     .venv/bin/python benchmarks/bench_training.py --update-breakdown [--repeats 3] [--models smollm2]
+    .venv/bin/python benchmarks/bench_training.py --smoke    (all three parts at a tiny size: make bench-smoke)
 
 Both on the tiny Qwen3 (hidden 256, 4 layers, 8k vocabulary) or, with ``--model-dir``, a Hugging
 Face folder such as the warm-started SmolLM2 (top ``--trainable-layers`` blocks trained), on
@@ -51,7 +52,6 @@ compare the ratio, not absolute numbers (the load average is printed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -60,6 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke
 import torch
 
 
@@ -228,9 +229,24 @@ def _tiny_model_dir(data: Path, out: Path) -> Path:
     return build_base_model((f"{r['title']}\n{r['contents']}" for r in rows), out, spec=TinyQwen3Spec())
 
 
+def _smoke_rl_inputs(args) -> dict:
+    """``--smoke``: what :func:`_rl_inputs` gives, from the smoke inputs (benchmarks/smoke.py: a tiny
+    model, a small index, a few questions) and the project's settings at a tiny size."""
+    import smoke
+
+    settings = _project_settings(Path(args.conf), args.prompts_per_step, args.group_size)
+    rollout = {**settings["rollout"], "max_turns": 2, "max_response_tokens": 64}
+    project = {**settings, "rollout": rollout, "max_new_tokens": 8, "trainable_layers": 1, "device": "cpu",
+               "micro_batch_size": args.prompts_per_step * args.group_size}
+    return {"project": project, "samples": smoke.questions(args.prompts_per_step), "index": str(smoke.index_dir()),
+            "template": smoke.prompt_template(), "models": {"tiny": smoke.model_dir}}
+
+
 def _rl_inputs(args) -> dict | None:
     """What an RL step needs from the default run under ``--data``: the project's settings, training
     questions, index, prompt template and model folders (``None``, with a message, when missing)."""
+    if args.smoke:
+        return _smoke_rl_inputs(args)
     import pandas as pd
 
     from spader_pipeline.agent.prompts import resolve_template
@@ -261,34 +277,44 @@ def _rl_inputs(args) -> dict | None:
 
 class _RolloutWork:
     """The rollout's matrix-product work, counted while installed: a forward pre-hook on the decoder
-    body, active only while ``HFGenerator`` generates, counts the positions it runs (a call of one
-    position per row is a decoding step, anything longer a prefill). Useful FLOPs = real (unmasked)
+    body, active only while a :class:`~spader_pipeline.agent.decode_engine.DecodeEngine` (``HFGenerator``'s
+    ``engine``) generates, counts the positions it runs (a call of one position per row is a decoding
+    step, anything longer a prefill). Useful FLOPs = real (unmasked)
     positions x 2 x the body's linear weights + sampled tokens x 2 x the output layer's; padded
     prefill positions are computed but not counted as work (``prefill_computed`` counts them), nor
-    are attention scores, so the share of peak it gives is a lower bound."""
+    are attention scores, so the share of peak it gives is a lower bound.
+
+    ``prefill_blocks=False``: every engine's continued prefill runs as one forward
+    (``prefill_block_cost = None``), the code before blocks (same trajectories: each row's random
+    draws follow the row, not the layout)."""
+
+    def __init__(self, prefill_blocks: bool = True) -> None:
+        self.prefill_blocks = prefill_blocks
 
     def __enter__(self) -> _RolloutWork:
-        from spader_pipeline.agent.hf_backend import HFGenerator
+        from spader_pipeline.agent.decode_engine import DecodeEngine
 
         self.prefill = self.prefill_computed = self.decode = self.flops = 0
         self._handles: list = []
         self._bodies: set[int] = set()
         self._active = False
-        self._original = original = HFGenerator._generate_all
+        self._original = original = DecodeEngine.generate
         work = self
 
-        def generate_all(generator, states):
-            body = generator.model.base_model
+        def generate(engine, states):
+            body = engine.model.base_model
             if id(body) not in work._bodies:
                 work._bodies.add(id(body))
-                work._handles.append(body.register_forward_pre_hook(work._counter(generator.model), with_kwargs=True))
+                work._handles.append(body.register_forward_pre_hook(work._counter(engine.model), with_kwargs=True))
+            if not work.prefill_blocks:
+                engine.prefill_block_cost = None
             work._active = True
             try:
-                return original(generator, states)
+                return original(engine, states)
             finally:
                 work._active = False
 
-        HFGenerator._generate_all = generate_all
+        DecodeEngine.generate = generate
         return self
 
     def _counter(self, model):
@@ -312,26 +338,11 @@ class _RolloutWork:
         return count
 
     def __exit__(self, *exc) -> None:
-        from spader_pipeline.agent.hf_backend import HFGenerator
+        from spader_pipeline.agent.decode_engine import DecodeEngine
 
-        HFGenerator._generate_all = self._original
+        DecodeEngine.generate = self._original
         for handle in self._handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def _prefill_blocks(enabled: bool):
-    """The rollout's continued prefill in blocks of rows (the default) or as one forward (the code
-    before blocks; same trajectories: each row's random draws follow the row, not the layout)."""
-    from spader_pipeline.agent.hf_backend import HFGenerator
-
-    defaults = HFGenerator.__init__.__kwdefaults__
-    saved = defaults["prefill_block_cost"]
-    defaults["prefill_block_cost"] = saved if enabled else None
-    try:
-        yield
-    finally:
-        defaults["prefill_block_cost"] = saved
 
 
 def bench_rl_step(args) -> None:
@@ -359,9 +370,10 @@ def bench_rl_step(args) -> None:
             # the rollout's matrix products run in the precision the trainer resolves (bf16 autocast
             # where the CPU has bf16 instructions), so its share is of that precision's peak
             bf16 = resolve_bf16(config.bf16, resolve_device(config.device))
-            peak = matmul_peak_flops(repeats=30, dtype=torch.bfloat16 if bf16 else torch.float32)
-            fp32_peak = matmul_peak_flops(repeats=30) if bf16 else peak
-            with tempfile.TemporaryDirectory() as run_dir, _RolloutWork() as work, _prefill_blocks(label != "one-prefill"):
+            size, repeats = (256, 1) if args.smoke else (2048, 30)
+            peak = matmul_peak_flops(size, repeats, dtype=torch.bfloat16 if bf16 else torch.float32)
+            fp32_peak = matmul_peak_flops(size, repeats) if bf16 else peak
+            with tempfile.TemporaryDirectory() as run_dir, _RolloutWork(prefill_blocks=label != "one-prefill") as work:
                 result = train_native(config, model_path=path, samples=inputs["samples"],
                                       search=LocalSearch(load_retriever(inputs["index"])), run_dir=run_dir,
                                       prompt_template=inputs["template"])
@@ -371,7 +383,7 @@ def bench_rl_step(args) -> None:
                   f"{work.decode} decoding positions, "
                   f"{work.flops / 1e12:.2f} TFLOP in {rollout_seconds:.1f} s = {work.flops / rollout_seconds / 1e9:.0f} "
                   f"GFLOP/s, {100 * work.flops / rollout_seconds / peak:.0f}% of the measured matmul peak "
-                  f"({peak / 1e9:.0f} GFLOP/s, torch.mm 2048² {'bf16' if bf16 else 'fp32'} on "
+                  f"({peak / 1e9:.0f} GFLOP/s, torch.mm {size}² {'bf16' if bf16 else 'fp32'} on "
                   f"{torch.get_num_threads()} threads; fp32 {fp32_peak / 1e9:.0f} GFLOP/s)", flush=True)
             for h in hist:
                 print(f"  step {h['step']}: rollout {h['perf/rollout_seconds']:.1f} s (state capture "
@@ -442,7 +454,7 @@ def bench_update_breakdown(args) -> None:
     for name in args.models.split(","):
         path = inputs["models"][name]()
         settings = dict(inputs["project"])
-        if name == "tiny":  # 4 blocks: train the top 2 (SmolLM2: the project's 8 of 30)
+        if name == "tiny" and not args.smoke:  # 4 blocks: train the top 2 (SmolLM2: the project's 8 of 30)
             settings["trainable_layers"] = 2
         config = NativeTrainerConfig.from_mapping({
             **settings, "method": "grpo", "total_steps": 1, "max_seconds": None, "resume": False,
@@ -533,12 +545,21 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="trajectories per question")
     parser.add_argument("--model-dir", default=None, help="a HF model folder instead of the tiny model (SFT/log-prob)")
     parser.add_argument("--trainable-layers", type=int, default=8, help="with --model-dir: top blocks trained")
-    args = parser.parse_args()
-    if args.rl_step or args.update_breakdown:  # --threads 1 on an oversubscribed machine (2-thread barriers stall)
-        torch.set_num_threads(args.threads)
+    args = smoke.parse_args(parser, repeats=1, examples=4, batch_tokens=1300, rl_steps=1, models="tiny",
+                            configs="straightforward,project,recompute,one-prefill", prompts_per_step=2, group_size=2)
+    torch.set_num_threads(args.threads)  # --threads 1 on an oversubscribed machine (2-thread barriers stall)
+    if args.smoke:  # every part, at a tiny size
+        bench_hot_paths(args)
+        bench_rl_step(args)
+        bench_update_breakdown(args)
+    elif args.rl_step or args.update_breakdown:
         (bench_update_breakdown if args.update_breakdown else bench_rl_step)(args)
-        return
-    torch.set_num_threads(args.threads)
+    else:
+        bench_hot_paths(args)
+
+
+def bench_hot_paths(args) -> None:
+    """The SFT step and the RL log-prob pass."""
     torch.manual_seed(0)
     if args.model_dir:  # e.g. data/06_models/warm_start: SmolLM2, top blocks trained as in the default
         from spader_pipeline.modeling import load_model_and_tokenizer
@@ -558,7 +579,6 @@ def main() -> None:
         print(f"{label}  naive {r['naive']:7.0f} tok/s   unshared {r['unshared']:7.0f} tok/s   "
               f"project {r['project']:7.0f} tok/s   ratio {r['project'] / r['naive']:.2f}x naive, "
               f"{r['project'] / r['unshared']:.2f}x unshared", flush=True)
-
 
 if __name__ == "__main__":
     main()
