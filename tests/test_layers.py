@@ -13,6 +13,7 @@ The order below is the one place it is written. Why each layer sits where it doe
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
+  its top, ``engines``, loads the rollout engines by name for the drivers above (so it sits over them);
 * ``data``: dataset readers and the VERL parquet rows, which carry the agent's rendered prompt;
 * drivers of the agent: the native trainer, the verl plugin (everything verl calls) and the
   evaluator; they are independent of each other;
@@ -80,6 +81,7 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("rollout",),  # the agent loop over any Generator
         ("tokens", "scripted", "openai_backend", "decode_engine"),  # token layout; model-free, remote, local decoding
         ("hf_backend",),  # the in-process Generator: the token layout over the decode engine
+        ("engines",),  # rollout engines by name (hf: the in-process Generator), what every driver builds
     ),
     "retrieval": (
         ("bm25s_import", "schemas", "budget", "corpus", "rerank"),  # wire types, the corpus, leaves

@@ -72,6 +72,7 @@ class HFGenerator(Generator):
     """
 
     token_level = True
+    supports_log_probs = True
 
     def __init__(
         self,

@@ -9,9 +9,10 @@ search backend, writing observations (one format, :func:`~.protocol.format_obser
 malformed turns a corrective observation — and records every step. A *generator* writes the
 assistant turns; three ship here:
 
-* :class:`HFGenerator` — an in-process Hugging Face causal LM, batched across trajectories,
-  token level: it keeps ``prompt_ids``/``response_ids``/``response_mask`` laid out exactly as
-  VERL's agent loop does (observation tokens are encoded by VERL's own Continuous-Token builder);
+* :class:`HFGenerator` (the ``hf`` engine of :mod:`.engines`) — an in-process Hugging Face causal LM,
+  batched across trajectories, token level: it keeps ``prompt_ids``/``response_ids``/``response_mask``
+  laid out exactly as VERL's agent loop does (observation tokens are encoded by VERL's own
+  Continuous-Token builder);
 * :class:`OpenAIChatGenerator` — any OpenAI-compatible ``/v1/chat/completions`` endpoint (vLLM,
   SGLang, …) with bounded concurrency and retries (:mod:`.openai_backend`);
 * :class:`ScriptedPolicy` — no model at all: it searches with the question's content words, then
@@ -25,7 +26,7 @@ SearchResponse`` (the retrieval client of :mod:`spader_pipeline.retrieval`, or
 
 Typical use (training or evaluation)::
 
-    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=1.0))
+    gen = build_generator("hf", model, tokenizer, SamplingParams(temperature=1.0))  # agent/engines.py
     trajectories = run_rollouts_sync(samples, gen, client, RolloutConfig(max_turns=4), template)
     t = trajectories[0]
     t.prompt_ids, t.response_ids, t.response_mask   # token layout (1 = model, 0 = observation)

@@ -22,6 +22,7 @@ FinishReason = Literal["answer", "max_turns", "token_budget", "error"]
 ErrorKind = Literal["invalid_turn", "no_query", "query_rejected", "search_failed"]
 
 __all__ = [
+    "CapturesStates",
     "ErrorKind",
     "FinishReason",
     "GeneratedTurn",
@@ -254,6 +255,8 @@ class Generator:
     """
 
     token_level: bool = False
+    supports_log_probs: bool = False
+    """takes ``return_log_probs=True`` and then fills each turn's ``GeneratedTurn.logprobs``"""
 
     def start(self, state: RolloutState) -> None:
         """Prepare a new trajectory (token level: encode the prompt)."""
@@ -273,3 +276,13 @@ class Generator:
         """Release resources (HTTP clients, servers)."""
 
 
+@runtime_checkable
+class CapturesStates(Protocol):
+    """A generator that keeps, per trajectory, one decoder block's output at its tokens: the native
+    trainer's boundary states (docs/training.md). It is asked for them when built
+    (``capture_states_from_layer=k``, :func:`~spader_pipeline.agent.engines.build_generator`)."""
+
+    def captured_states(self) -> list[Any]:
+        """Per trajectory, in the order they were started, its
+        :class:`~spader_pipeline.agent.state_capture.CapturedStates` (``None``: nothing usable)."""
+        ...
