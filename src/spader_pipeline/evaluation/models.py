@@ -9,8 +9,9 @@ A model that is configured (``enabled``, the default) but cannot run here is an 
 (:class:`ModelUnavailableError`), never a silent skip: a report missing its SPADER row would look
 like a finished evaluation. ``enabled: false`` switches an entry off explicitly.
 
-:func:`open_generator` turns a spec into a generator: ``scripted``, ``hf`` (in-process), ``openai``
-(an external endpoint) or ``served`` (this process starts vLLM/SGLang on a merged checkpoint, GPU only).
+:func:`open_generator` turns a spec into a generator: ``scripted``, ``hf`` (in process, by the rollout
+engine its ``engine`` names, :mod:`spader_pipeline.agent.engines`), ``openai`` (an external endpoint) or
+``served`` (this process starts vLLM/SGLang on a merged checkpoint, GPU only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator, check_engine
 from spader_pipeline.agent.rollout import Generator, SamplingParams
 from spader_pipeline.typed_config import from_mapping
 
@@ -34,6 +36,8 @@ class ModelUnavailableError(RuntimeError):
 MODEL_KINDS = ("scripted", "hf", "openai", "served")
 #: options of the OpenAI-compatible client (``openai`` and ``served`` models)
 CLIENT_OPTIONS = ("max_retries", "backoff", "timeout", "api_key", "extra_body")
+#: the engine of a kind's entries that name none (``engine``)
+KIND_ENGINES = {"hf": DEFAULT_ENGINE, "served": "vllm"}
 #: options a model entry may add, by kind: what :func:`open_generator` hands to its generator
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "scripted": ("follow_up", "min_overlap", "query_style", "seed", "max_searches"),
@@ -52,7 +56,9 @@ class ModelSpec:
     path: str | None = None
     base_url: str | None = None
     model: str | None = None
-    engine: str = "vllm"
+    engine: str | None = None
+    """what decodes: ``hf``, a rollout engine of :mod:`spader_pipeline.agent.engines` (default ``hf``);
+    ``served``, the server (``vllm``, the default, or ``sglang``); ``None``: the kind's default"""
     prompt_template: str | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
     rollout: Mapping[str, Any] = field(default_factory=dict)
@@ -66,6 +72,12 @@ class ModelSpec:
     """the catalog dataset the model came from (``None``: configured in ``evaluate.models``)"""
     training: Mapping[str, str] = field(default_factory=dict)
     """MLflow tags linking to the training run of the checkpoint (:func:`spader_pipeline.tracking.training_link_tags`)"""
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            object.__setattr__(self, "engine", KIND_ENGINES.get(self.kind))
+        if self.kind == "hf":
+            check_engine(self.engine)  # unknown engines: the error lists the registered ones
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any]) -> ModelSpec:
@@ -154,7 +166,6 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
 
         yield ScriptedPolicy(**spec.options)
     elif spec.kind == "hf":
-        from spader_pipeline.agent.hf_backend import HFGenerator
         from spader_pipeline.modeling.base_model import load_model_and_tokenizer
         from spader_pipeline.modeling.device import resolve_device
         from spader_pipeline.modeling.precision import resolve_bf16
@@ -165,7 +176,8 @@ def open_generator(spec: ModelSpec) -> Iterator[Generator]:
         # held-out score and the validation curve measure a policy the same way
         bf16 = resolve_bf16(spec.options.get("bf16", False), device, model)
         kwargs = {k: v for k, v in spec.options.items() if k not in ("device", "bf16", "kv_cache_budget_mb")}
-        yield HFGenerator(model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), bf16=bf16, **kwargs)
+        yield build_generator(spec, model, tokenizer, sampling, micro_batch_size=max(1, spec.batch_size), bf16=bf16,
+                              **kwargs)
     elif spec.kind == "openai":
         from spader_pipeline.agent.openai_backend import OpenAIChatGenerator
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from spader_pipeline.agent.engines import check_engine
 from spader_pipeline.agent.rollout import RolloutConfig
 from spader_pipeline.algorithms.methods import get_method, options_from_mapping, reward_config_from_mapping
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig
@@ -121,6 +122,10 @@ class NativeTrainerConfig:
     )
     """trajectory limits and search settings (:class:`~spader_pipeline.agent.rollout.RolloutConfig`;
     a mapping is converted)"""
+    engine: str = "hf"
+    """the rollout engine that decodes the rollouts and validation (:mod:`spader_pipeline.agent.engines`;
+    ``hf``: the in-process decoder). With an engine that captures no boundary states the update runs
+    the frozen blocks itself, as with ``rollout_weights: bf16``"""
     max_new_tokens: int = 64
     """most tokens per assistant turn"""
     max_prompt_tokens: int = 1024
@@ -173,6 +178,7 @@ class NativeTrainerConfig:
             raise ValueError("micro_batch_max_tokens must be >= 1 or null")
         if self.rollout_kv_cache_budget_mb is not None and self.rollout_kv_cache_budget_mb <= 0:
             raise ValueError("rollout_kv_cache_budget_mb must be > 0 or null")
+        check_engine(self.engine)  # unknown engines: the error lists the registered ones
         if self.rollout_weights not in ("model", "bf16"):
             raise ValueError(f"rollout_weights={self.rollout_weights!r}: use 'model' or 'bf16'")
         if self.ppo_epochs < 1:

@@ -2,7 +2,7 @@
 
 One step::
 
-    questions ──► n rollouts each (HF generator, real search)  ─ collect_rollouts
+    questions ──► n rollouts each (rollout engine, real search)  ─ collect_rollouts
       ──► rewards + advantages of the method (and GRPO's, for comparison)  ─ score
       ──► clipped PPO loss + KL to the reference, AdamW step (verl's core_algos)  ─ update_policy
       ──► metrics, samples, checkpoint  ─ record_step, checkpoint
@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.engines import build_generator, captures_states
 from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.types import CapturesStates
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.host_memory import bound_heap
@@ -150,7 +151,7 @@ def train_native(
     if step == 0 and val_set and settings.due(0, config.total_steps):
         identity = validation_identity(model_path, val_set, config.rollout, prompt_template,
                                        max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                       bf16=run.bf16, batch_size=settings.batch_size)
+                                       bf16=run.bf16, batch_size=settings.batch_size, engine=config.engine)
         shared = start_validation if start_validation and start_validation.get("identity") == identity else None
         record_validation(run, dict(shared["metrics"]) if shared else validate(0), log_metrics)
     while step < config.total_steps and not out_of_time:
@@ -246,6 +247,9 @@ def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
     depth = len(decoder_blocks(model) or ())
     if not config.reuse_rollout_states or config.trainable_layers is None or config.trainable_layers >= depth:
         return None
+    if not captures_states(config.engine):
+        logger.info("the %s rollout engine captures no states: the update runs the frozen blocks", config.engine)
+        return None
     first = depth - config.trainable_layers
     if not supports_boundary(model, first):
         logger.info("%s: the update runs the frozen blocks (no boundary states for this model)",
@@ -269,19 +273,24 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     # One decoding pass per `rows` trajectories (whole groups), each pass keeping its KV cache
     # between turns; the generator's captures stay in start order across passes.
     rows = config.rollout_rows(run.model.config)
-    generator = HFGenerator(policy, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
-                            micro_batch_size=rows, bf16=run.bf16 and run.rollout_model is None,
-                            capture_states_from_layer=block - 1 if block else None)
+    generator = build_generator(config, policy, run.tokenizer, sampling, max_prompt_tokens=config.max_prompt_tokens,
+                                micro_batch_size=rows, bf16=run.bf16 and run.rollout_model is None,
+                                capture_states_from_layer=block - 1 if block else None)
     started = time.perf_counter()
     trajectories = [trajectory for first in range(0, len(group), rows)
                     for trajectory in run_rollouts_sync(group[first : first + rows], generator, search,
                                                         config.rollout, prompt_template)]
     seconds = time.perf_counter() - started
-    captured = generator.captured_states() if block else None
+    captured = generator.captured_states() if block and isinstance(generator, CapturesStates) else None
     batch = build_batch(trajectories, group, run.tokenizer.pad_token_id, captured=captured, boundary_block=block)
-    capture_seconds = generator.capture.seconds if generator.capture is not None else 0.0
-    return Rollouts(trajectories, batch, seconds, generator.generated_tokens, capture_seconds,
-                    generator.model_seconds, generator.decode_steps)
+    # the engine's counters, where it keeps them (else the model tokens of the trajectories, and 0)
+    capture = getattr(generator, "capture", None)
+    tokens = getattr(generator, "generated_tokens", None)
+    if tokens is None:
+        tokens = sum(sum(t.response_mask or ()) for t in trajectories)
+    return Rollouts(trajectories, batch, seconds, tokens,
+                    capture.seconds if capture is not None else 0.0, getattr(generator, "model_seconds", 0.0),
+                    getattr(generator, "decode_steps", 0))
 
 
 def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, torch.Tensor]:
@@ -319,7 +328,7 @@ def _validate(run: RunState, samples: Sequence[Mapping[str, Any]], search: Any, 
     config, started = run.config, time.perf_counter()
     metrics = validate_policy(run.model, run.tokenizer, samples, search, config.rollout, prompt_template,
                               max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                              bf16=run.bf16, batch_size=batch_size)
+                              bf16=run.bf16, batch_size=batch_size, engine=config.engine)
     return {**metrics, "perf/validation_seconds": time.perf_counter() - started}
 
 

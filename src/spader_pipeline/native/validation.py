@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from spader_pipeline.agent.hf_backend import HFGenerator
+from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator
 from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.validation import validation_batches, validation_metrics
@@ -25,17 +25,18 @@ __all__ = ["greedy_trajectories", "validate_model_at", "validate_policy", "valid
 def greedy_trajectories(
     model: Any, tokenizer: Any, samples: Sequence[Mapping[str, Any]], search: Any, rollout: RolloutConfig,
     prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int, bf16: bool | str = False,
-    batch_size: int | Mapping[str, int] | None = None,
+    batch_size: int | Mapping[str, int] | None = None, engine: str = DEFAULT_ENGINE,
 ) -> list[Any]:
-    """One greedy trajectory of ``model`` per sample, in the samples' order, decoded in the batches of
-    :func:`~spader_pipeline.algorithms.validation.validation_batches` (``batch_size``: ``None``, one
-    batch; an int or ``{data_source: n}``, batches of their own, each a rollout of its own)."""
+    """One greedy trajectory of ``model`` per sample, in the samples' order, decoded by the rollout
+    ``engine`` in the batches of :func:`~spader_pipeline.algorithms.validation.validation_batches`
+    (``batch_size``: ``None``, one batch; an int or ``{data_source: n}``, batches of their own, each a
+    rollout of its own)."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     samples = list(samples)
     trajectories: list[Any] = [None] * len(samples)
     for batch in validation_batches([_source(s) for s in samples], batch_size):
-        generator = HFGenerator(model, tokenizer, sampling, max_prompt_tokens=max_prompt_tokens,
-                                micro_batch_size=len(batch), bf16=bf16)
+        generator = build_generator(engine, model, tokenizer, sampling, max_prompt_tokens=max_prompt_tokens,
+                                    micro_batch_size=len(batch), bf16=bf16)
         done = run_rollouts_sync([samples[i] for i in batch], generator, search, rollout, prompt_template)
         for i, trajectory in zip(batch, done, strict=True):
             trajectories[i] = trajectory
@@ -45,12 +46,12 @@ def greedy_trajectories(
 def validate_policy(
     model: Any, tokenizer: Any, samples: Sequence[Mapping[str, Any]], search: Any, rollout: RolloutConfig,
     prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int, bf16: bool | str = False,
-    batch_size: int | Mapping[str, int] | None = None,
+    batch_size: int | Mapping[str, int] | None = None, engine: str = DEFAULT_ENGINE,
 ) -> dict[str, float]:
     """:func:`greedy_trajectories` of ``model`` on ``samples``, scored as ``val/<source>/…``."""
     trajectories = greedy_trajectories(model, tokenizer, samples, search, rollout, prompt_template,
                                        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, bf16=bf16,
-                                       batch_size=batch_size)
+                                       batch_size=batch_size, engine=engine)
     scores = [score_answers(list(t.predicted or ()), s["ground_truth"]) for t, s in zip(trajectories, samples, strict=True)]
     return validation_metrics(
         [_source(s) for s in samples],
@@ -66,10 +67,11 @@ def _source(sample: Mapping[str, Any]) -> str:
 
 def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, Any]], rollout: RolloutConfig,
                         prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int,
-                        bf16: bool | str, batch_size: int | Mapping[str, int] | None = None) -> dict[str, Any]:
+                        bf16: bool | str, batch_size: int | Mapping[str, int] | None = None,
+                        engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
     """What determines a greedy validation of the model at ``model_path``: its weights (name, size,
-    mtime), the questions, the turn limits, the prompt, the precision and the batching. Two methods
-    starting from the same warm start share their step-0 validation when these are equal."""
+    mtime), the questions, the turn limits, the prompt, the precision, the batching and the rollout engine.
+    Two methods starting from the same warm start share their step-0 validation when these are equal."""
     return json.loads(json.dumps({  # as stored in the catalog's JSON (tuples become lists)
         "model": str(Path(model_path).resolve()),
         "weights": weights_stamp(model_path),
@@ -82,6 +84,7 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
         # only when set: an identity stored before the setting existed (one batch) still matches
         **({} if batch_size is None else {"batch_size": dict(batch_size) if isinstance(batch_size, Mapping)
                                           else int(batch_size)}),
+        **({} if engine == DEFAULT_ENGINE else {"engine": engine}),  # the default: as before the setting
     }, default=str))
 
 
@@ -99,7 +102,7 @@ def validate_model_at(model_path: str | Path, samples: Sequence[Mapping[str, Any
     model, tokenizer = load_model_and_tokenizer(model_path, device=device)
     bf16 = resolve_bf16(config.bf16, device, model)
     limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens,
-              "batch_size": batch_size}
+              "batch_size": batch_size, "engine": config.engine}
     metrics = validate_policy(model.eval(), tokenizer, samples, search, config.rollout, prompt_template, bf16=bf16,
                               **limits)
     identity = validation_identity(model_path, samples, config.rollout, prompt_template, bf16=bf16, **limits)

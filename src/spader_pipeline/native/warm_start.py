@@ -44,7 +44,7 @@ def protocol_check(model, tokenizer, frame: pd.DataFrame | None, search: Any, pa
                    template: str) -> dict[str, float]:
     """Greedy rollouts of the warm-started model on ``check_questions`` validation questions: does
     it speak the protocol (valid turns, an answer) and how much does it recall?"""
-    from spader_pipeline.agent.hf_backend import HFGenerator
+    from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator
     from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
     from spader_pipeline.algorithms import score_answers
 
@@ -52,7 +52,8 @@ def protocol_check(model, tokenizer, frame: pd.DataFrame | None, search: Any, pa
     if n <= 0 or frame is None or len(frame) == 0:
         return {}
     samples = samples_from_verl(frame, n, seed=1)
-    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
+    gen = build_generator(DEFAULT_ENGINE, model, tokenizer,
+                          SamplingParams(temperature=0.0, max_new_tokens=int(params.get("check_max_new_tokens", 64))))
     trajs = run_rollouts_sync(samples, gen, search, RolloutConfig.from_mapping(params.get("rollout", {})), template)
     turns = [s for t in trajs for s in t.steps]
     recall = [score_answers(list(t.predicted or ()), s["ground_truth"]).recall for t, s in zip(trajs, samples, strict=True)]

@@ -65,7 +65,9 @@ def run_settings(params: Mapping[str, Any], methods: list[str], heldout: str) ->
         "methods": {m: dict(params[f"train_{m}"]["method"]) for m in methods},
         "evaluation": {"sampling": dict(trained.get("sampling") or {}), "rollout": dict(trained.get("rollout") or {}),
                        "batch_size": int(trained.get("batch_size", 64)),
-                       "max_prompt_tokens": trained.get("max_prompt_tokens")},
+                       "max_prompt_tokens": trained.get("max_prompt_tokens"),
+                       # the in-process rollout engine (a served model's engine is a server's, not one)
+                       "engine": trained.get("engine") if trained.get("kind", "hf") == "hf" else None},
         "bootstrap": dict(compare.get("bootstrap") or {"resamples": 2000, "confidence": 0.95, "seed": 0}),
         "base_model": dict(params["base_model"]),
         "heldout": heldout,

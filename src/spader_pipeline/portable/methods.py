@@ -139,14 +139,15 @@ def evaluate_heldout(name: str, model_dir: str | Path, heldout: list[dict[str, A
                      evaluation: Mapping[str, Any], template: str, device: str) -> list[dict[str, Any]]:
     """Greedy records of the model at ``model_dir`` on every held-out question (``model`` = ``name``):
     the evaluator's :func:`~spader_pipeline.evaluation.runner.evaluate_dataset` in this process, with
-    the bundle's ``evaluation`` limits."""
-    from spader_pipeline.agent.hf_backend import HFGenerator
+    the bundle's ``evaluation`` limits and rollout engine (``hf`` in bundles that name none)."""
+    from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator
     from spader_pipeline.modeling import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_dir, device=device)
-    generator = HFGenerator(model, tokenizer, SamplingParams.from_mapping(evaluation["sampling"]),
-                            micro_batch_size=int(evaluation["batch_size"]),
-                            max_prompt_tokens=evaluation.get("max_prompt_tokens"))
+    generator = build_generator(evaluation.get("engine") or DEFAULT_ENGINE, model, tokenizer,
+                                SamplingParams.from_mapping(evaluation["sampling"]),
+                                micro_batch_size=int(evaluation["batch_size"]),
+                                max_prompt_tokens=evaluation.get("max_prompt_tokens"))
     records = asyncio.run(evaluate_dataset(
         heldout, generator, search, RolloutConfig.from_mapping(evaluation["rollout"]), template,
         batch_size=int(evaluation["batch_size"]), concurrency=1, progress=False, description=name))

@@ -2,11 +2,13 @@
 
 verl's agent loops send one assistant turn per request (``generate(request_id, *, prompt_ids,
 sampling_params) -> TokenOutput``), each trajectory on its own, many at once. :class:`DecoderServer`
-gathers them into batches for :class:`~spader_pipeline.agent.hf_backend.HFGenerator`, the in-process
-decoder the native trainer and evaluation use: KV-cached batches that drop finished rows, shared-prefix
-prefill, and a batch's cache continued by the next turns of its sequences (verl sends every turn under a
-fresh request id, so continuations are found by their tokens, as a prefix cache finds them). Each turn
-returns its tokens' log-probabilities at the sampling temperature.
+gathers them into batches for the rollout engine that ``rollout.custom.engine`` names
+(:mod:`spader_pipeline.agent.engines`). The default, ``hf``, is
+:class:`~spader_pipeline.agent.hf_backend.HFGenerator`, the in-process decoder the native trainer and
+evaluation use: KV-cached batches that drop finished rows, shared-prefix prefill, and a batch's cache
+continued by the next turns of its sequences (verl sends every turn under a fresh request id, so
+continuations are found by their tokens, as a prefix cache finds them). Each turn returns its tokens'
+log-probabilities at the sampling temperature.
 
 The sequences one batch produced are a *cohort*; each cohort keeps its own decoder and KV cache, and a
 batch is either the next turns of one cohort (its cache continued: only the new tokens are encoded) or
@@ -57,13 +59,17 @@ from spader_pipeline.verl_plugin.decoder_rollout.weights import tied_to_embeddin
 
 logger = logging.getLogger(__name__)
 
+#: ``actor_rollout_ref.rollout.custom`` key: the rollout engine the server decodes with
+#: (:mod:`spader_pipeline.agent.engines`; it must return log-probabilities); unset: ``hf``
+ENGINE_KEY = "engine"
+
 
 class DecoderServer:
     """One replica's server (a Ray actor, :class:`~.replica.DecoderReplica` starts it).
 
     Args:
         config: verl's ``RolloutConfig`` (``prompt_length``, ``response_length``, ``max_model_len``,
-            ``max_num_seqs``, ``dtype``, ``free_cache_engine``).
+            ``max_num_seqs``, ``dtype``, ``free_cache_engine``, ``custom.engine``).
         model_config: verl's ``HFModelConfig`` (``local_path``: the Hugging Face folder to serve).
         device: ``"cpu"`` or ``"cuda"`` (verl's platform device).
         visible_devices: the trainer worker's ``CUDA_VISIBLE_DEVICES`` (the server shares its GPU).
@@ -73,10 +79,12 @@ class DecoderServer:
                  visible_devices: str | None = None, batch_window_s: float = BATCH_WINDOW_S) -> None:
         if visible_devices:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        from spader_pipeline.agent.engines import DEFAULT_ENGINE, check_engine
         from spader_pipeline.modeling import load_model_and_tokenizer
         from spader_pipeline.modeling.precision import resolve_bf16
 
         self.config, self.replica_rank = config, replica_rank
+        self.engine = check_engine(str(dict(getattr(config, "custom", None) or {}).get(ENGINE_KEY) or DEFAULT_ENGINE))
         torch.manual_seed(int(getattr(config, "seed", 0) or 0) + replica_rank)  # rollout.seed: sampling repeats
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         path = getattr(model_config, "local_path", None) or model_config.path
@@ -183,7 +191,7 @@ class DecoderServer:
         return None, wake
 
     def _new_cohort(self, key: SamplingKey) -> Cohort:
-        from spader_pipeline.agent.hf_backend import HFGenerator
+        from spader_pipeline.agent.engines import build_generator
         from spader_pipeline.agent.types import SamplingParams
 
         idle = self._idle.get(key)
@@ -192,8 +200,9 @@ class DecoderServer:
         else:
             sampling = SamplingParams(temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
                                       max_new_tokens=self.max_model_len)
-            decoder = HFGenerator(self.model, self.tokenizer, sampling, max_prompt_tokens=self.max_model_len,
-                                  micro_batch_size=self.max_batch, bf16=self.bf16, return_log_probs=True)
+            decoder = build_generator(self.engine, self.model, self.tokenizer, sampling,
+                                      max_prompt_tokens=self.max_model_len, micro_batch_size=self.max_batch,
+                                      bf16=self.bf16, return_log_probs=True)
         cohort = Cohort(key, decoder)
         self._cohorts.append(cohort)
         return cohort
@@ -235,7 +244,7 @@ class DecoderServer:
         rows = {uid: row for row, uid in enumerate(cohort.rows)}
         order = sorted(range(len(batch)), key=lambda i: rows.get(states[i].uid, len(rows) + i))
         decoder = cohort.decoder
-        reuses = decoder.kv_reuses
+        reuses = getattr(decoder, "kv_reuses", 0)  # an engine's counter, where it keeps one
         started = time.perf_counter()
         try:
             turns = await decoder.generate([states[i] for i in order])
@@ -247,7 +256,7 @@ class DecoderServer:
         self.stats_["decode_seconds"] += seconds
         self.stats_["batches"] += 1
         self.stats_["batch_sizes"].append(len(batch))
-        self.stats_["kv_reuses"] += decoder.kv_reuses - reuses
+        self.stats_["kv_reuses"] += getattr(decoder, "kv_reuses", 0) - reuses
         outputs: list[Any] = [None] * len(batch)
         produced: list[tuple[tuple[int, ...], str]] = []
         for i, turn in zip(order, turns, strict=True):
