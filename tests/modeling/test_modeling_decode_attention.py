@@ -1,8 +1,13 @@
 """The decoding attention over a bf16 cache (modeling/decode_attention.py): fp32 SDPA's result on the same
 keys and values, and, for the cache in bf16, a bounded change of the samples: greedy text unchanged on
-the tiny models and each token's log-probability within a stated bound of the fp32 cache's."""
+the tiny models and each token's log-probability within a stated bound of the fp32 cache's. The cache is
+bf16 whether the native attention builds or not (the path with and without it:
+test_modeling_decoding_path.py)."""
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import pytest
 import torch
@@ -76,7 +81,6 @@ def _log_prob_changes(bf16_run, fp32_run) -> list[float]:
     return changes
 
 
-@needs_kernel
 def test_a_bf16_cache_keeps_the_tiny_models_greedy_text_and_moves_log_probs_within_the_bound(gqa_model_dir,
                                                                                             monkeypatch):
     """The tests' tiny model (Qwen3, grouped-query): the same greedy text, both turns."""
@@ -88,7 +92,6 @@ def test_a_bf16_cache_keeps_the_tiny_models_greedy_text_and_moves_log_probs_with
         assert max(_log_prob_changes(bf16_run, fp32_run)) <= LOG_PROB_BOUND
 
 
-@needs_kernel
 def test_on_a_random_llama_log_probs_move_within_the_bound(tiny_llama, monkeypatch):
     """A randomly initialised Llama samples from a near-uniform distribution (log-probabilities about
     -3.8 over 64 tokens), where a change of a few thousandths can flip a near-tie: its greedy text may part; up to
@@ -100,16 +103,28 @@ def test_on_a_random_llama_log_probs_move_within_the_bound(tiny_llama, monkeypat
         assert max(_log_prob_changes(bf16_run, fp32_run)) <= LOG_PROB_BOUND
 
 
-def test_where_the_extension_does_not_build_the_cache_stays_fp32(monkeypatch, tmp_path):
-    """A build that fails (here: a source that does not compile) leaves the extension unavailable, with a
-    log line, and the cache fp32."""
+def test_where_the_extension_does_not_build_the_cache_is_bf16_and_one_warning_says_so(monkeypatch, tmp_path, caplog):
+    """A build that fails (here: a source that does not compile) leaves the extension unavailable, with one
+    warning per process that says how to build it, and the keys cached in bf16 all the same, attended by
+    fp32 SDPA over the widened cache."""
     broken = tmp_path / "decode_step.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native_step, "SOURCE", broken)
-    monkeypatch.setattr(native_step, "_built", native_step._built.__wrapped__)
-    assert not bf16_decode_attention_available()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(native_step, "_built", functools.lru_cache(maxsize=1)(native_step._built.__wrapped__))
+    monkeypatch.setattr(native_step, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger=native_step.__name__):
+        assert not bf16_decode_attention_available()
+        native_step._built.__wrapped__()  # a second failed build in the same process: no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "C++ decoding step" in r.getMessage()]
+    assert len(warnings) == 1 and "install a C++ compiler" in warnings[0] and "make install" in warnings[0]
     from spader_pipeline.modeling.kv_cache import GrowingLayer
 
     layer = GrowingLayer()
-    layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4).to(torch.bfloat16))
-    assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32
+    keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4).to(torch.bfloat16)
+    layer.update(keys, values)
+    assert layer.keys.dtype == torch.bfloat16 and torch.equal(layer.keys, keys.to(torch.bfloat16))
+    query = torch.randn(1, 4, 1, 4)
+    with torch.no_grad():
+        got = decode_attention.decode_attention(query, layer.keys, layer.values, None, 0.5)
+    assert torch.equal(got, native_step.sdpa_decode_reference(query, layer.keys, layer.values, None, 0.5))

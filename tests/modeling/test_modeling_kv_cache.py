@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from spader_pipeline.modeling import decode_attention
 from spader_pipeline.modeling.attention import use_gqa_attention
-from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
 from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
 
 
@@ -144,15 +143,13 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
     assert layer._key_buffer.data_ptr() == pointer and torch.count_nonzero(layer._key_buffer[:, :, 6:]) == 0
 
 
-@pytest.mark.parametrize("bf16_cache", [True, False], ids=["native-attention", "sdpa"])
+@pytest.mark.parametrize("bf16_cache", [True, False], ids=["bf16-cache", "fp32-cache"])
 def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache(bf16_cache, monkeypatch):
     """Under bf16 autocast the keys come fp32 (rotary's fp32 cos/sin) and the values bf16. Off the CPU
     (the meta device stands in for CUDA here) both are cached in bf16, the dtype attention casts them
-    to; on the CPU both are cached in bf16 where decoding attends with the native attention over a bf16
-    cache, else in fp32 (SDPA attends in fp32), holding exactly the values given."""
+    to; on the CPU both are cached in bf16 with a bf16 key cache (the default, whether the native
+    attention builds or not), else in fp32 (SDPA attends in fp32), holding exactly the values given."""
     monkeypatch.setattr(decode_attention, "BF16_CACHE", bf16_cache)
-    if bf16_cache and not bf16_decode_attention_available():
-        pytest.skip("the native decoding attention does not build on this machine")
     cpu_dtype = torch.bfloat16 if bf16_cache else torch.float32
     for device, expected in (("meta", torch.bfloat16), ("cpu", cpu_dtype)):
         layer = GrowingLayer()

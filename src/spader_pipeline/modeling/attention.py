@@ -29,7 +29,7 @@ def sdpa_gqa_attention_forward(module, query, key, value, attention_mask, dropou
     causal = query.shape[2] > 1 and attention_mask is None and causal
     decoding_in_fp32 = _cpu_autocast_decoding(query)
     if (decoding_in_fp32 and key.dtype == torch.bfloat16 and dropout == 0.0
-            and (attention_mask is None or attention_mask.dtype == torch.bool)):  # a bf16 cache: the native attention
+            and (attention_mask is None or attention_mask.dtype == torch.bool)):  # a bf16 cache: decode_attention
         mask = None if attention_mask is None else attention_mask[:, 0, -1, :]  # the one query position's row
         out = decode_attention(query.float(), key, value, mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
         return out.transpose(1, 2).contiguous(), None

@@ -20,15 +20,20 @@ It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name keyed by the source, torch's version, Python and the CPU's flags: the first process on a
 machine builds it (concurrent processes wait on a lock that a killed builder does not leave behind),
-later ones load it. Where it
+later ones load it. ``make install`` builds it (``python -m spader_pipeline.modeling.native_step``:
+exits non-zero where it does not build, unless :data:`REQUIREMENT_ENV` is ``optional``). Where it
 does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA,
-:func:`native_available` is false and decoding runs as before: the Python step, over an fp32 cache.
+:func:`native_available` is false, a warning says so once per process, and decoding runs the Python
+step over the same bf16 cache, attending with :func:`sdpa_decode_reference`: the same tokens up to the
+reassociation of fp32 sums (``tests/modeling/test_modeling_decoding_path.py``), slower.
+
+Builders take turns under an ``flock``. Where there is none (Windows has no ``fcntl``) they do not:
+torch's own lock file keeps them apart, and one left by a killed build is not removed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
@@ -41,7 +46,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NATIVE_STEP", "native_available", "sdpa_decode_reference"]
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): builders do not take turns (the module's docstring)
+    fcntl = None
+
+__all__ = ["NATIVE_STEP", "REQUIREMENT_ENV", "build_problem", "native_available", "sdpa_decode_reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,11 @@ LDFLAGS = ("-fopenmp",)
 #: the attention's largest difference from fp32 SDPA on the same bf16 keys and values allowed by the
 #: availability check: reassociation of fp32 sums only
 CHECK_TOLERANCE = 1e-4
+#: ``optional``: this machine may have no C++ compiler, so a step that does not build fails neither
+#: ``make install`` nor the test that requires it (tests/modeling/test_modeling_native_step.py);
+#: anything else (the default): it must build
+REQUIREMENT_ENV = "SPADER_NATIVE_STEP"
+_warned = False
 
 
 def _cpu_flags() -> str:
@@ -91,6 +106,9 @@ def _one_builder(directory: Path) -> Iterator[None]:
     and deletes) outlives a builder that was killed, and every later process would wait on it forever;
     inside this lock no live process holds torch's, so a ``lock`` found there is stale and removed."""
     directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
     with (directory / "builder.flock").open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -117,9 +135,18 @@ def _ninja_on_path() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _built() -> bool:
-    """Build (or load) the extension once per process; ``False`` where it does not build or check out."""
+    """Build (or load) the extension once per process; ``False`` where it does not build or check out,
+    with a warning, once per process."""
+    problem = build_problem()
+    if problem is not None and torch.backends.mkldnn.is_available():
+        _warn_once(problem)
+    return problem is None
+
+
+def build_problem() -> str | None:
+    """Build (or load) the extension and check its attention: ``None`` where it is ready, else why not."""
     if not torch.backends.mkldnn.is_available():
-        return False
+        return "this torch has no oneDNN, which the C++ step's products are"
     try:
         from torch.utils import cpp_extension
 
@@ -128,10 +155,23 @@ def _built() -> bool:
         with _one_builder(directory), _ninja_on_path():
             cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                build_directory=str(directory), is_python_module=False, verbose=False)
-    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a build error: decode as before
-        logger.info("the native decoding step did not build here (%s: %s)", type(error).__name__, str(error)[:200])
-        return False
-    return _attention_matches_sdpa()
+    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a build error: the Python step
+        return f"it did not build ({type(error).__name__}: {error})"
+    if not _attention_matches_sdpa():
+        return "its attention differs from fp32 SDPA here"
+    return None
+
+
+def _warn_once(problem: str) -> None:
+    """The one warning of a process whose C++ step is unavailable: why, what it costs, how to mend it."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    logger.warning("the C++ decoding step is not available here: %s. Decoding runs the Python step over the same "
+                   "bf16 cache (the same tokens up to fp32 rounding), several times slower at one row "
+                   "(docs/performance.md). To build it, install a C++ compiler (g++ or clang) and run make install.",
+                   problem[:300])
 
 
 def sdpa_decode_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -162,7 +202,6 @@ def _attention_matches_sdpa() -> bool:
             got = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.25)
             expected = sdpa_decode_reference(query[:, :, None], keys, values, mask, 0.25)[:, :, 0]
         if (got - expected).abs().max().item() > CHECK_TOLERANCE:
-            logger.info("the native decoding attention differs from SDPA here")
             return False
     return True
 
@@ -171,3 +210,28 @@ def native_available() -> bool:
     """Whether the C++ step and attention can run here: the extension built, loaded and checked out in
     this process."""
     return _built()
+
+
+def main() -> int:
+    """``python -m spader_pipeline.modeling.native_step`` (``make install``): build the step here and check
+    it; 1 where it does not build, unless :data:`REQUIREMENT_ENV` is ``optional`` (or the step does not
+    apply: a torch without oneDNN)."""
+    problem = build_problem()
+    optional = os.environ.get(REQUIREMENT_ENV, "").strip().lower() == "optional"
+    if problem is None:
+        message = f"the C++ decoding step is built and checked ({build_directory(extension_name())})"
+    elif optional or not torch.backends.mkldnn.is_available():
+        message = (f"the C++ decoding step is not available here: {problem}\ndecoding will run the Python step "
+                   "(the same tokens up to the order of fp32 sums, slower: docs/performance.md)")
+    else:
+        message = (f"the C++ decoding step is not available here: {problem}\ninstall a C++ compiler (g++ or clang) "
+                   f"and run make install again, or install without it: make install {REQUIREMENT_ENV}=optional "
+                   "(decoding then runs the Python step, slower: docs/performance.md)")
+        print(message, file=sys.stderr)  # noqa: T201 - the command's output
+        return 1
+    print(message)  # noqa: T201 - the command's output
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
