@@ -34,7 +34,7 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench bench-llamacpp viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -48,6 +48,7 @@ help:
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
 	@echo "make bench      - run the benchmarks under benchmarks/"
 	@echo "make bench-llamacpp - our decoder vs llama.cpp on the same weights (builds llama.cpp under build/llamacpp once)"
+	@echo "make bench-smoke - every benchmark at a smoke size, seconds each (CI runs it after make test)"
 	@echo "make viz        - serve kedro-viz lineage on 127.0.0.1:$(VIZ_PORT)"
 	@echo "make mlflow-ui  - serve the MLflow UI on 127.0.0.1:$(MLFLOW_PORT)"
 
@@ -188,6 +189,21 @@ bench: $(STAMP)
 BENCH_LLAMACPP_ARGS ?=
 bench-llamacpp: $(STAMP)
 	$(BIN)/python benchmarks/bench_vs_llamacpp.py $(BENCH_LLAMACPP_ARGS)
+
+# Every script of benchmarks/ at its smoke size (`--smoke`: seconds each, one repeat, tiny shapes, nothing
+# asserted about speed; benchmarks/smoke.py), one after another, stopping at the first that fails: CI runs
+# it after the tests, so a refactor that breaks a benchmark fails CI. The small inputs some of them need
+# (a tiny model, an index, questions) are built once, in a fresh folder removed at the end; one torch
+# thread each (two stall on each other on a shared machine, and no figure is kept).
+BENCH_SMOKE := $(sort $(wildcard benchmarks/bench_*.py)) benchmarks/profile_rollout.py
+bench-smoke: $(STAMP)
+	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; all=$$(date +%s); \
+	for b in $(BENCH_SMOKE); do \
+	  echo "== $$b --smoke"; start=$$(date +%s); \
+	  BENCH_SMOKE_DIR="$$dir" OMP_NUM_THREADS=1 $(BIN)/python $$b --smoke || { echo "bench-smoke: $$b --smoke failed"; exit 1; }; \
+	  echo "== $$b --smoke: ok, $$(( $$(date +%s) - start )) s"; \
+	done; \
+	echo "bench-smoke: $(words $(BENCH_SMOKE)) scripts ok in $$(( $$(date +%s) - all )) s"
 
 viz-build: $(STAMP)
 	$(BIN)/kedro viz build

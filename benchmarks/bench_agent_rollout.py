@@ -1,7 +1,7 @@
 """Agent/eval hot paths: batched vs one-at-a-time HF rollout, and corpus entity frequencies.
 
     .venv/bin/python benchmarks/bench_agent_rollout.py [--repeats 3] [--trajectories 8] [--threads 1]
-        [--model-dir data/06_models/warm_start]
+        [--model-dir data/06_models/warm_start] [--smoke]
 
 * **HF rollout**: ``HFGenerator`` rolls out N trajectories in lock-step rounds with one batched
   decoding call per round, keeping the KV cache between turns in a ``GrowingKVCache`` (decoding
@@ -38,8 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"  # --data-root: e.g. data/compare for the multi-search task of `make compare`
+PASSAGES, QUESTIONS = 4000, 200  # the tiny model's corpus and the frequency benchmark's size (--smoke: fewer)
 
 
 def _passages(limit: int | None = None) -> list[dict]:
@@ -123,7 +126,7 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
 
     # One intra-op thread: on the shared 2-core machine two threads oversubscribe and run ~10x slower.
     torch.set_num_threads(args_threads)
-    passages = _passages(4000 if model_dir is None else None)
+    passages = _passages(PASSAGES if model_dir is None else None)
     if model_dir is None:
         tokenizer = train_tokenizer((p["contents"] for p in passages), vocab_size=8192)
         model = build_tiny_qwen3(tokenizer, TinyQwen3Spec(), seed=0)
@@ -203,9 +206,9 @@ def bench_frequency(repeats: int) -> None:
     from spader_pipeline.algorithms.matching import normalize_answer, normalize_ground_truth
     from spader_pipeline.evaluation.metrics import entity_corpus_frequency
 
-    passages = _passages(4000)
+    passages = _passages(PASSAGES)
     texts = [f"{p['title']}\n{p['contents']}" for p in passages]
-    gts = [q["ground_truth"] for q in _questions(200)]
+    gts = [q["ground_truth"] for q in _questions(QUESTIONS)]
 
     def naive() -> list[list[int]]:
         norm = [normalize_answer(t) for t in texts]
@@ -245,9 +248,11 @@ def main() -> None:
     parser.add_argument("--data-root", default="data", help="the Kedro env's data root (data/compare: make compare's task)")
     parser.add_argument("--max-turns", type=int, default=None, help="rollout turns (default: training.rollout)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per turn")
-    args = parser.parse_args()
-    global DATA
+    args = smoke.parse_args(parser, repeats=1, trajectories=2, max_new_tokens=8)
+    global DATA, PASSAGES, QUESTIONS
     DATA = ROOT / args.data_root
+    if args.smoke:
+        PASSAGES, QUESTIONS = 300, 20
     if args.only != "rollout":
         bench_frequency(args.repeats)
     if args.only != "frequency":

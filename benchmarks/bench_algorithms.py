@@ -1,7 +1,7 @@
 """SPA advantage and SPADER reward on a paper-sized batch: vectorised core vs straightforward loops.
 
     .venv/bin/python benchmarks/bench_algorithms.py [--repeats 5] [--loop-repeats 3] [--seed 0] [--threads 1]
-                                                    [--pool 150 | --distinct-docs]
+                                                    [--pool 150 | --distinct-docs] [--smoke]
 
 Batch (issue 3): 32 prompts × 16 rollouts = 512 responses × 8192 tokens, ~8 decision steps each,
 ~15 gold entities per prompt with 1–3 aliases, 5 retrieved documents of ~100 words per step
@@ -35,6 +35,7 @@ import statistics
 import time
 
 import numpy as np
+import smoke
 import torch
 
 from spader_pipeline.algorithms.advantages import spa_advantage
@@ -256,7 +257,10 @@ def main() -> None:
     )
     parser.add_argument("--pool", type=int, default=150, help="distinct passages per prompt (see above)")
     parser.add_argument("--distinct-docs", action="store_true", help="every retrieval a new passage")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, repeats=1, loop_repeats=1, pool=20)
+    if args.smoke:  # 2 prompts x 4 rollouts of 4,096 tokens
+        global PROMPTS, GROUP, LENGTH
+        PROMPTS, GROUP, LENGTH = 2, 4, 4096
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_cells_side_by_side.py [--steps 2]
         [--data-root data/positive_control] [--cell-config <run dir>/config.json]
+    .venv/bin/python benchmarks/bench_cells_side_by_side.py --smoke   (one step of the tiny model at 2 x 2)
 
 A cell of ``make positive-control`` or ``make compare`` is one native training run. On a CPU its step
 is mostly decoding (memory-bound) and the update's small matrix products, which two threads of one
@@ -30,29 +31,38 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _spec(data_root: Path, cell_config: Path, steps: int, seed: int, out: Path) -> Path:
+def _spec(data_root: Path, cell_config: Path | None, steps: int, seed: int, out: Path) -> Path:
+    """The run's ``--spec`` file; ``cell_config`` ``None`` (``--smoke``): benchmarks/smoke.py's inputs and
+    trainer settings (the tiny model, a small index, 2 x 2 trajectories of two short turns)."""
     import pandas as pd
     import yaml
 
     from spader_pipeline.agent.prompts import resolve_template
     from spader_pipeline.data.formats import samples_from_verl
 
-    config = json.loads(cell_config.read_text())
+    if cell_config is None:
+        config, questions = smoke.trainer_settings(), smoke.questions(4)
+        model, index, template = str(smoke.model_dir()), str(smoke.index_dir()), smoke.prompt_template()
+    else:
+        config = json.loads(cell_config.read_text())
+        fitted = pd.read_parquet(data_root / "05_model_input/positive_control/fitted_train.parquet")
+        questions = [dict(s) for s in samples_from_verl(fitted)]
+        template = resolve_template(yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"])
+        versions = sorted((data_root / "06_models/retrieval/index_manifest.json").iterdir())  # a versioned dataset
+        index = json.loads((versions[-1] / "index_manifest.json").read_text())["index_dir"]
+        model = str(data_root / "06_models/warm_start")
     config["reward"].pop("enable_exploration", None)  # the method's, recorded in config.json, not a setting
     config.update(total_steps=steps, seed=seed, checkpoint_every=0, log_samples_every=0, resume=False,
                   max_seconds=None)
-    questions = pd.read_parquet(data_root / "05_model_input/positive_control/fitted_train.parquet")
     samples = out / "questions.jsonl"
-    samples.write_text("".join(json.dumps(dict(s), default=list) + "\n" for s in samples_from_verl(questions)))
-    prompt = yaml.safe_load((ROOT / "conf/base/parameters.yml").read_text())["prompt"]
-    versions = sorted((data_root / "06_models/retrieval/index_manifest.json").iterdir())  # a versioned dataset
-    manifest = json.loads((versions[-1] / "index_manifest.json").read_text())
-    spec = {"config": config, "model_path": str(data_root / "06_models/warm_start"), "samples": str(samples),
-            "index_dir": manifest["index_dir"], "run_dir": str(out / f"seed{seed}"),
-            "prompt_template": resolve_template(prompt)}
+    samples.write_text("".join(json.dumps(q, default=list) + "\n" for q in questions))
+    spec = {"config": config, "model_path": model, "samples": str(samples), "index_dir": index,
+            "run_dir": str(out / f"seed{seed}"), "prompt_template": template}
     path = out / f"spec_seed{seed}.json"
     path.write_text(json.dumps(spec))
     return path
@@ -84,8 +94,9 @@ def main() -> None:
     parser.add_argument("--cell-config", type=Path, default=None,
                         help="a cell's config.json (default: <data-root>/06_models/positive_control/seed0/train_grpo/)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="the machine's threads to share")
-    args = parser.parse_args()
-    cell_config = args.cell_config or args.data_root / "06_models/positive_control/seed0/train_grpo/config.json"
+    args = smoke.parse_args(parser, steps=1)  # --smoke: the tiny model, 2 x 2 trajectories of 2 short turns
+    cell_config = None if args.smoke and not args.cell_config else (
+        args.cell_config or args.data_root / "06_models/positive_control/seed0/train_grpo/config.json")
     half = max(1, args.threads // 2)
     with tempfile.TemporaryDirectory(prefix="bench_cells_") as tmp:
         results = {}

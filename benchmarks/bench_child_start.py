@@ -1,6 +1,6 @@
 """What a heavy stage's child process costs before its work starts: fork server vs spawn.
 
-    .venv/bin/python benchmarks/bench_child_start.py [--calls 5] [--repeats 3]
+    .venv/bin/python benchmarks/bench_child_start.py [--calls 5] [--repeats 3] [--smoke]
 
 Every training run, step-0 validation and in-process evaluation runs in a child process
 (``spader_pipeline.child_process``), whose target lives in the trainer's or the evaluator's module.
@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import smoke
 
 ARM = """
 import json, multiprocessing, sys, time
@@ -52,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5, help="children started per arm (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per arm (default 3)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, calls=2, repeats=1)
     totals: dict[str, list[float]] = {"spawn": [], "forkserver": []}
     later: dict[str, list[float]] = {"spawn": [], "forkserver": []}
     for _ in range(args.repeats):

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_decoder_server.py [--sizes 16,64] [--repeats 3] [--threads 1]
         [--model-dir data/06_models/base_model] [--max-turns 6] [--max-new-tokens 96] [--turn-delay-ms 0]
+    .venv/bin/python benchmarks/bench_decoder_server.py --smoke   (2 trajectories of the tiny model, 2 short turns)
 
 Issue 55, item 1: the rollout server verl calls (:class:`~spader_pipeline.verl_plugin.decoder_rollout.server.DecoderServer`)
 must reach at least 0.8x the tokens per second of ``HFGenerator`` on the same model and shapes, for 16
@@ -54,6 +55,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import smoke
 import torch
 import yaml
 
@@ -265,13 +267,17 @@ async def run(args: argparse.Namespace) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     training = _conf("parameters_training.yml")["training"]
     group, native = int(training["native"]["group_size"]), training["native"]
-    folder = model_dir(args.model_dir)
+    folder = Path(args.model_dir) if args.model_dir else smoke.model_dir() if args.smoke else model_dir(None)
     model, tokenizer = load_model_and_tokenizer(folder)
     bf16 = resolve_bf16("auto", torch.device("cpu"), model)
     results: dict[tuple[int, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        questions, template = workload(-(-max(sizes) // group), Path(tmp) / "bm25")
-        with search_backend({"mode": "local"}, Path(tmp) / "bm25", where="bench_decoder_server") as search:
+        if args.smoke:  # the smoke inputs (benchmarks/smoke.py): a few questions, a small index
+            questions, template, index = smoke.questions(-(-max(sizes) // group)), smoke.prompt_template(), smoke.index_dir()
+        else:
+            index = Path(tmp) / "bm25"
+            questions, template = workload(-(-max(sizes) // group), index)
+        with search_backend({"mode": "local"}, index, where="bench_decoder_server") as search:
             # verl's rollout settings for the trainer's shapes: prompts of 1,024 tokens, responses of 1,024
             prompt, response = int(native["max_prompt_tokens"]), int(training["rollout"]["max_response_tokens"])
             config = SimpleNamespace(prompt_length=prompt, response_length=response, max_model_len=prompt + response,
@@ -334,7 +340,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--turn-delay-ms", type=float, default=0.0,
                         help="each trajectory's turn is ready after a uniform random delay up to this")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes="2", repeats=1, max_turns=2, max_new_tokens=8, turn_delay_ms=5.0)
     try:
         import verl  # noqa: F401
     except ImportError:

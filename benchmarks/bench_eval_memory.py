@@ -1,7 +1,7 @@
 """Evaluation under a KV-cache budget: peak memory and throughput against one batch of every question.
 
     .venv/bin/python benchmarks/bench_eval_memory.py [--env compare] [--questions 100] \
-        [--settings none:glibc,6144:4194304]
+        [--settings none:glibc,6144:4194304] [--smoke]
 
 The straightforward evaluation (``kv_cache_budget_mb: null``) decodes all ``--questions`` greedy
 trajectories in one batch, each with its KV cache through all its turns; with a budget the same rows
@@ -30,11 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one(env: str, questions: int, budget: float | None, out: Path, threads: int, child: bool = False) -> None:
-    """Evaluate once (this process) and write ``{seconds, records, peak_rss_kb}`` to ``out``."""
+def one(env: str, questions: int, budget: float | None, out: Path, threads: int, child: bool = False,
+        smoke_inputs: bool = False) -> None:
+    """Evaluate once (this process) and write ``{seconds, records, peak_rss_kb}`` to ``out``
+    (``smoke_inputs``: the environment's settings on the tiny model, index and questions of
+    benchmarks/smoke.py instead of its catalog's)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -49,9 +54,16 @@ def one(env: str, questions: int, budget: float | None, out: Path, threads: int,
     params, catalog = context.params, context.catalog
     settings = dict(params["evaluate"]["trained_models"])
     settings.update((params.get("compare", {}).get("evaluation") or {}).get("trained_models") or {})
-    entry = {**settings, "name": "warm_start", "path": catalog.load("warm_start_manifest")["path"],
-             "batch_size": questions, "kv_cache_budget_mb": budget}
-    samples = samples_from_verl(catalog.load("verl_train"))[:questions]
+    if smoke_inputs:
+        model_path, train, index_manifest = str(smoke.model_dir()), smoke.verl_frame(questions), smoke.index_manifest()
+    else:
+        model_path, train = catalog.load("warm_start_manifest")["path"], catalog.load("verl_train")
+        index_manifest = catalog.load("index_manifest")
+    entry = {**settings, "name": "warm_start", "path": model_path, "batch_size": questions, "kv_cache_budget_mb": budget}
+    if smoke_inputs:  # two short turns
+        entry["sampling"] = {**entry["sampling"], "max_new_tokens": 8}
+        entry["rollout"] = {**entry["rollout"], "max_turns": 2}
+    samples = samples_from_verl(train)[:questions]
     config = EvaluationConfig.from_mapping({
         "models": [entry], "retrieval": {"mode": "service"},
         "runner": {"work_dir": str(out.parent / f"work-{out.stem}"), "progress": False, "resume": False,
@@ -60,7 +72,7 @@ def one(env: str, questions: int, budget: float | None, out: Path, threads: int,
     })
     started = time.perf_counter()
     (result,) = evaluate_models(config, select_models(config), {"train": samples}, {},
-                                index_manifest=catalog.load("index_manifest"), prompt=params["prompt"])
+                                index_manifest=index_manifest, prompt=params["prompt"])
     seconds = time.perf_counter() - started
     records = [{k: v for k, v in r.items() if "second" not in k and "time" not in k} for r in result.records]
     peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
@@ -77,10 +89,11 @@ def main() -> None:
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--budget", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # --smoke: the tiny model of benchmarks/smoke.py on 4 questions, in batches cut to 1 MiB (one setting)
+    args = smoke.parse_args(parser, questions=4, settings="1", threads=1)
     if args.one:
         budget = None if args.budget in (None, "none") else float(args.budget)
-        one(args.env, args.questions, budget, args.one, args.threads, args.child)
+        one(args.env, args.questions, budget, args.one, args.threads, args.child, args.smoke)
         return
 
     rows, first = [], None
@@ -94,7 +107,7 @@ def main() -> None:
             out = Path(tmp) / f"setting{index}.json"
             subprocess.run([sys.executable, __file__, "--env", args.env, "--questions", str(args.questions),
                             "--threads", str(args.threads), "--one", str(out), "--budget", budget,
-                            *(["--child"] if where == "child" else [])],
+                            *(["--child"] if where == "child" else []), *(["--smoke"] if args.smoke else [])],
                            check=True, cwd=ROOT, env=env)
             result = json.loads(out.read_text())
             first = first or result

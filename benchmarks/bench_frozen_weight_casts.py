@@ -11,6 +11,7 @@ SmolLM2-135M's shape with random weights (a step's cost does not depend on them)
 threads torch has (``OMP_NUM_THREADS``). Autocast runs on a CPU without bf16 units too, only slowly.
 
     python benchmarks/bench_frozen_weight_casts.py --rows 1 16 --steps 32 --repeats 5
+    python benchmarks/bench_frozen_weight_casts.py --smoke   (4 blocks, top 2 trained, one row)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import statistics
 import time
 
+import smoke
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,11 +34,11 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 TRAINED_BLOCKS = 8  # conf/base training.native.trainable_layers
 
 
-def frozen_bottom_model() -> LlamaForCausalLM:
+def frozen_bottom_model(shape: dict = SMOLLM2_135M, trained: int = TRAINED_BLOCKS) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     model.requires_grad_(False)
-    for block in model.model.layers[-TRAINED_BLOCKS:]:
+    for block in model.model.layers[-trained:]:
         block.requires_grad_(True)
     model.model.norm.requires_grad_(True)
     return model
@@ -60,14 +62,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="prompt tokens per row")
     parser.add_argument("--steps", type=int, default=32, help="decoded tokens per row")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    model = frozen_bottom_model()
+    args = smoke.parse_args(parser, rows=[1], width=8, steps=2, repeats=1)
+    model = frozen_bottom_model({**SMOLLM2_135M, "num_hidden_layers": 4, "vocab_size": 4096}, 2) if args.smoke \
+        else frozen_bottom_model()
     print(f"threads {torch.get_num_threads()}; {args.width}-token prompt, {args.steps} greedy tokens per row; "
           f"median of {args.repeats} (ms per token: the turn, its prefill included, over its tokens)")
     print("| rows | autocast around the turn (frozen weights cast every step) | `bf16_inference` | ratio |")
     print("|---|---|---|---|")
     for rows in args.rows:
-        ids = torch.randint(1, SMOLLM2_135M["vocab_size"], (rows, args.width), generator=torch.Generator().manual_seed(rows))
+        ids = torch.randint(1, model.config.vocab_size, (rows, args.width), generator=torch.Generator().manual_seed(rows))
         decode_turn(model, ids, 2, cached=True)  # warm-up: kernels and allocator
         times: dict[bool, list[float]] = {False: [], True: []}
         tokens: dict[bool, list[list[int]]] = {}

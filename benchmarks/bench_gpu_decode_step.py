@@ -16,6 +16,7 @@ Each at several batch sizes and cached widths, under bf16 autocast (as the train
 bf16 weights. The table is printed last; ``--profile`` adds torch.profiler's top operations.
 
     python benchmarks/bench_gpu_decode_step.py --rows 256 512 1024 --widths 1024 3072
+    python benchmarks/bench_gpu_decode_step.py --smoke   (2 blocks, 2 rows, on the CPU where there is no GPU)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import gc
 import statistics
 import time
 
+import smoke
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,7 +44,7 @@ def sync() -> None:
 
 
 def prefill(model, rows: int, width: int, device: str) -> tuple[GrowingKVCache, torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (rows, width), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
     mask = torch.ones_like(ids)
     cache = GrowingKVCache()
     model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -50,7 +52,7 @@ def prefill(model, rows: int, width: int, device: str) -> tuple[GrowingKVCache, 
 
 
 def _decode_seconds(model, rows, width, steps, device, autocast) -> float:
-    ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (rows, width), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
     mask = torch.ones_like(ids)
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=steps, pad_token_id=0)
     processors, do_sample = generation_processors(model, kwargs, ids)
@@ -99,7 +101,7 @@ def time_forward_graph(model, rows, width, steps, device, autocast) -> float | N
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             cache = StaticCache(config=model.config, max_cache_len=width + steps + 8)
-            ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (rows, width), device=device)
+            ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                   cache_position=torch.arange(width, device=device))
             token = ids[:, -1:].clone()
@@ -140,15 +142,16 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 3072])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = smoke.parse_args(parser, rows=[2], widths=[16], steps=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (no autocast, no CUDA graph) for --smoke
+    shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device).eval()
+    base = LlamaForCausalLM(LlamaConfig(**shape)).to(device).eval()
     print(torch.__version__, torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
           "attention:", base.config._attn_implementation)
     results = []
     for weights in ("fp32+autocast", "bf16"):
-        model = base if weights == "fp32+autocast" else LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(
+        model = base if weights == "fp32+autocast" else LlamaForCausalLM(LlamaConfig(**shape)).to(
             device, torch.bfloat16).eval()
         autocast = weights == "fp32+autocast"
         time_forward(model, 8, 128, 4, device, autocast)  # warm-up

@@ -12,7 +12,7 @@ small operations' launches (docs/gpu.md), so the count of operations is what mat
 SmolLM2-135M's cache shape (30 layers, 3 KV heads of 64, captured states of 576), short caches so
 that the copy itself is small, as it is next to a GPU's bandwidth. Median over repeats.
 
-    python benchmarks/bench_retire_rows.py [--rows 256] [--ended 32] [--positions 64] [--device cpu]
+    python benchmarks/bench_retire_rows.py [--rows 256] [--ended 32] [--positions 64] [--device cpu] [--smoke]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 
+import smoke
 import torch
 
 from spader_pipeline.modeling.decode import retire_rows
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, rows=16, ended=4, positions=8, repeats=2)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     cache = filled_cache(args.rows, args.positions, args.device)
     rng = random.Random(0)

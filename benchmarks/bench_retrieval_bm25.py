@@ -1,7 +1,7 @@
 """BM25 query throughput on the embedded corpus (10,033 Wikipedia summaries): our bm25s-backed
 retriever against rank-bm25 (the straightforward implementation), same tokens, same k, one run.
 
-    .venv/bin/python benchmarks/bench_retrieval_bm25.py [--queries 300] [--repeats 5]
+    .venv/bin/python benchmarks/bench_retrieval_bm25.py [--queries 300] [--repeats 5] [--smoke]
 
 Reports the median over ``--repeats`` runs of queries/s for: ours (top-k rows), ours end to end
 (rows + passages from the doc store), bm25s' own ``retrieve`` on the same index, and rank-bm25's
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402
 from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.retrieval.bm25 import passage_text  # noqa: E402
@@ -42,7 +43,7 @@ def main() -> None:
     parser.add_argument("--rank-bm25-queries", type=int, default=100, help="rank-bm25 is slow: fewer queries")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--k", type=int, default=5)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, queries=20, rank_bm25_queries=5, repeats=1)
 
     passages = embedded_passages()
     queries = embedded_queries(passages, args.queries)

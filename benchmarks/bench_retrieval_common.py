@@ -51,6 +51,11 @@ def embedded_queries(passages: list[Passage], n: int, seed: int = 0) -> list[str
 
 
 if __name__ == "__main__":  # `make bench` runs every bench_*.py: print what the corpus is
+    import argparse
+
+    import smoke
+
+    smoke.parse_args(argparse.ArgumentParser(description="print what the embedded corpus is"))  # --smoke: the same
     corpus = embedded_passages()
     words = sum(len(p.contents.split()) for p in corpus)
     print(f"embedded corpus: {len(corpus)} passages, {words} words ({summaries_path()})")

@@ -2,7 +2,7 @@
 single-query latency (encode + faiss search) for Flat and HNSW32, and HNSW's recall of Flat's
 top 5.
 
-    .venv/bin/python benchmarks/bench_retrieval_dense.py [--passages 500] [--queries 100] [--repeats 3]
+    .venv/bin/python benchmarks/bench_retrieval_dense.py [--passages 500] [--queries 100] [--repeats 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402
 from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.retrieval.index import build_index, load_retriever  # noqa: E402
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch/faiss threads at query time")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, passages=20, queries=5, repeats=1)
     passages = embedded_passages()[: args.passages]
     queries = embedded_queries(passages, args.queries, seed=2)
     results = {}

@@ -2,6 +2,7 @@
 passages (Wikipedia 2021, ~100-word chunks).
 
     .venv/bin/python benchmarks/bench_retrieval_scale.py [--sizes 100000,300000,1000000]  (default 100k,300k)
+    .venv/bin/python benchmarks/bench_retrieval_scale.py --smoke    (2,000 passages, 16-d vectors)
 
 BM25: a synthetic corpus (Zipf-distributed vocabulary of 200k words, ~70 indexed tokens per
 passage, like a 100-word chunk after stopwords) is streamed into a bm25s index, one child process
@@ -23,6 +24,7 @@ import tempfile
 import time
 
 import numpy as np
+import smoke
 
 TARGET = 25_000_000
 VOCAB = 200_000
@@ -142,7 +144,7 @@ def main() -> None:
     parser.add_argument("--shard-docs", type=int, default=None,
                         help="sharded BM25 build with this many passages per shard (default: one-shot bm25s build)")
     parser.add_argument("--child", nargs="*")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, sizes="2000", dense_dims="16")
     if args.child:
         kind, *rest = args.child
         if kind == "build":

@@ -3,7 +3,7 @@ errors, for the current service and (``--baseline-rev``) the service of another 
 one run, alternating.
 
     .venv/bin/python benchmarks/bench_retrieval_server.py [--clients 32] [--seconds 10] [--repeats 3]
-        [--style search_r1|spader] [--client auto|wrk|python] [--baseline-rev 9ea9b85] [--floor]
+        [--style search_r1|spader] [--client auto|wrk|python] [--baseline-rev 9ea9b85] [--floor] [--smoke]
 
 Each server (``spader-retrieval serve``, one uvicorn process) serves the embedded corpus (10,033
 Wikipedia summaries); every request carries one query. **Server CPU per request** is the server
@@ -46,6 +46,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
+import smoke  # noqa: E402
 from bench_retrieval_common import embedded_passages, embedded_queries  # noqa: E402
 
 from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy  # noqa: E402
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="also measure a do-nothing ASGI app and the "
                         "request work in process (where the floor is)")
     parser.add_argument("--work-batch", type=int, default=16, help="requests per batch for the in-process work")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, clients=2, seconds=1, repeats=1, client="python", floor=True)
     client = args.client if args.client != "auto" else ("wrk" if shutil.which("wrk") else "python")
 
     passages = embedded_passages()

@@ -234,10 +234,7 @@ def _smoke_rl_inputs(args) -> dict:
     model, a small index, a few questions) and the project's settings at a tiny size."""
     import smoke
 
-    settings = _project_settings(Path(args.conf), args.prompts_per_step, args.group_size)
-    rollout = {**settings["rollout"], "max_turns": 2, "max_response_tokens": 64}
-    project = {**settings, "rollout": rollout, "max_new_tokens": 8, "trainable_layers": 1, "device": "cpu",
-               "micro_batch_size": args.prompts_per_step * args.group_size}
+    project = smoke.trainer_settings(_project_settings(Path(args.conf), args.prompts_per_step, args.group_size))
     return {"project": project, "samples": smoke.questions(args.prompts_per_step), "index": str(smoke.index_dir()),
             "template": smoke.prompt_template(), "models": {"tiny": smoke.model_dir}}
 

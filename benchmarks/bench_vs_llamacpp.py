@@ -67,6 +67,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import smoke
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -422,7 +423,11 @@ def main() -> None:
                              "step instead of the C++ one), packed (weights packed; decoding "
                              "steps through the model's forward over an fp32 cache), unpacked (and autocast's own "
                              "linear layers), none")
-    args = parser.parse_args()
+    # --smoke: our side only (llama.cpp's build takes minutes), on the tiny model of benchmarks/smoke.py
+    args = smoke.parse_args(parser, rows="1,2", threads="1", prompt_tokens=16, new_tokens=4, repeats=1,
+                            ours_only=True, model_dir=None)
+    if args.model_dir is None:
+        args.model_dir = str(smoke.model_dir())
     rows = [int(n) for n in args.rows.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     if args.build_only:

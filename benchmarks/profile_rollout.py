@@ -21,6 +21,7 @@ Same questions and seed for every layout; the straightforward layout (today's) i
 
     python benchmarks/profile_rollout.py --model-dir /tmp/one_gpu/warm_start --bundle /tmp/stage/bundle \\
         --questions 48 --group 16 --device cuda [--max-turns 6] [--profile]
+    python benchmarks/profile_rollout.py --smoke    (the tiny model, 2 x 2 trajectories, on the CPU without a GPU)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import smoke
 import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
@@ -62,8 +64,8 @@ def rollout(model, tokenizer, group, search, limits, template, *, bf16: bool, ca
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", required=True, help="a Hugging Face folder (the warm start)")
-    parser.add_argument("--bundle", required=True, help="a portable bundle (questions, index, settings)")
+    parser.add_argument("--model-dir", help="a Hugging Face folder (the warm start); required but with --smoke")
+    parser.add_argument("--bundle", help="a portable bundle (questions, index, settings); required but with --smoke")
     parser.add_argument("--questions", type=int, default=48)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,20 +74,30 @@ def main() -> None:
     parser.add_argument("--capture-block", type=int, default=21,
                         help="decoder block whose output is captured (trainable_layers 8 of 30: 21); -1: none")
     parser.add_argument("--profile", action="store_true")
-    args = parser.parse_args()
+    # --smoke: benchmarks/smoke.py's tiny model (2 blocks), index and questions, 2 x 2 trajectories, every layout
+    args = smoke.parse_args(parser, questions=2, group=2, layouts="autocast,bf16,autocast_bf16_values",
+                            capture_block=1)
+    if not args.smoke and not (args.model_dir and args.bundle):
+        parser.error("--model-dir and --bundle are required (or --smoke)")
 
-    bundle = Path(args.bundle)
-    settings = json.loads((bundle / "settings.json").read_text())
-    limits = dict(settings["training"]["native"]["rollout"])
+    if args.smoke:
+        limits, template, index = dict(smoke.trainer_settings()["rollout"]), smoke.prompt_template(), smoke.index_dir()
+        samples = smoke.questions(args.questions)
+        model_dir = args.model_dir or smoke.model_dir()
+    else:
+        bundle = Path(args.bundle)
+        settings = json.loads((bundle / "settings.json").read_text())
+        limits, template, index = dict(settings["training"]["native"]["rollout"]), settings["prompt_template"], bundle / "index"
+        samples = samples_from_verl(pd.read_parquet(bundle / "train.parquet"))[: args.questions]
+        model_dir = args.model_dir
     if args.max_turns is not None:
         limits["max_turns"] = args.max_turns
     limits = RolloutConfig.from_mapping(limits)
-    samples = samples_from_verl(pd.read_parquet(bundle / "train.parquet"))[: args.questions]
     group = [{**q, "uid": f"1-{k}"} for k, q in enumerate(samples) for _ in range(args.group)]
-    model, tokenizer = load_model_and_tokenizer(args.model_dir, device=args.device)
+    model, tokenizer = load_model_and_tokenizer(model_dir, device=args.device)
     capture = None if args.capture_block < 0 else args.capture_block
     rows = []
-    with search_backend({"mode": "local"}, str(bundle / "index"), where="profile_rollout") as search:
+    with search_backend({"mode": "local"}, str(index), where="profile_rollout") as search:
         for i, layout in enumerate(args.layouts.split(",")):
             policy = model if layout.startswith("autocast") else copy.deepcopy(model).to(torch.bfloat16)
             bf16 = layout.startswith("autocast") and resolve_bf16("auto", args.device, model)
@@ -100,7 +112,7 @@ def main() -> None:
                     activities=activities,
                     experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
                 profiler.__enter__()
-            result = rollout(policy, tokenizer, group, search, limits, settings["prompt_template"], bf16=bf16,
+            result = rollout(policy, tokenizer, group, search, limits, template, bf16=bf16,
                              capture=capture, device=args.device)
             if profiler is not None:
                 profiler.__exit__(None, None, None)

@@ -41,13 +41,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None, *
 @functools.lru_cache(maxsize=1)
 def workdir() -> Path:
     """``$BENCH_SMOKE_DIR`` (shared by the benchmarks of one ``make bench-smoke``), else a temporary
-    folder removed when the process ends."""
+    folder removed when the process ends (and set as ``$BENCH_SMOKE_DIR`` for its child processes)."""
     if os.environ.get("BENCH_SMOKE_DIR"):
         path = Path(os.environ["BENCH_SMOKE_DIR"])
         path.mkdir(parents=True, exist_ok=True)
         return path
     path = Path(tempfile.mkdtemp(prefix="bench_smoke_"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["BENCH_SMOKE_DIR"] = str(path)
     return path
 
 
@@ -111,6 +112,22 @@ def verl_frame(n: int = 8):
 
     qa = pd.DataFrame([{**q, "split": "train"} for q in questions(n)])
     return verl_rows(qa, "train", prompt_template(), "spader_search")
+
+
+def trainer_settings(settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Native trainer settings at a tiny size: ``settings`` (default: conf/base's GRPO run, 2 questions
+    x 2 trajectories) with two turns of 8 tokens, the top block trained, on the CPU."""
+    if settings is None:
+        import yaml
+
+        from spader_pipeline.typed_config import method_settings
+
+        params = yaml.safe_load((ROOT / "conf/base/parameters_training.yml").read_text())
+        settings = {**method_settings(params["training"], params["train_grpo"]["method"], "native"),
+                    "method": "grpo", "prompts_per_step": 2, "group_size": 2}
+    rollout = {**settings["rollout"], "max_turns": 2, "max_response_tokens": 64}
+    return {**settings, "rollout": rollout, "max_new_tokens": 8, "trainable_layers": 1, "device": "cpu",
+            "micro_batch_size": settings["prompts_per_step"] * settings["group_size"]}
 
 
 def prompt_template() -> str:

@@ -65,3 +65,35 @@ def test_make_positive_control_runs_every_cell_of_the_pipeline_once_as_a_job_of_
     assert runs[0][5:] == ["--to-nodes", "validate_warm_start_on_fitted_set"]
     assert runs[-1][5:] == ["--nodes", "positive_control_report"]
     assert sorted(args[5:] for args in runs[1:-1]) == sorted(["--namespaces", cell_name(m, s)] for m, s in CELLS)
+
+
+def _benchmark_scripts() -> list[str]:
+    """Every script of benchmarks/: the ``bench_*.py`` and ``profile_*.py`` files (not their helpers
+    ``smoke.py``, ``child_start_probe.py``)."""
+    return sorted(f"benchmarks/{p.name}" for pattern in ("bench_*.py", "profile_*.py")
+                  for p in (ROOT / "benchmarks").glob(pattern))
+
+
+def _parses_smoke(path: Path) -> bool:
+    """The script's ``__main__`` reaches ``smoke.parse_args`` (benchmarks/smoke.py adds ``--smoke``)."""
+    import ast
+
+    calls = [node for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.Call)]
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr == "parse_args"
+               and isinstance(c.func.value, ast.Name) and c.func.value.id == "smoke" for c in calls)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_bench_smoke_runs_every_benchmark_with_smoke():
+    """``make bench-smoke`` (what CI runs after the tests) runs every benchmark script with ``--smoke``,
+    and every one takes it: a new benchmark left out, or one that would fail on an unknown flag, fails here
+    (read from the scripts and ``make -n``; nothing is run)."""
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "bench-smoke"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    (loop,) = [line for line in out.splitlines() if line.lstrip().startswith("for b in ")]
+    listed = shlex.split(loop.split(" in ", 1)[1].split(";", 1)[0])
+    assert sorted(listed) == _benchmark_scripts()
+    assert '$b --smoke ||' in out  # each with --smoke, stopping at the first failure
+    assert [s for s in listed if not _parses_smoke(ROOT / s)] == []
+    ci = (ROOT / ".ci/run").read_text(encoding="utf-8").splitlines()
+    assert ci.index("make bench-smoke") > ci.index("make test")
