@@ -97,6 +97,22 @@ def test_a_changed_setting_stops_the_run_naming_it_and_keeps_every_checkpoint(st
     assert resumed.resumed_from == 2 and resumed.steps == 3
 
 
+def test_a_resume_that_would_decode_otherwise_stops_naming_the_decoding_path(stopped_run, native_model_dir,
+                                                                           toy_index_dir, monkeypatch):
+    """The checkpoints record how this machine decoded the rollouts (modeling/decode_step.py:decoding_path);
+    a resume where it decodes otherwise (here: as if the C++ step did not build) is a changed setting."""
+    from spader_pipeline.modeling import decode_step
+
+    recorded = load_trainer_state(list_checkpoints(stopped_run)[-1][1])["extra"]["settings"]
+    path = {key: value for key, value in recorded.items() if key.startswith("decode.")}
+    assert set(path) == {"decode.step", "decode.attention", "decode.kv_cache", "decode.packed_weights"}
+    other = {**path, "decode.attention": "sdpa" if path["decode.attention"] == "cpp" else "cpp"}
+    monkeypatch.setattr(decode_step, "decoding_path", lambda *args, **kwargs: other)
+    with pytest.raises(SettingsChanged) as stopped:
+        _train(stopped_run, toy_index_dir, native_model_dir, _training())
+    assert stopped.value.changes == [("decode.attention", path["decode.attention"], other["decode.attention"])]
+
+
 def test_a_fresh_start_moves_the_old_checkpoints_aside_whole_with_their_config(stopped_run, native_model_dir,
                                                                              toy_index_dir):
     before = _snapshot(stopped_run / "checkpoints")

@@ -14,7 +14,7 @@ from native_toy import QUESTIONS, TEMPLATE
 
 from spader_pipeline.portable.bundle import export_bundle, read_settings
 from spader_pipeline.portable.run import run_bundle, with_overrides
-from spader_pipeline.reporting.portable import summarise
+from spader_pipeline.reporting.portable import environment, summarise
 
 ROLLOUT = {"max_turns": 2, "max_response_tokens": 600, "topk": 2}
 
@@ -93,6 +93,16 @@ def test_a_bundle_runs_end_to_end_on_cuda(bundle, tmp_path):  # pragma: no cover
     _check_run(bundle, tmp_path / "out", "cuda")
     log = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert log["environment"]["device_name"] == torch.cuda.get_device_name(0)
+
+
+def test_the_environment_names_the_decoding_path():
+    """The summary's environment: versions, and how the rollouts were decoded (decode_step.decoding_path)."""
+    from spader_pipeline.modeling.decode_step import decoding_path
+
+    shown = environment("cpu", True)
+    assert {"device", "torch", "transformers", "python"} <= set(shown)
+    assert {key: value for key, value in shown.items() if key.startswith("decode.")} == decoding_path("cpu", True)
+    assert environment("cpu", True, bf16_weights=True)["decode.step"] == "transformers"
 
 
 def test_overrides_set_dotted_keys_and_reject_unknown_blocks():

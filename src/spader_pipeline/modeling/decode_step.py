@@ -27,6 +27,9 @@ Where the C++ extension builds (:mod:`~spader_pipeline.modeling.native_step`) an
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` over bf16 keys and values, the step's
 blocks run in C++ as one call: the same operator calls, so the same bits.
 
+Which of these paths a machine decodes with is :func:`decoding_path`'s answer, recorded with a run
+(the method run's MLflow parameters, the checkpoints' settings, the portable report's environment).
+
 A rollout that collects the boundary states (:func:`~spader_pipeline.modeling.boundary.
 capture_block_output`) registers the block here (:data:`CAPTURED_BLOCK`), and the step appends that
 block's output to the cache's ``states`` as the hook would.
@@ -41,14 +44,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from spader_pipeline.modeling import decode_attention as attention_settings
 from spader_pipeline.modeling import native_step, packed_linear
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.decode_attention import decode_attention
+from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
+from spader_pipeline.modeling.precision import resolve_bf16
 
-__all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "fused_decode_step"]
+__all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "decoding_path",
+           "fused_decode_step"]
 
 #: run decoding steps through :class:`FusedDecodeStep` where it applies (benchmarks switch it off to time
 #: the model's own forward in the same process)
@@ -239,3 +246,41 @@ def fused_decode_step(model: Any) -> FusedDecodeStep | None:
     if not _structure_supported(model) or _has_foreign_hooks(model) or not packing_available():
         return None
     return FusedDecodeStep(model)
+
+
+def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weights: bool = False) -> dict[str, str]:
+    """How this machine decodes a grouped-query model of a supported family (:data:`SUPPORTED_MODEL_TYPES`:
+    SmolLM2, the tests' Qwen3) on ``device``
+    with ``bf16`` autocast (both as the trainer's settings take them: ``auto`` resolved here) from fp32
+    weights, or (``bf16_weights``) from a bf16 copy of them without autocast (``rollout_weights: bf16``):
+
+    * ``decode.step``: ``cpp`` (the C++ step, :mod:`~spader_pipeline.modeling.native_step`), ``python``
+      (:class:`FusedDecodeStep`) or ``transformers`` (the model's own forward);
+    * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache) or ``sdpa`` (SDPA; on the
+      CPU in fp32 over the widened cache);
+    * ``decode.kv_cache``: the keys' dtype in the cache, ``bf16`` or ``fp32``;
+    * ``decode.packed_weights``: ``on`` where the products read weights packed for oneDNN once
+      (:mod:`~spader_pipeline.modeling.packed_linear`), else ``off``.
+
+    The C++ and Python steps and attentions compute the same sums, in another order where the attention
+    is SDPA's (log-probabilities within ``tests/modeling/test_modeling_decoding_path.py``'s bound); the key
+    cache's dtype moves them within the bound ``tests/modeling/test_modeling_decode_attention.py`` states.
+    It reads the module switches (:data:`FUSED_DECODE_STEP`, ``PACK_WEIGHTS``, ``BF16_CACHE``,
+    ``NATIVE_STEP``) and, on a CPU under autocast, builds or loads the C++ step once per process.
+    """
+    if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
+        return {"decode.step": "transformers", "decode.attention": "sdpa", "decode.kv_cache": "bf16",
+                "decode.packed_weights": "off"}
+    device = resolve_device(device)
+    cpu = torch.device(device).type == "cpu"
+    autocast = resolve_bf16(bf16, device)
+    packed = cpu and autocast and packed_linear.PACK_WEIGHTS and packing_available()
+    fused = packed and FUSED_DECODE_STEP
+    native = cpu and autocast and native_available()
+    bf16_keys = autocast and (not cpu or attention_settings.bf16_key_cache())
+    return {
+        "decode.step": "cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused else "transformers",
+        "decode.attention": "cpp" if native and bf16_keys else "sdpa",
+        "decode.kv_cache": "bf16" if bf16_keys else "fp32",
+        "decode.packed_weights": "on" if packed else "off",
+    }

@@ -216,8 +216,19 @@ def weights_stamp(model_path: str | Path) -> list[list[Any]]:
     return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
 
 
+def rollout_decoding_path(config: NativeTrainerConfig) -> dict[str, str]:
+    """How this machine decodes the run's rollouts (``decode.step``, ``decode.attention``, ``decode.kv_cache``,
+    ``decode.packed_weights``: :func:`~spader_pipeline.modeling.decode_step.decoding_path`) on the run's
+    device and precision."""
+    from spader_pipeline.modeling.decode_step import decoding_path
+
+    return decoding_path(config.device, config.bf16, bf16_weights=config.rollout_weights == "bf16")
+
+
 def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[str, Any]:
-    """Identity of a run for resume, as JSON values: the settings that shape its trajectory, the start
+    """Identity of a run for resume, as JSON values: the settings that shape its trajectory, with the
+    decoding path this machine samples them with (:func:`rollout_decoding_path`: a resume elsewhere that
+    decodes otherwise is a changed setting), the start
     model's path (``start_model``) and its weights files' names, sizes and times (``start_weights``).
 
     Settings that only schedule, pace or place a run (steps, budget, checkpointing, logging, device,
@@ -227,7 +238,7 @@ def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[st
                   if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
                                "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
     start = {"start_model": str(Path(model_path).resolve()), "start_weights": weights_stamp(model_path)}
-    return json.loads(json.dumps({**trajectory, **start}, default=str))
+    return json.loads(json.dumps({**trajectory, **rollout_decoding_path(config), **start}, default=str))
 
 
 def settings_fingerprint(settings: Mapping[str, Any]) -> str:

@@ -9,7 +9,7 @@ are :mod:`spader_pipeline.reporting.portable`'s. Output folder::
 
     summary.json / summary.md   held-out recall and F1 per model with a 95% question-bootstrap
                                 interval, each method's paired difference from the warm start, the
-                                stage times, the device and the package versions
+                                stage times, the device, the package versions and the decoding path
     heldout_records.jsonl       one evaluation record per model × held-out question
     curves.json / curves.png    validation recall per step per method, the warm start's as a line
     warm_start/, train_<m>/     the models, checkpoints and per-step metrics (metrics.jsonl)
@@ -90,12 +90,14 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
 
     def report() -> dict[str, Any]:
         """Write the outputs as they stand (after each evaluation, so a run cut short keeps them)."""
+        trainer = training.start_config()
         summary = summarise(records, settings["bootstrap"], reference=REFERENCE)
         summary.update({
             "bundle": str(bundle), "heldout": settings["heldout"], "questions": len(heldout), "methods": methods,
             "steps": {m: max((h.get("step", 0) for h in history), default=0) for m, history in curves.items()},
-            "failed_methods": failures, "trajectories_per_step": training.start_config().batch_size,
-            "warm_start": warm_start_metrics, "seconds": timings, "environment": environment(device),
+            "failed_methods": failures, "trajectories_per_step": trainer.batch_size,
+            "warm_start": warm_start_metrics, "seconds": timings,
+            "environment": environment(device, trainer.bf16, bf16_weights=trainer.rollout_weights == "bf16"),
             "overrides": dict(overrides or {}), "rl_seconds": rl_seconds,
         })
         with (out / "heldout_records.jsonl").open("w", encoding="utf-8") as f:

@@ -106,11 +106,15 @@ def plot_curves(curves: Mapping[str, Sequence[Mapping[str, float]]], start: Mapp
     plt.close(fig)
 
 
-def environment(device: str) -> dict[str, str]:
-    """What the run ran on: device name, torch, transformers and Python versions."""
+def environment(device: str, bf16: bool | str = "auto", *, bf16_weights: bool = False) -> dict[str, str]:
+    """What the run ran on: device name, torch, transformers and Python versions, and how it decoded
+    (``decode.*``, with ``bf16`` autocast and the rollout's weights as the trainer's settings give them:
+    :func:`~spader_pipeline.modeling.decode_step.decoding_path`)."""
     import torch
     import transformers
 
+    from spader_pipeline.modeling.decode_step import decoding_path
+
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else (platform.processor() or platform.machine())
     return {"device": device, "device_name": name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), **decoding_path(device, bf16, bf16_weights=bf16_weights)}

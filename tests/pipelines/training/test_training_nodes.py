@@ -5,7 +5,8 @@ import pandas as pd
 import pytest
 
 from spader_pipeline.data.formats import samples_from_verl
-from spader_pipeline.pipelines.training.nodes import _summary, train_policy, warm_start
+from spader_pipeline.pipelines.training.nodes import _summary, method_run_identity, train_policy, warm_start
+from spader_pipeline.training import TrainingSettings
 from spader_pipeline.typed_config import method_settings
 
 
@@ -48,3 +49,13 @@ def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match=r"training.backend='tpu': use one of \['native', 'verl'\]"):
         train_policy({"path": "x"}, _verl_frame(), {}, {"method": "grpo"}, {"backend": "tpu"},
                      {"template": "t", "templates": {"t": "{question}"}})
+
+
+def test_the_method_runs_parameters_name_the_decoding_path():
+    """How this machine decodes the rollouts, at the trainer's device and precision (decode_step.decoding_path)."""
+    from spader_pipeline.modeling.decode_step import decoding_path
+
+    settings = TrainingSettings.from_mapping({"native": {"device": "cpu", "bf16": False}}, {"method": "grpo"})
+    _, _, params = method_run_identity({"path": "/models/start"}, settings)
+    assert {key: value for key, value in params.items() if key.startswith("decode.")} == decoding_path("cpu", False)
+    assert params["decode.step"] == "transformers" and params["decode.kv_cache"] == "fp32"  # no autocast

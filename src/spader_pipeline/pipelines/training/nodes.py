@@ -18,7 +18,7 @@ from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.algorithms.validation import validation_subset
 from spader_pipeline.child_process import in_child_process, runs_child_processes
 from spader_pipeline.data.formats import samples_from_verl
-from spader_pipeline.native.checkpoint import SettingsChanged
+from spader_pipeline.native.checkpoint import SettingsChanged, rollout_decoding_path
 from spader_pipeline.native.stages import run_warm_start, validate_start_model
 from spader_pipeline.tracking.buffer import active_run_target
 from spader_pipeline.training import TrainingSettings
@@ -73,13 +73,15 @@ def method_run_identity(init_manifest: Mapping[str, Any], settings: TrainingSett
 
     The parameters are what defines the method — its ``train_<method>.method`` block over the shared
     reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``options.gamma``…),
-    so MLflow's compare view of two methods' runs shows exactly their differences.
+    so MLflow's compare view of two methods' runs shows exactly their differences; and the path this
+    machine decodes the rollouts with (``decode.*``: :func:`~spader_pipeline.native.checkpoint.rollout_decoding_path`).
     """
     name, seed = settings.method_name, settings.seed
     base = init_manifest.get("base") or init_manifest["path"]
     tags = {"method": name, "backend": settings.backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": settings.backend, "seed": seed, **settings.method_parameters()}
+    params = {"backend": settings.backend, "seed": seed, **settings.method_parameters(),
+              **rollout_decoding_path(settings.trainer_config())}
     label = settings.run_label  # e.g. "compare": a compare cell's run, told apart at a glance
     if label:
         tags["chain_kind"] = label
