@@ -21,7 +21,7 @@ holds those cells, any other run the whole root; a run in the way stops before a
 cells of the context's ``compare`` parameters for the pipeline registry, which loads after it, and
 stops a run whose registered cells differ from its parameters before anything starts.
 
-:class:`TrainingSettingsHooks` types the ``training`` parameters (and the method blocks a run reads)
+:class:`TrainingSettingsHooks` types the ``training`` and ``warm_start`` parameters (and the method blocks a run reads)
 as the run starts: a misspelt key or a bad value stops it before anything starts.
 
 :class:`ForkServerHooks` starts the fork server of the stages' child processes
@@ -171,25 +171,29 @@ class CompareCellsHooks:
 
 
 class TrainingSettingsHooks:
-    """A run that reads ``training`` types it (and each method block it reads) as it starts
-    (:class:`~spader_pipeline.training.TrainingSettings`), before every other hook: an unknown key or
-    a bad value stops the run before its MLflow run or any child process (the fork server, the warm
-    start) starts, naming the key's full path (the data root's lock, taken around every hook, is
-    given back). The nodes type the same settings again where
-    they use them (a compare cell's are its own, seeded)."""
+    """A run that reads ``training`` or ``warm_start`` types them (and each method block it reads) as
+    it starts (:class:`~spader_pipeline.training.TrainingSettings`,
+    :class:`~spader_pipeline.native.warm_start.WarmStartSettings`), before every other hook: an unknown
+    key or a bad value stops the run before its MLflow run or any child process (the fork server, the
+    warm start) starts, naming the key's full path and what the block takes (the data root's lock,
+    taken around every hook, is given back). The nodes type the same settings again where they use
+    them (a compare cell's are its own, seeded)."""
 
     @hook_impl(tryfirst=True)
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog) -> None:
         read = {name for node in pipeline.nodes for name in node.inputs}
+        if "params:warm_start" in read:
+            from spader_pipeline.native.warm_start import WarmStartSettings
+
+            WarmStartSettings.from_mapping(catalog.load("params:warm_start"))
         if "params:training" not in read:
             return
         from spader_pipeline.training import TrainingSettings
 
-        training = catalog.load("params:training")
-        TrainingSettings.from_mapping(training)
+        training = TrainingSettings.from_mapping(catalog.load("params:training"))
         for name in sorted(read):
             if re.fullmatch(r"params:train_\w+\.method", name):
-                TrainingSettings.from_mapping(training, catalog.load(name))
+                training.with_method(catalog.load(name))
 
 
 class MlflowTrackingHooks:

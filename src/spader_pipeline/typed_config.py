@@ -6,7 +6,9 @@ keys, so a typo or a stale key in ``conf/`` fails the run instead of silently fa
 default; with ``check_types`` a value of the wrong kind (a string where a count goes) fails too,
 naming what the field takes. :func:`typed_block` puts a block's path in front of the errors its
 dataclass raises for bad values. :func:`method_settings` is the one way a training method's block is
-laid over the shared blocks. Standard library only, so the pure algorithms core can use it too.
+laid over the shared blocks. :func:`settings_layer` checks a block that is laid over others before
+its dataclass is built (``training.native`` under a method's block): its keys and kinds now, its
+values later. Standard library only, so the pure algorithms core can use it too.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["SettingsError", "from_mapping", "merge_settings", "method_settings", "type_problem", "typed_block"]
+__all__ = ["SettingsError", "SettingsLayer", "from_mapping", "merge_settings", "method_settings", "settings_layer",
+           "type_problem", "typed_block"]
 
 T = TypeVar("T")
 
@@ -109,6 +112,56 @@ def _type_hints(cls: type) -> dict[str, Any]:
         return {}
 
 
+class SettingsLayer(Mapping[str, Any]):
+    """The keys one block sets for a dataclass it does not build alone (read-only): laid over the
+    dataclass's defaults and under another block (a method's) before the dataclass is built.
+    :func:`settings_layer` makes one, checked."""
+
+    def __init__(self, target: type, values: Mapping[str, Any], where: str) -> None:
+        self.target, self.where = target, where
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self) == dict(other) if isinstance(other, Mapping) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping: equal by content, not hashable
+
+    def __repr__(self) -> str:
+        return f"SettingsLayer({self.where}: {self._values!r})"
+
+
+def settings_layer(cls: type, params: Mapping[str, Any] | None, *, where: str, exclude: Iterable[str] = (),
+                   nested: Mapping[str, type] | None = None) -> SettingsLayer:
+    """``params`` as a :class:`SettingsLayer` of ``cls``, checked as :func:`from_mapping` checks a
+    block (an unknown key names its full path and the known keys; a value of the wrong kind names
+    what the field takes); ``nested``: fields whose mapping is itself a layer of the given dataclass
+    (``{"rollout": RolloutConfig}``), checked the same way under ``<where>.<field>``."""
+    values = dict(params or {})
+    from_mapping(_fields_only(cls, exclude), values, where=where, check_types=True)
+    for key, inner in (nested or {}).items():
+        if isinstance(values.get(key), Mapping):
+            values[key] = dict(settings_layer(inner, values[key], where=f"{where}.{key}"))
+    return SettingsLayer(cls, values, where)
+
+
+def _fields_only(cls: type, exclude: Iterable[str]) -> type:
+    """A stand-in dataclass with ``cls``'s settable fields (less ``exclude``) and annotations, each
+    defaulted, so that :func:`from_mapping` checks a partial block's keys and kinds without building
+    ``cls`` (whose checks of values need the whole configuration)."""
+    hints, skip = _type_hints(cls), set(exclude)
+    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip]
+    return dataclasses.make_dataclass(f"{cls.__name__}Layer", [(n, hints.get(n, Any), None) for n in names])
+
+
 def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any] | None) -> dict[str, Any]:
     """``base`` with ``override`` laid over it; nested mappings are merged key by key."""
     out = dict(base)
@@ -119,12 +172,12 @@ def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any] | None) 
 
 
 def method_settings(
-    training: Mapping[str, Any], method: Mapping[str, Any], shared: str | None = None
+    blocks: Mapping[str, Any], method: Mapping[str, Any], shared: str | None = None
 ) -> dict[str, Any]:
     """The settings of one training method (``conf/base/parameters_training.yml``): the method's
-    block (``train_<method>.method``) laid over ``training.reward``, the reward settings every method
-    and both backends share, and, given ``shared``, over the shared block ``training[shared]``
+    block (``train_<method>.method``) laid over ``blocks["reward"]``, the reward settings every method
+    and both backends share, and, given ``shared``, over the shared block ``blocks[shared]``
     (e.g. ``native``)."""
-    base = dict(training.get(shared) or {}) if shared else {}
-    base["reward"] = training.get("reward") or {}
+    base = dict(blocks.get(shared) or {}) if shared else {}
+    base["reward"] = blocks.get("reward") or {}
     return merge_settings(base, method)

@@ -20,6 +20,8 @@ from spader_pipeline.launch.command import PLUGIN_MODULE, build_launch, is_loopb
 from spader_pipeline.launch.process import VerlLaunchError, run_streaming
 from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.retrieval.settings import RetrievalSettings
+from spader_pipeline.training import TrainingSettings
+from spader_pipeline.typed_config import SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,15 +48,21 @@ def launch(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths in parameters are project-relative
     training = {**params["training"], "verl": {**params["training"]["verl"], "ray_address": "10.0.0.1:6379"}}
     # a Llama checkpoint: the composed command then also proves the llama3_8b schedule group composes
-    return build_launch({"path": str(_checkpoint(tmp_path / "warm", "llama"))}, params["train_spader"]["method"], training,
-                        tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db",
+    return build_launch({"path": str(_checkpoint(tmp_path / "warm", "llama"))},
+                        _method_launch(training, params["train_spader"]["method"]), tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db",
                         run_id="abc123", **DATA)
 
 
-def _launch(params, tmp_path, *, model_type="qwen3", url="http://127.0.0.1:8123", **verl):
+def _method_launch(training, method):
+    """What the verl backend hands the launcher: the typed settings' launch of ``method``."""
+    return TrainingSettings.from_mapping({**training, "backend": "verl"}, method).verl_launch()
+
+
+def _launch(params, tmp_path, *, model_type="qwen3", url="http://127.0.0.1:8123", method="spader", **verl):
     training = {**params["training"], "verl": {**params["training"]["verl"], **verl}}
-    return build_launch({"path": str(_checkpoint(tmp_path / "warm", model_type))}, params["train_spader"]["method"],
-                        training, tmp_path / "run", retrieval_url=url, **DATA)
+    return build_launch({"path": str(_checkpoint(tmp_path / "warm", model_type))},
+                        _method_launch(training, params[f"train_{method}"]["method"]), tmp_path / "run",
+                        retrieval_url=url, **DATA)
 
 
 def test_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, monkeypatch):
@@ -71,18 +79,18 @@ def test_loopback_retrieval_url_is_refused_on_several_nodes(params, tmp_path, mo
 def test_loopback_service_is_refused_before_it_starts():
     from spader_pipeline.launch.verl import _retrieval
 
-    with pytest.raises(ValueError, match="loopback"), _retrieval(verl_settings({"verl": {"nnodes": 2}}),
+    with pytest.raises(ValueError, match="loopback"), _retrieval(verl_settings({"nnodes": 2}),
                                                                  {"index_dir": "/no/such/index"}):
         pass
 
 
 def test_started_service_binds_one_address_and_advertises_another():
     assert verl_settings({}).retrieval.advertised_url(8000) == "http://127.0.0.1:8000"
-    settings = verl_settings({"verl": {"retrieval": {"bind_host": "0.0.0.0", "advertised_host": "head-node.cluster"}}})
+    settings = verl_settings({"retrieval": {"bind_host": "0.0.0.0", "advertised_host": "head-node.cluster"}})
     assert settings.retrieval.bind_host == "0.0.0.0"
     assert settings.retrieval.advertised_url(8000) == "http://head-node.cluster:8000"
     with pytest.raises(ValueError, match="advertised_host"):
-        verl_settings({"verl": {"retrieval": {"bind_host": "0.0.0.0"}}})
+        verl_settings({"retrieval": {"bind_host": "0.0.0.0"}})
     assert is_loopback_url("http://127.0.0.2:1") and not is_loopback_url("http://10.1.2.3:1")
 
 
@@ -101,9 +109,9 @@ def test_the_search_tools_settings_of_a_run_reach_its_tool_config(params, tmp_pa
 
 def test_retrieval_is_the_shared_settings_block(params, tmp_path, monkeypatch):
     """training.verl.retrieval is the RetrievalSettings of training.search / evaluate.retrieval."""
-    assert verl_settings(params["training"]).retrieval == RetrievalSettings(mode="service")
+    assert verl_settings(params["training"]["verl"]).retrieval == RetrievalSettings(mode="service")
     with pytest.raises(ValueError, match=r"unknown training.verl.retrieval settings \['host'\]"):
-        verl_settings({"verl": {"retrieval": {"host": "0.0.0.0"}}})
+        verl_settings({"retrieval": {"host": "0.0.0.0"}})
     # the client settings reach the search tool's config of the run
     monkeypatch.chdir(ROOT)
     launch = _launch(params, tmp_path, retrieval={"timeout": 7.5, "max_retries": 1})
@@ -264,15 +272,34 @@ def test_real_verl_launch_two_steps(params, tmp_path):  # pragma: no cover - nee
                                                "overrides": ["trainer.total_training_steps=2", "trainer.save_freq=2"]}}
     manifest = launch_verl_training({"path": os.environ["SPADER_TEST_MODEL"]},
                                     {"index_dir": os.environ["SPADER_TEST_INDEX"]},
-                                    params["train_spader"]["method"], training, tmp_path)
+                                    _method_launch(training, params["train_spader"]["method"]), tmp_path)
     assert Path(manifest["actor_dir"]).is_dir()
 
 
-def test_the_launch_modules_names_stay_importable_from_launch_verl():
-    """The launch was one module; its parts' names are still importable from it (tests/verl_plugin,
-    scripts)."""
-    from spader_pipeline.launch import command, data_files, process, settings, verl
+def test_a_method_is_one_key_on_verl(params, tmp_path, monkeypatch):
+    """The estimator and the reward layout come from ``spader_method`` alone: a command line that sets
+    either apart stops in the launcher, before the process (and Ray) starts, naming the two keys."""
+    from spader_pipeline.launch import verl as launcher
 
-    assert verl.verl_parameters is command.verl_parameters and verl.verl_environment is command.verl_environment
-    assert verl.write_tool_config is data_files.write_tool_config and verl.run_streaming is process.run_streaming
-    assert verl.verl_settings is settings.verl_settings and verl.VerlLaunchError is process.VerlLaunchError
+    monkeypatch.chdir(ROOT)
+    started = []
+    monkeypatch.setattr(launcher, "run_streaming", lambda *a, **k: started.append(a))
+    argv = _launch(params, tmp_path).argv
+    assert "spader_method=spader" in argv and not any("adv_estimator" in a for a in argv)
+    bad = [(["algorithm.adv_estimator=grpo"], r"algorithm.adv_estimator=grpo.*spader_method=spader"),
+           (["++reward.reward_kwargs.method=grpo"], r"reward.reward_kwargs.method=grpo.*spader_method=spader"),
+           (["spader_method=grpo"], r"spader_method=grpo.*spader_method=spader")]
+    for overrides, message in bad:
+        with pytest.raises(SettingsError, match=message):
+            _launch(params, tmp_path, overrides=overrides)
+        training = {**params["training"], "verl": {**params["training"]["verl"], "overrides": overrides,
+                                                   "retrieval": {"url": "http://127.0.0.1:9/"}}}
+        with pytest.raises(SettingsError, match=message):
+            launcher.launch_verl_training({"path": str(_checkpoint(tmp_path / "warm"))}, {},
+                                          _method_launch(training, params["train_spader"]["method"]),
+                                          tmp_path / "run", train=DATA["train"], validation=DATA["validation"])
+    assert started == []
+    # the method's own estimator, set again by hand, agrees: nothing to refuse
+    _launch(params, tmp_path, method="grpo", overrides=["algorithm.adv_estimator=grpo"])
+
+

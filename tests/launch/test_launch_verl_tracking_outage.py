@@ -15,9 +15,10 @@ import pytest
 from kedro.config import OmegaConfigLoader
 from mlflow_server import StoppableServer, short_client_retries
 
-from spader_pipeline.launch.verl import build_launch
+from spader_pipeline.launch.command import build_launch
 from spader_pipeline.tracking.buffer import BufferedMetricsWriter
 from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV, follow_jsonl
+from spader_pipeline.training import TrainingSettings
 
 pytest.importorskip("verl")
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,8 +39,9 @@ def test_verl_metrics_reach_the_store_across_a_tracking_outage(tmp_path, monkeyp
     with StoppableServer(tmp_path / "mlflow") as server:
         client = mlflow.MlflowClient(server.url)
         run_id = client.create_run(client.create_experiment("verl-outage")).info.run_id
-        launch = build_launch({"path": str(tmp_path / "warm")}, params["train_spader"]["method"], params["training"],
-                              tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri=server.url,
+        settings = TrainingSettings.from_mapping({**params["training"], "backend": "verl"},
+                                                 params["train_spader"]["method"])
+        launch = build_launch({"path": str(tmp_path / "warm")}, settings.verl_launch(), tmp_path / "run", retrieval_url="http://127.0.0.1:8123", tracking_uri=server.url,
                               run_id=run_id, train=frame, validation=frame)
         assert "mlflow" not in launch.extra["params"]["logger"]
         for key in ("VERL_FILE_LOGGER_PATH", METRICS_PATH_ENV, "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):

@@ -24,6 +24,7 @@ from spader_pipeline.evaluation.models import ModelSpec
 from spader_pipeline.launch.command import build_launch
 from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.settings import CONFIG_LOADER_ARGS
+from spader_pipeline.training import TrainingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "spader_qwen3_8b"
@@ -85,7 +86,7 @@ def test_environment_composes_into_the_projects_typed_settings(node):
     assert params["data_prep"]["verl"]["sources"] == ["qampari"]
     assert {b["split"] for b in params["data_prep"]["benchmarks"]} == {"train", "validation", "test"}
     assert all(b["optional"] is False for b in params["data_prep"]["benchmarks"])
-    settings = verl_settings(params["training"])
+    settings = verl_settings(params["training"]["verl"])
     assert (settings.model, settings.n_gpus_per_node, settings.nnodes) == ("qwen3_8b", 8, 1)
     assert (settings.train_files, settings.val_files) == (None, None)  # the catalog's datasets
     config = EvaluationConfig.from_mapping(params["evaluate"])
@@ -131,7 +132,8 @@ def _composed_launch(node, method="spader"):
     frames = {split: pd.DataFrame({"data_source": ["qampari"], "prompt": [[{"role": "user", "content": split}]]})
               for split in ("train", "validation")}
     run_dir = Path(params["training"]["output_dir"]) / f"train_{method}"  # as the training node names it
-    launch = build_launch({"path": str(model)}, params[f"train_{method}"]["method"], params["training"], run_dir,
+    method_launch = TrainingSettings.from_mapping(params["training"], params[f"train_{method}"]["method"]).verl_launch()
+    launch = build_launch({"path": str(model)}, method_launch, run_dir,
                           retrieval_url="http://127.0.0.1:8123", tracking_uri="sqlite:////tmp/x.db", run_id="r1",
                           **frames)
     argv = launch.argv

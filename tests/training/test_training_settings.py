@@ -1,14 +1,16 @@
 """``training`` typed once: every unknown key and every bad value stops with the key's full path and
-what it takes, before anything runs; the backend is a table; the trainer's configuration is built once."""
+what it takes, before anything runs; the backend is a table; the trainer's configuration is built once;
+both backends read the same typed method."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from spader_pipeline.native import config as native_config
 from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.training import TrainingSettings
-from spader_pipeline.training.backends import BACKENDS, get_backend, register_backend
+from spader_pipeline.training.registry import BACKENDS, get_backend, register_backend
 from spader_pipeline.typed_config import SettingsError
 
 
@@ -37,8 +39,14 @@ def test_the_base_settings_type_with_every_method(conf):
     ({"validation": {"evry": 2}}, r"training.validation.evry"),
     ({"search": {"host": "x"}}, r"training.search.host"),
     ({"verl": {"overlay": "x"}}, r"training.verl.overlay"),
+    ({"verl": {"ppo_epochz": 2}}, r"unknown training.verl settings \['ppo_epochz'\] \(training.verl.ppo_epochz\); "
+                                  r"known: \[.*'overrides'"),
     ({"rollout": {"max_turn": 3}}, r"training.rollout.max_turn"),
-], ids=["top-level", "native", "validation", "search", "verl", "rollout"])
+    ({"native": {"rollout": {"max_turn": 3}}}, r"training.native.rollout.max_turn"),
+    ({"native": {"method": "grpo"}}, r"training.native.method\); known: \[(?!.*'method')"),
+    ({"reward": {"alpah": 1.0}}, r"training.reward.alpah\); known: \[.*'alpha'"),
+], ids=["top-level", "native", "validation", "search", "verl", "verl-ppo_epochz", "rollout", "native-rollout",
+        "native-method", "reward"])
 def test_an_unknown_key_names_its_full_path_and_the_known_ones(conf, change, message):
     training = {**conf["training"], **{k: ({**conf["training"].get(k, {}), **v} if isinstance(v, dict) else v)
                                        for k, v in change.items()}}
@@ -51,10 +59,12 @@ def test_an_unknown_key_names_its_full_path_and_the_known_ones(conf, change, mes
     ({"subprocess": "yes"}, r"training.subprocess='yes': expected true or false"),
     ({"max_train_questions": 2.5}, r"training.max_train_questions=2.5: expected an integer or null"),
     ({"native": {"total_steps": "3"}}, r"training.native.total_steps='3': expected an integer"),
-    ({"native": {"loss_agg_mode": "sum"}}, r"training.native: loss_agg_mode='sum' is not one of \('token-mean'"),
+    ({"native": {"loss_agg_mode": "sum"}}, r"training.native with train_spader.method: loss_agg_mode='sum' is not one of \('token-mean'"),
+    ({"reward": {"alpha": "high"}}, r"training.reward.alpha='high': expected a number"),
     ({"validation": {"every": -1}}, r"training.validation: validation.every=-1: use 0 \(never\)"),
     ({"search": {"mode": "remote"}}, r"training.search: retrieval mode must be 'local' or 'service', got 'remote'"),
-], ids=["backend", "subprocess", "max_train_questions", "native-type", "native-value", "validation", "search"])
+], ids=["backend", "subprocess", "max_train_questions", "native-type", "native-value", "reward-type", "validation",
+        "search"])
 def test_a_bad_value_names_its_full_path_and_what_it_takes(conf, change, message):
     training = {**conf["training"], **{k: ({**conf["training"].get(k, {}), **v} if isinstance(v, dict) else v)
                                        for k, v in change.items()}}
@@ -80,7 +90,7 @@ def test_the_backend_is_a_table_of_the_functions_that_train():
     with pytest.raises(SettingsError, match=r"use one of \['native', 'verl'\]"):
         get_backend("tpu")
     with pytest.raises(ValueError, match="already registered"):
-        register_backend("native", check=lambda s: None, validates_start_model=True)(lambda *a, **k: ({}, []))
+        register_backend("native", validates_start_model=True)(lambda *a, **k: ({}, []))
 
 
 def test_settings_pass_through_and_take_a_method_later(conf):
@@ -88,3 +98,39 @@ def test_settings_pass_through_and_take_a_method_later(conf):
     assert shared.method is None and shared.start_config().total_steps == 2
     grpo = TrainingSettings.from_mapping(shared, conf["train_grpo"]["method"])
     assert grpo.method_name == "grpo" and grpo.trainer_config().method == "grpo" and grpo.seed == 0
+
+
+def test_the_settings_build_the_trainer_config_once(conf, monkeypatch):
+    """Typing the settings builds one configuration (the method's), which every later read returns."""
+    built = []
+    original = native_config.NativeTrainerConfig.__post_init__
+    monkeypatch.setattr(native_config.NativeTrainerConfig, "__post_init__",
+                        lambda self: built.append(self.method) or original(self))
+    settings = TrainingSettings.from_mapping(conf["training"], conf["train_spader"]["method"])
+    assert built == ["spader"]
+    assert settings.trainer_config() is settings.trainer and settings.seed == 0 and built == ["spader"]
+    assert settings.trainer_config(device="cpu").device == "cpu" and settings.trainer.device == "auto"
+
+
+def test_both_backends_read_one_typed_method(conf):
+    """verl's launch reads the method, its reward settings and options from the trainer's configuration:
+    the values the native trainer trains with, not the mapping again."""
+    verl = TrainingSettings.from_mapping({**conf["training"], "backend": "verl"}, conf["train_spader"]["method"])
+    launch = verl.verl_launch()
+    assert launch.method == "spader" and launch.reward == verl.trainer.reward and launch.options.gamma == 0.9
+    assert launch.reward.tool_round_cost == 0.01 and launch.reward.cost_free_steps == 100
+    assert launch.validation is verl.validation and launch.verl is verl.verl
+    grpo = TrainingSettings.from_mapping(conf["training"], conf["train_grpo"]["method"]).verl_launch()
+    assert grpo.reward.tool_round_cost == 0.0 and not grpo.reward.enable_exploration
+
+
+def test_a_changed_copy_is_typed_again(conf):
+    """A compare cell's seed and folder, the positive control's validation: changed on the typed
+    settings and checked as the YAML is."""
+    shared = TrainingSettings.from_mapping(conf["training"])
+    cell = shared.with_changes(native={"seed": 3}, output_dir="out/seed3", verl_overrides=("data.seed=3",),
+                               validation={"max_questions": None})
+    assert cell.trainer.seed == 3 and cell.output_dir == "out/seed3" and cell.validation.max_questions is None
+    assert cell.verl.overrides[-1] == "data.seed=3" and shared.trainer.seed == 0
+    with pytest.raises(SettingsError, match=r"training.native.seeed"):
+        shared.with_changes(native={"seeed": 3})

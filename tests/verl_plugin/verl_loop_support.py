@@ -123,8 +123,10 @@ def compose_config(block: Mapping[str, Any], ws: Mapping[str, Any], run_dir: Pat
     ``train_<method>.method`` block) + CPU-test sizes + ``overrides``, composed by Hydra."""
     from hydra import compose, initialize_config_dir
 
+    from spader_pipeline.launch.command import verl_parameters
+    from spader_pipeline.launch.data_files import write_tool_config
     from spader_pipeline.launch.overrides import build_overrides, overlay_name
-    from spader_pipeline.launch.verl import verl_parameters, write_tool_config
+    from spader_pipeline.training import TrainingSettings
 
     tool_config = write_tool_config(ROOT / "conf/base/verl/tool_config/search_tool.yaml", ws["url"],
                                     run_dir / "search_tool.yaml")
@@ -162,7 +164,8 @@ def compose_config(block: Mapping[str, Any], ws: Mapping[str, Any], run_dir: Pat
             ],
         },
     }
-    params = verl_parameters({"path": str(ws["model"])}, dict(block), training, run_dir, tool_config_path=tool_config)
+    launch = TrainingSettings.from_mapping({**training, "backend": "verl"}, dict(block)).verl_launch()
+    params = verl_parameters({"path": str(ws["model"])}, launch, run_dir, tool_config_path=tool_config)
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose(config_name=overlay_name(params), overrides=build_overrides(params))
 
@@ -176,7 +179,7 @@ def local_ray(*, gpus: int = 0, paths: Sequence[Path] = (), modules: Sequence[st
     (:mod:`spader_pipeline.verl_plugin.cpu`)."""
     import ray
 
-    from spader_pipeline.launch.verl import verl_environment
+    from spader_pipeline.launch.command import verl_environment
 
     if ray.is_initialized():
         ray.shutdown()

@@ -1,11 +1,12 @@
-"""The verl command line of one method's launch: Kedro settings → ``main_ppo``'s parameters
-(:func:`verl_parameters`, then :func:`~spader_pipeline.launch.overrides.main_ppo_argv`), the
+"""The verl command line of one method's launch: the typed settings (:class:`~.settings.MethodLaunch`)
+→ ``main_ppo``'s parameters (:func:`verl_parameters`, then :func:`~spader_pipeline.launch.overrides.main_ppo_argv`), the
 environment of the process and of every Ray worker, and the checks on what the workers will reach
 (model family, retrieval URL). :func:`build_launch` puts them together (pure apart from writing the
 run's data files)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -17,9 +18,8 @@ from urllib.parse import urlsplit
 from spader_pipeline.launch.data_files import DATA_KEYS, data_files, write_tool_config
 from spader_pipeline.launch.metrics import metrics_to_files
 from spader_pipeline.launch.overrides import main_ppo_argv
-from spader_pipeline.launch.settings import verl_settings
+from spader_pipeline.launch.settings import MethodLaunch
 from spader_pipeline.tracking.metrics_files import METRICS_PATH_ENV
-from spader_pipeline.typed_config import method_settings
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,8 +48,7 @@ class Launch:
 
 def verl_parameters(
     init_manifest: Mapping[str, Any],
-    method: Mapping[str, Any],
-    training: Mapping[str, Any],
+    launch: MethodLaunch,
     run_dir: str | Path,
     *,
     tool_config_path: str | Path | None = None,
@@ -57,30 +56,31 @@ def verl_parameters(
 ) -> dict[str, Any]:
     """The parameter dict of :func:`~spader_pipeline.launch.overrides.build_overrides` for one method.
 
-    ``method`` is a ``train_<method>.method`` block; ``training.verl`` adds cluster settings and
-    ``training.reward`` the shared reward settings (the same ones the native trainer uses).
-    ``data_files`` (``train_files``, ``val_files``; :func:`data_files`) default to
-    ``training.verl.train_files``/``val_files``, which must then be set.
+    Everything comes from ``launch``, typed: the method, its reward settings and options as the
+    native trainer's configuration holds them (every field, so verl runs exactly those values), the
+    validation schedule, and ``training.verl``'s cluster settings. ``data_files`` (``train_files``,
+    ``val_files``; :func:`data_files`) default to ``training.verl.train_files``/``val_files``, which
+    must then be set.
     """
-    verl = verl_settings(training)
+    verl = launch.verl
     files = dict(data_files or {})
     for key in DATA_KEYS:
         files.setdefault(key, getattr(verl, key))
         if not files[key]:
             raise ValueError(f"no {key} for verl: set training.verl.{key} or pass the node's dataset")
     params: dict[str, Any] = {
-        "method": method["method"],
+        "method": launch.method,
         "model_path": str(Path(init_manifest["path"]).resolve()),
         "train_files": str(Path(files["train_files"]).resolve()),
         "val_files": str(Path(files["val_files"]).resolve()),
         "n_gpus_per_node": int(verl.n_gpus_per_node),
         "nnodes": int(verl.nnodes),
         "run_dir": str(Path(run_dir).resolve()),
-        "experiment_name": f"train_{method['method']}",
+        "experiment_name": f"train_{launch.method}",
         "logger": list(verl.logger),
-        "reward": method_settings(training, method)["reward"],
-        "options": dict(method.get("options") or {}),
-        "validation": training.get("validation"),
+        "reward": reward_kwargs(launch),
+        "options": dataclasses.asdict(launch.options),
+        "validation": launch.validation,
         "overrides": list(verl.overrides or []),
         "model": verl.model or model_family(init_manifest["path"]),
     }
@@ -91,6 +91,14 @@ def verl_parameters(
         params["tool_config_path"] = str(Path(tool_config_path).resolve())
     params["agent_loop_config_path"] = str((Path(verl.config_dir) / "agent_loops.yaml").resolve())
     return params
+
+
+def reward_kwargs(launch: MethodLaunch) -> dict[str, Any]:
+    """The reward manager's settings of the method: every field of its typed reward settings but
+    ``enable_exploration``, which the method decides (the reward manager reads it from the method)."""
+    values = dataclasses.asdict(launch.reward)
+    values.pop("enable_exploration")
+    return values
 
 
 def model_family(model_path: str | Path) -> str:
@@ -191,8 +199,7 @@ def verl_environment(
 
 def build_launch(
     init_manifest: Mapping[str, Any],
-    method: Mapping[str, Any],
-    training: Mapping[str, Any],
+    launch: MethodLaunch,
     run_dir: str | Path,
     *,
     retrieval_url: str,
@@ -203,16 +210,17 @@ def build_launch(
     validation: pd.DataFrame | None = None,
 ) -> Launch:
     """Compose the VERL launch for one method (pure apart from writing the run's tool config copy
-    and, when ``training.verl`` names no files, ``train``/``validation`` as parquet: :func:`data_files`)."""
-    verl = verl_settings(training)
+    and, when ``training.verl`` names no files, ``train``/``validation`` as parquet: :func:`data_files`).
+    A command line that sets the method's estimator or reward layout apart from its one key stops
+    here, before Ray starts (:func:`~spader_pipeline.launch.overrides.build_overrides`)."""
+    verl = launch.verl
     check_worker_url(retrieval_url, verl.nnodes)
     config_dir = Path(verl.config_dir)
     run_dir = Path(run_dir)
     files = data_files(verl, run_dir, train, validation)
     tool_config = write_tool_config(config_dir / "tool_config" / "search_tool.yaml", retrieval_url,
                                     run_dir / "search_tool.yaml", verl.retrieval, tool=verl.search_tool)
-    params = verl_parameters(init_manifest, method, training, run_dir, tool_config_path=tool_config,
-                             data_files=files)
+    params = verl_parameters(init_manifest, launch, run_dir, tool_config_path=tool_config, data_files=files)
     ray_address = verl.ray_address
     if verl.platform == "cpu":  # the run's own overrides after these
         ranks = None if ray_address else verl.n_gpus_per_node

@@ -18,12 +18,17 @@ Parameter dict (all keys optional except ``method``)::
     tool_config_path, agent_loop_config_path
     reward: {...}             # SpaderRewardConfig fields (+ require_global_step) → reward.reward_kwargs
     options: {...}            # the method's options dataclass → algorithm[.<estimator>] (estimators.verl_options_path)
-    validation: {every, before_train, max_questions, batch_size}  # algorithms.validation.ValidationSettings →
+    validation: ValidationSettings  # algorithms.validation (or its mapping) →
                               # trainer.test_freq / val_before_train, data.val_max_samples, greedy val_kwargs
     overrides: ["key=value"]  # appended last, verbatim
 
 Reward settings and method options are checked against the method registry
 (:mod:`spader_pipeline.algorithms.methods`) with the same names the native trainer uses.
+
+A method is one key: ``spader_method=<method>`` selects both the estimator (``algorithm.adv_estimator``)
+and the reward layout (``reward.reward_kwargs.method``). An override that sets either apart from the
+method (``algorithm.adv_estimator=grpo`` under ``spader_method=spader``, which would pair SPADER's
+rewards with GRPO's estimator) is an error naming both keys (:func:`check_one_method_key`).
 """
 
 from __future__ import annotations
@@ -35,16 +40,19 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.algorithms.methods import (
+    get_method,
     method_names,
     options_from_mapping,
     reward_config_from_mapping,
 )
+from spader_pipeline.typed_config import SettingsError
 
 __all__ = [
     "MODELS",
     "METHOD_CONFIG",
     "VERL_REWARD_KEYS",
     "build_overrides",
+    "check_one_method_key",
     "hydra_value",
     "main_ppo_argv",
     "overlay_name",
@@ -175,7 +183,35 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
     if isinstance(extra, str) or not isinstance(extra, Sequence):
         raise ValueError("params['overrides'] must be a list of 'key=value' strings")
     out += [str(x) for x in extra]
+    check_one_method_key(method, out)
     return out
+
+
+#: the keys the method's one key (``spader_method``) decides, and what each must then hold
+_METHOD_KEYS = {
+    "spader_method": lambda method: method,
+    "algorithm.adv_estimator": lambda method: get_method(method).estimator,
+    "reward.reward_kwargs.method": lambda method: method,
+}
+
+
+def check_one_method_key(method: str, overrides: Sequence[str]) -> None:
+    """Raise :class:`~spader_pipeline.typed_config.SettingsError` when ``overrides`` (a whole command
+    line's, in order: the last value of a key wins, as in Hydra) set the method's estimator or reward
+    layout apart from ``method``, naming the two keys that disagree."""
+    final: dict[str, str] = {}
+    for override in overrides:
+        key, sep, value = str(override).lstrip("+~").partition("=")
+        if sep and key in _METHOD_KEYS:
+            final[key] = value.strip().strip("'\"")
+    for key, value in final.items():
+        expected = _METHOD_KEYS[key](method)
+        if value != expected:
+            raise SettingsError(
+                f"the command line sets {key}={value}, but the method is {method} (spader_method={method}, "
+                f"from train_<method>.method.method), which needs {key}={expected}: on verl a method is one key, "
+                f"so {key} and spader_method may not disagree. Choose another method by its block's `method` "
+                f"(or register one), not by {key} in training.verl.overrides")
 
 
 def validation_overrides(validation: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,6 @@
-"""``training.verl``, typed: the cluster, data files, Hydra configs and retrieval service of a verl launch."""
+"""``training.verl``, typed: the cluster, data files, Hydra configs and retrieval service of a verl launch;
+and :class:`MethodLaunch`, the typed settings one method's launch reads (nothing of it reads a raw
+mapping)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spader_pipeline.algorithms.rewards import SpaderRewardConfig
+from spader_pipeline.algorithms.validation import ValidationSettings
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings
 from spader_pipeline.typed_config import from_mapping
 
@@ -57,12 +61,30 @@ class VerlSettings:
             raise ValueError(f"platform={self.platform!r}: use one of {[p for p in PLATFORMS if p]} or null")
 
 
-def verl_settings(training: Mapping[str, Any] | Any) -> VerlSettings:
-    """``training.verl`` as :class:`VerlSettings` (``training``: the mapping, or settings with a
-    ``verl`` attribute); unknown keys raise (a misspelt or dead key never passes silently)."""
-    block = training.get("verl") if isinstance(training, Mapping) else training.verl
+def verl_settings(block: Mapping[str, Any] | VerlSettings | None) -> VerlSettings:
+    """The ``training.verl`` block as :class:`VerlSettings`; unknown keys raise, naming the key's full
+    path and the known ones (a misspelt or dead key never passes silently)."""
     if isinstance(block, VerlSettings):
         return block
     values = dict(block or {})
     values["retrieval"] = retrieval_settings(values.get("retrieval"), where="training.verl.retrieval")
-    return from_mapping(VerlSettings, values, where="training.verl")
+    return from_mapping(VerlSettings, values, where="training.verl", check_types=True)
+
+
+@dataclass(frozen=True)
+class MethodLaunch:
+    """What one method's verl launch reads, typed once
+    (:meth:`spader_pipeline.training.TrainingSettings.verl_launch`): the same method, reward settings
+    and options the native trainer's configuration holds, the shared validation schedule, the launch."""
+
+    method: str
+    """a registered method (:mod:`spader_pipeline.algorithms.methods`): verl's ``spader_method``, the one
+    key that selects both its estimator and its reward layout"""
+    reward: SpaderRewardConfig
+    """the method's reward settings over ``training.reward`` (``reward.reward_kwargs``)"""
+    options: Any
+    """the method's options dataclass (where its estimator reads them)"""
+    validation: ValidationSettings
+    """``training.validation``"""
+    verl: VerlSettings = field(default_factory=VerlSettings)
+    """``training.verl``"""

@@ -26,9 +26,9 @@ What the launch does, in order:
 
 This module is the order of those steps; each has its own module: the settings (:mod:`.settings`),
 the command line and environment (:mod:`.command`), the data files (:mod:`.data_files`), the process
-runner (:mod:`.process`) and the metrics follower (:mod:`.metrics`). Their names stay importable from
-here. Only :func:`launch_verl_training` needs a GPU; :func:`~.command.build_launch` is pure and
-tested on CPU.
+runner (:mod:`.process`) and the metrics follower (:mod:`.metrics`). Everything the launch reads comes
+typed (:class:`~.settings.MethodLaunch`). Only :func:`launch_verl_training` needs a GPU;
+:func:`~.command.build_launch` is pure and tested on CPU.
 """
 
 from __future__ import annotations
@@ -40,23 +40,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spader_pipeline.launch.command import (
-    FORWARDED_ENV,
-    MODEL_FAMILIES,
-    PLUGIN_MODULE,
-    Launch,
-    build_launch,
-    check_worker_url,
-    is_loopback_url,
-    model_family,
-    ray_env_overrides,
-    verl_environment,
-    verl_parameters,
-)
-from spader_pipeline.launch.data_files import DATA_KEYS, data_files, write_tool_config
+from spader_pipeline.launch.command import build_launch, check_worker_url
 from spader_pipeline.launch.metrics import following
 from spader_pipeline.launch.process import VerlLaunchError, run_streaming
-from spader_pipeline.launch.settings import DEFAULT_CONFIG_DIR, VerlSettings, verl_settings
+from spader_pipeline.launch.settings import MethodLaunch, VerlSettings
 from spader_pipeline.retrieval.settings import service_url
 from spader_pipeline.tracking.buffer import active_run_target
 
@@ -65,30 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: the names this module had before the launch was split into its parts, still importable from here
-__all__ = [
-    "DATA_KEYS",
-    "DEFAULT_CONFIG_DIR",
-    "FORWARDED_ENV",
-    "MODEL_FAMILIES",
-    "PLUGIN_MODULE",
-    "Launch",
-    "VerlLaunchError",
-    "VerlSettings",
-    "build_launch",
-    "check_worker_url",
-    "data_files",
-    "final_checkpoint",
-    "is_loopback_url",
-    "launch_verl_training",
-    "model_family",
-    "ray_env_overrides",
-    "run_streaming",
-    "verl_environment",
-    "verl_parameters",
-    "verl_settings",
-    "write_tool_config",
-]
+__all__ = ["final_checkpoint", "launch_verl_training"]
 
 
 @contextlib.contextmanager
@@ -103,34 +67,31 @@ def _retrieval(verl: VerlSettings, index_manifest: Mapping[str, Any]) -> Iterato
 def launch_verl_training(
     init_manifest: Mapping[str, Any],
     index_manifest: Mapping[str, Any],
-    method: Mapping[str, Any],
-    training: Mapping[str, Any],
+    launch: MethodLaunch,
     run_dir: str | Path,
     *,
     train: pd.DataFrame | None = None,
     validation: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
-    """Run one VERL training to completion (GPU); return a manifest of its checkpoints.
+    """Run one VERL training of ``launch.method`` to completion (GPU); return a manifest of its checkpoints.
 
     ``train``/``validation`` are the node's ``verl_train``/``verl_validation`` datasets, what verl
-    reads unless ``training.verl`` names files (:func:`data_files`). VERL logs into the active MLflow
-    run (the Kedro run) when there is one.
+    reads unless ``training.verl`` names files (:func:`~.data_files.data_files`). VERL logs into the
+    active MLflow run (the Kedro run) when there is one.
     """
-    verl = verl_settings(training)
+    verl = launch.verl
     run_id, tracking_uri = active_run_target()
     with _retrieval(verl, index_manifest) as url:
-        launch = build_launch(
-            init_manifest, method, training, run_dir, retrieval_url=url, tracking_uri=tracking_uri,
-            run_id=run_id, train=train, validation=validation,
-        )
-        logger.info("launching VERL: %s", " ".join(launch.argv))
-        with following(launch.extra["metrics_files"]):
-            run_streaming(launch.argv, launch.env, launch.log_path, tail_lines=verl.log_tail_lines,
+        command = build_launch(init_manifest, launch, run_dir, retrieval_url=url, tracking_uri=tracking_uri,
+                               run_id=run_id, train=train, validation=validation)
+        logger.info("launching VERL: %s", " ".join(command.argv))
+        with following(command.extra["metrics_files"]):
+            run_streaming(command.argv, command.env, command.log_path, tail_lines=verl.log_tail_lines,
                           timeout=verl.timeout)
     checkpoint = final_checkpoint(run_dir)
-    return {"backend": "verl", "method": method["method"], "checkpoint": str(checkpoint.resolve()),
+    return {"backend": "verl", "method": launch.method, "checkpoint": str(checkpoint.resolve()),
             "actor_dir": str((checkpoint / "actor").resolve()), "path": None,
-            "run_dir": str(Path(run_dir).resolve()), "argv": launch.argv, "python": sys.executable}
+            "run_dir": str(Path(run_dir).resolve()), "argv": command.argv, "python": sys.executable}
 
 
 def final_checkpoint(run_dir: str | Path) -> Path:

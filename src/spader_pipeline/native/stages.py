@@ -30,6 +30,7 @@ from spader_pipeline import tracking
 from spader_pipeline.algorithms.validation import ValidationSettings
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.config import NativeTrainerConfig
+from spader_pipeline.native.warm_start import WarmStartSettings
 from spader_pipeline.retrieval.settings import RetrievalSettings, search_backend
 from spader_pipeline.tracking.buffer import run_writer
 
@@ -45,13 +46,13 @@ RunTarget = tuple[str | None, str | None]
 
 
 def warm_start(model_path: str, verl_train: pd.DataFrame, verl_validation: pd.DataFrame | None, search: Any,
-               params: Mapping[str, Any], template: str,
+               settings: WarmStartSettings, template: str,
                on_log: Callable[[int, Mapping[str, float]], None] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """:func:`spader_pipeline.native.warm_start.warm_start`: ``(manifest, metrics)`` of the model
-    fine-tuned from ``model_path`` (the ``warm_start`` settings ``params``)."""
+    fine-tuned from ``model_path`` (the ``warm_start`` settings)."""
     from spader_pipeline.native.warm_start import warm_start as fine_tune
 
-    return fine_tune(model_path, verl_train, verl_validation, search, params, template, on_log=on_log)
+    return fine_tune(model_path, verl_train, verl_validation, search, settings, template, on_log=on_log)
 
 
 def validate_start(model_path: str, samples: Sequence[Mapping[str, Any]], search: Any, config: NativeTrainerConfig,
@@ -92,14 +93,14 @@ def train(config: NativeTrainerConfig, *, model_path: str, verl_train: pd.DataFr
 
 
 def run_warm_start(model_path: str, verl_train: pd.DataFrame, verl_validation: pd.DataFrame | None, index_dir: str,
-                   params: Mapping[str, Any], template: str,
+                   settings: WarmStartSettings, template: str,
                    run_target: RunTarget = (None, None)) -> tuple[dict[str, Any], dict[str, float]]:
-    """:func:`warm_start` searching ``params.search`` over the index at ``index_dir``, its curve logged
+    """:func:`warm_start` searching ``settings.search`` over the index at ``index_dir``, its curve logged
     to the MLflow run ``run_target`` as ``warm_start/train/…``."""
-    with (search_backend(params.get("search"), index_dir, where="warm_start.search") as search,
+    with (search_backend(settings.search, index_dir, where="warm_start.search") as search,
           run_writer(*run_target) as writer):
         on_log = (lambda step, m: writer.log_metrics(tracking.numeric_items(m, "warm_start/train"), step)) if writer else None
-        return warm_start(model_path, verl_train, verl_validation, search, params, template, on_log=on_log)
+        return warm_start(model_path, verl_train, verl_validation, search, settings, template, on_log=on_log)
 
 
 def validate_start_model(model_path: str, samples: Sequence[Mapping[str, Any]], *, config: NativeTrainerConfig,

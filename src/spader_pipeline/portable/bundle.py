@@ -50,18 +50,19 @@ def run_settings(params: Mapping[str, Any], methods: list[str], heldout: str) ->
     The held-out evaluation takes ``compare.evaluation.trained_models`` laid over
     ``evaluate.trained_models`` (the limits ``make compare`` scores with) and ``compare.bootstrap``.
     """
-    from spader_pipeline.agent.prompts import resolve_template
+    from spader_pipeline.native.warm_start import WarmStartSettings
+    from spader_pipeline.training import TrainingSettings
     from spader_pipeline.typed_config import merge_settings
 
-    training = dict(params["training"])
+    training = TrainingSettings.from_mapping(params["training"])  # typed here: a bad setting stops the export
+    WarmStartSettings.from_mapping(params["warm_start"])
+    for method in methods:
+        training.with_method(params[f"train_{method}"]["method"])
     compare = params.get("compare") or {}
     trained = merge_settings(params["evaluate"]["trained_models"], (compare.get("evaluation") or {}).get("trained_models"))
-    prompt = dict(params["prompt"])
-    if training.get("prompt_template"):
-        prompt["template"] = training["prompt_template"]
     return {
         "warm_start": dict(params["warm_start"]),
-        "training": training,
+        "training": dict(params["training"]),
         "methods": {m: dict(params[f"train_{m}"]["method"]) for m in methods},
         "evaluation": {"sampling": dict(trained.get("sampling") or {}), "rollout": dict(trained.get("rollout") or {}),
                        "batch_size": int(trained.get("batch_size", 64)),
@@ -71,7 +72,7 @@ def run_settings(params: Mapping[str, Any], methods: list[str], heldout: str) ->
         "bootstrap": dict(compare.get("bootstrap") or {"resamples": 2000, "confidence": 0.95, "seed": 0}),
         "base_model": dict(params["base_model"]),
         "heldout": heldout,
-        "prompt_template": resolve_template(prompt),
+        "prompt_template": training.template(params["prompt"]),
     }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -35,6 +35,9 @@ from spader_pipeline.evaluation.bootstrap import (
     wider,
 )
 from spader_pipeline.reporting.tables import markdown_table
+
+if TYPE_CHECKING:
+    from spader_pipeline.native.config import NativeTrainerConfig
 
 #: Held-out scores compared: name → (numerator, denominator) columns of :func:`question_scores`.
 SCORES = {"recall": ("recall", None), "f1": ("f1", None), "long_tail_recall": ("tail_hits", "tail_total")}
@@ -324,17 +327,17 @@ def curves_figure(runs: Mapping[str, Any], design: Mapping[str, Any], intervals,
 
 
 def build_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd.DataFrame, compare: Mapping[str, Any],
-                 training: Mapping[str, Any]) -> tuple[str, plt.Figure, dict[str, float]]:
-    """Markdown, figure and flat metrics (``<method>/<score>/mean``, ``diff/<score>/low``, ...)."""
+                 trainer: NativeTrainerConfig) -> tuple[str, plt.Figure, dict[str, float]]:
+    """Markdown, figure and flat metrics (``<method>/<score>/mean``, ``diff/<score>/low``, ...);
+    ``trainer``: the cells' shared trainer settings (their RL budget in the report's design line)."""
     scores = question_scores(samples, int(compare.get("long_tail_below", 5)))
     intervals, differences, per_seed = compare_statistics(design, scores, compare.get("bootstrap", {}))
     warm = scores[scores["method"] == "warm_start"]
     warm_start = {"recall": warm["recall"].mean(), "f1": warm["f1"].mean(),
                   "long_tail_recall": warm["tail_hits"].sum() / max(warm["tail_total"].sum(), 1)}
     mechanisms = mechanism_table(runs, design["methods"])
-    native = training.get("native") or {}
-    settings = {"steps": native.get("total_steps"), "prompts_per_step": native.get("prompts_per_step"),
-                "group_size": native.get("group_size")}
+    settings = {"steps": trainer.total_steps, "prompts_per_step": trainer.prompts_per_step,
+                "group_size": trainer.group_size}
     learned, between, needs = contrasts(design, scores, {**compare.get("bootstrap", {}),
                                                          "target_difference": compare.get("target_difference", 0.03),
                                                          "max_questions": compare.get("max_design_questions", 240)})

@@ -18,7 +18,9 @@ path verl writes the per-sample scalar on the last token itself, so the shared v
 classmethod on every generated batch (see ``docs/algorithms.md``).
 
 The method (``reward.reward_kwargs.method``) decides the token layout, exactly as for the native
-trainer: :func:`spader_pipeline.algorithms.methods.method_rewards` (see that module's table). The
+trainer: :func:`spader_pipeline.algorithms.methods.method_rewards` (see that module's table). It has
+no default: the launcher's one key ``spader_method=<method>`` sets it with the method's estimator, and a
+config whose ``algorithm.adv_estimator`` is not that method's stops the manager, naming both keys. The
 other ``reward_kwargs`` are :class:`~spader_pipeline.algorithms.rewards.SpaderRewardConfig` fields
 (plus ``require_global_step``); the method's options are read where its estimator reads them
 (:func:`~.estimators.verl_options_path`).
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -49,7 +51,6 @@ from spader_pipeline.algorithms.group_metrics import (
 from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.algorithms.methods import (
     RewardInputs,
-    SpaOptions,
     answer_score,
     get_method,
     method_advantages,
@@ -60,6 +61,7 @@ from spader_pipeline.algorithms.rewards import SpaderRewardConfig, outcome_rewar
 from spader_pipeline.algorithms.step_metrics import rollout_step_metrics
 from spader_pipeline.algorithms.steps import StepLayout, segment_steps
 from spader_pipeline.data.schema import ground_truth_lists
+from spader_pipeline.typed_config import SettingsError
 
 from .estimators import verl_options
 from .trajectory import MASK_FIELD, TrajectoryRecord, read_trajectory
@@ -76,24 +78,37 @@ PAYLOAD_KEY = "spader_payload"
 class ManagerSettings:
     """What the ``spader`` manager reads from the trainer config.
 
-    ``reward.reward_kwargs`` holds ``method``, the reward config's fields (one name each, as in
-    ``conf/base/parameters_training.yml``) and ``require_global_step``; the method's options come
+    ``reward.reward_kwargs`` holds ``method`` (required), the reward config's fields (one name each, as
+    in ``conf/base/parameters_training.yml``) and ``require_global_step``; the method's options come
     from :func:`~.estimators.verl_options_path`, where verl hands them to the estimator too.
     """
 
-    method: str = "spader"
-    reward: SpaderRewardConfig = field(default_factory=lambda: reward_config_from_mapping("spader", {}))
-    options: Any = field(default_factory=SpaOptions)
+    method: str
+    reward: SpaderRewardConfig
+    options: Any
     require_global_step: bool = True
     """refuse to assemble a batch without ``meta_info["global_steps"]`` when a tool cost is configured"""
 
     @classmethod
     def from_config(cls, config: Any) -> ManagerSettings:
+        """The settings of a trainer config; one without ``reward.reward_kwargs.method``, or whose
+        ``algorithm.adv_estimator`` is not that method's estimator, is a
+        :class:`~spader_pipeline.typed_config.SettingsError` naming the keys."""
         reward = config.get("reward", None) if hasattr(config, "get") else None
         kwargs = dict((reward.get("reward_kwargs", None) if reward is not None else None) or {})
-        method = str(kwargs.pop("method", "spader"))
+        if "method" not in kwargs:
+            raise SettingsError("reward.reward_kwargs.method is not set: the spader reward manager has no default "
+                                "method; select one with spader_method=<method> (what the launcher passes), which "
+                                "sets it with the method's estimator")
+        method = str(kwargs.pop("method"))
         require = bool(kwargs.pop("require_global_step", True))
         algorithm = config.get("algorithm", None) if hasattr(config, "get") else None
+        estimator = algorithm.get("adv_estimator", None) if algorithm is not None else None
+        expected = get_method(method).estimator
+        if estimator is not None and str(estimator) != expected:
+            raise SettingsError(f"algorithm.adv_estimator={estimator} and reward.reward_kwargs.method={method} disagree: "
+                                f"the method {method} trains with the estimator {expected}. On verl a method is one "
+                                f"key: set spader_method=<method> and neither of these two")
         return cls(method, reward_config_from_mapping(method, kwargs), verl_options(method, algorithm), require)
 
     def final_term(self, record: TrajectoryRecord) -> float:
@@ -146,7 +161,8 @@ def make_payload(
 class SpaderRewardManager(RewardManagerBase):
     """Reward-loop manager for every registered method's rewards (see module docstring)."""
 
-    settings: ClassVar[ManagerSettings] = ManagerSettings()
+    settings: ClassVar[ManagerSettings | None] = None
+    """the batch assembly's settings, set from the trainer config (:meth:`configure`) before any batch"""
 
     def __init__(
         self,
@@ -228,8 +244,15 @@ class SpaderRewardManager(RewardManagerBase):
             index=data.non_tensor_batch["uid"],
             payloads=payloads,
             global_step=data.meta_info.get("global_steps"),
-            settings=cls.settings,
+            settings=cls.configured(),
         )
+
+    @classmethod
+    def configured(cls) -> ManagerSettings:
+        """The class-level settings; an error when no trainer config has set them (:meth:`configure`)."""
+        if cls.settings is None:
+            raise RuntimeError(f"{cls.__name__}.configure(config) was not called: the batch assembly has no method")
+        return cls.settings
 
     @classmethod
     def step_metrics(cls, data: DataProto, token_rewards: torch.Tensor) -> dict[str, float]:
@@ -242,7 +265,7 @@ class SpaderRewardManager(RewardManagerBase):
         response_tokens = data.batch["attention_mask"][:, -mask.shape[1]:].sum(dim=1)
         return mechanism_metrics_from_payloads(
             response_mask=mask, index=data.non_tensor_batch["uid"], payloads=payloads,
-            token_rewards=token_rewards, global_step=data.meta_info.get("global_steps"), settings=cls.settings,
+            token_rewards=token_rewards, global_step=data.meta_info.get("global_steps"), settings=cls.configured(),
             response_tokens=response_tokens,
         )
 

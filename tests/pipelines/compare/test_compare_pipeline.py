@@ -19,6 +19,7 @@ from kedro.runner import ParallelRunner
 
 from spader_pipeline.pipelines.compare.nodes import cell_settings, check_design, seed_training
 from spader_pipeline.pipelines.compare.pipeline import create_pipeline, registered_cells
+from spader_pipeline.training import TrainingSettings
 
 PARAMS = {"methods": ["grpo", "spader"], "seeds": [0, 1], "dataset": "embedded_test", "min_questions": 4}
 CELLS = ["grpo_seed0", "spader_seed0", "grpo_seed1", "spader_seed1"]
@@ -47,12 +48,15 @@ def test_design_needs_two_seeds_two_methods_enough_questions_and_the_registered_
 
 def test_each_cell_gets_its_own_seed_directories_and_run_label():
     training = {"native": {"seed": 0, "total_steps": 3}, "verl": {"overrides": ["a=1"]}, "output_dir": "x"}
-    seeded = seed_training(training, "out/compare", 2)
-    assert seeded["output_dir"] == "out/compare/seed2" and seeded["native"] == {"seed": 2, "total_steps": 3}
-    assert seeded["verl"]["overrides"] == ["a=1", "data.seed=2", "actor_rollout_ref.actor.data_loader_seed=2"]
-    assert training["native"]["seed"] == 0  # the shared settings are not modified
+    shared = TrainingSettings.from_mapping(training)
+    seeded = seed_training(shared, "out/compare", 2)
+    assert seeded.output_dir == "out/compare/seed2" and seeded.native == {"seed": 2, "total_steps": 3}
+    assert seeded.trainer.seed == 2 and seeded.seed == 2
+    assert list(seeded.verl.overrides) == ["a=1", "data.seed=2", "actor_rollout_ref.actor.data_loader_seed=2"]
+    assert shared.native["seed"] == 0 and training["native"]["seed"] == 0  # the shared settings are not modified
     cell, merge = cell_settings(training, {"timeout": 5}, "out/compare", 1)
-    assert cell["run_label"] == "compare" and merge == {"timeout": 5, "output_dir": "out/compare/seed1/merged"}
+    assert cell.run_label == "compare" and cell.seed == 1
+    assert merge == {"timeout": 5, "output_dir": "out/compare/seed1/merged"}
 
 
 def test_cells_come_from_conf_at_registry_time(project_root, tmp_path):

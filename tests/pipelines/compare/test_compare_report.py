@@ -4,6 +4,7 @@ numbers and words, and the mechanism summary."""
 import numpy as np
 import pandas as pd
 
+from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.reporting.compare import build_report, question_scores
 
 
@@ -36,7 +37,7 @@ COMPARE = {"long_tail_below": 5, "bootstrap": {"resamples": 300}}
 
 
 def test_a_clear_gain_is_reported_as_one():
-    text, figure, metrics = build_report(DESIGN, _runs(), _samples(0.1), COMPARE, {"native": {"total_steps": 1}})
+    text, figure, metrics = build_report(DESIGN, _runs(), _samples(0.1), COMPARE, NativeTrainerConfig(total_steps=1))
     assert metrics["diff/recall/low"] > 0 and metrics["diff/recall/mean"] > 0.05
     assert "spader − grpo: above 0" in text and "excludes 0" in text
     assert "**f1**: spader is better by" in text
@@ -48,7 +49,7 @@ def test_a_clear_gain_is_reported_as_one():
 
 
 def test_no_difference_is_said_in_words_with_the_detectable_size():
-    text, _, metrics = build_report(DESIGN, _runs(), _samples(0.0), COMPARE, {})
+    text, _, metrics = build_report(DESIGN, _runs(), _samples(0.0), COMPARE, NativeTrainerConfig())
     assert metrics["diff/recall/low"] <= 0 <= metrics["diff/recall/high"]
     assert "spader − grpo: inside the noise" in text and "contains 0" in text
     assert "**f1**: no detectable difference" in text
@@ -76,7 +77,7 @@ def test_the_figure_draws_validation_curves_and_the_warm_start_level():
     for run in runs.values():
         run["history"] = [{"step": 0, "val/embedded/recall": 0.2}, *run["history"],
                           {"step": 2, "val/embedded/recall": 0.25}]
-    _, figure, _ = build_report(DESIGN, runs, _samples(0.0), COMPARE, {})
+    _, figure, _ = build_report(DESIGN, runs, _samples(0.0), COMPARE, NativeTrainerConfig())
     validation = figure.axes[0]
     assert "validation recall" in validation.get_title()
     assert any(np.allclose(line.get_ydata(), 0.2) and len(line.get_ydata()) == 2 for line in validation.get_lines())  # the warm start's level

@@ -3,6 +3,7 @@ KedroSession (the cells' training is the training stage's ``train_policy``, run 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import mlflow
@@ -14,6 +15,7 @@ from spader_pipeline.pipelines.positive_control import create_pipeline
 from spader_pipeline.pipelines.positive_control.nodes import cell_name, cell_settings, fitted_set
 from spader_pipeline.pipelines.positive_control.pipeline import CELLS
 from spader_pipeline.reporting.positive_control import build_report
+from spader_pipeline.training import TrainingSettings
 
 DESIGN = {"questions": 2, "question_seed": 0, "validation_questions": 2, "target_gain": 0.2}
 
@@ -59,9 +61,9 @@ def test_a_cell_trains_on_every_fitted_question_and_validates_every_row():
     validation = {"every": 4, "max_questions": 16, "batch_size": {"fitted": 1}}
     training = {"native": {"seed": 0}, "max_train_questions": 40, "validation": validation}
     settings = cell_settings(training, "out", seed=1)
-    assert settings["native"]["seed"] == 1 and settings["output_dir"] == "out/seed1"
-    assert settings["max_train_questions"] is None
-    assert settings["validation"] == {**validation, "max_questions": None}  # each fitted question still alone
+    assert settings.seed == 1 and settings.output_dir == "out/seed1" and settings.max_train_questions is None
+    assert settings.validation == dataclasses.replace(TrainingSettings.from_mapping(training).validation,
+                                                      max_questions=None)  # each fitted question still alone
 
 
 def test_the_report_counts_the_cells_that_reach_the_target():

@@ -11,13 +11,22 @@ from kedro.framework.session import KedroSession
 from spader_pipeline.typed_config import SettingsError
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    ({"training": {"natvie_typo": 1}}, r"training.natvie_typo"),
-    ({"training": {"native": {"total_stepz": 3}}}, r"training.native.total_stepz"),
-    ({"training": {"backend": "tpu"}}, r"training.backend='tpu': use one of \['native', 'verl'\]"),
-], ids=["unknown-top-level", "unknown-native", "bad-backend"])
+@pytest.mark.parametrize(("params", "message", "pipeline"), [
+    ({"training": {"natvie_typo": 1}}, r"training.natvie_typo", "train_spader"),
+    ({"training": {"native": {"total_stepz": 3}}}, r"training.native.total_stepz", "train_spader"),
+    ({"training": {"backend": "tpu"}}, r"training.backend='tpu': use one of \['native', 'verl'\]", "train_spader"),
+    ({"training": {"verl": {"ppo_epochz": 2}}},
+     r"unknown training.verl settings \['ppo_epochz'\] \(training.verl.ppo_epochz\); known: \[.*'overrides'",
+     "train_spader"),
+    ({"warm_start": {"stepz": 5}}, r"unknown warm_start settings \['stepz'\] \(warm_start.stepz\); known: \[.*'sft'",
+     "warm_start"),
+    ({"warm_start": {"sft": {"max_stepz": 5}}},
+     r"unknown warm_start.sft settings \['max_stepz'\] \(warm_start.sft.max_stepz\); known: \[.*'max_steps'",
+     "warm_start"),
+], ids=["unknown-top-level", "unknown-native", "bad-backend", "unknown-verl", "unknown-warm-start",
+        "unknown-warm-start-sft"])
 def test_a_bad_training_setting_stops_the_run_before_anything_starts(kedro_project, node_starts, monkeypatch,
-                                                                     params, message):
+                                                                     params, message, pipeline):
     import spader_pipeline.child_process as child_process
 
     started = []
@@ -26,7 +35,7 @@ def test_a_bad_training_setting_stops_the_run_before_anything_starts(kedro_proje
     with KedroSession.create(project_path=kedro_project, env="test", runtime_params=params) as session:
         session._hook_manager.register(node_starts)
         with pytest.raises(SettingsError, match=message):
-            session.run(pipeline_names=["train_spader"])
+            session.run(pipeline_names=[pipeline])
     assert node_starts.names == [] and started == []
     assert len(mlflow.search_runs(search_all_experiments=True, output_format="list")) == runs_before
     assert not (kedro_project / "data" / ".kedro-run.lock").exists()

@@ -23,6 +23,7 @@ from spader_pipeline.child_process import runs_child_processes
 from spader_pipeline.data.schema import frame_records
 from spader_pipeline.evaluation.suite import evaluate_manifests, records_frame
 from spader_pipeline.pipelines.evaluate.nodes import count_entity_frequencies
+from spader_pipeline.training import TrainingSettings
 from spader_pipeline.typed_config import merge_settings
 
 logger = logging.getLogger(__name__)
@@ -110,18 +111,19 @@ def evaluate_references(warm_start_manifest: Mapping[str, Any], heldout: Mapping
 
 
 def cell_settings(training: Mapping[str, Any], merge: Mapping[str, Any], output_dir: str,
-                  seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``training`` and ``merge`` settings of one cell: its seed and its own directories."""
-    seeded = seed_training(training, output_dir, seed)
-    return {**seeded, "run_label": RUN_LABEL}, {**merge, "output_dir": str(Path(seeded["output_dir"]) / "merged")}
+                  seed: int) -> tuple[TrainingSettings, dict[str, Any]]:
+    """The typed ``training`` settings and the ``merge`` settings of one cell: its seed and its own
+    directories."""
+    seeded = seed_training(TrainingSettings.from_mapping(training), output_dir, seed)
+    return (seeded.with_changes(run_label=RUN_LABEL),
+            {**merge, "output_dir": str(Path(seeded.output_dir) / "merged")})
 
 
-def seed_training(training: Mapping[str, Any], output_dir: str, seed: int) -> dict[str, Any]:
+def seed_training(training: TrainingSettings, output_dir: str, seed: int) -> TrainingSettings:
     """``training`` for one seed: its own output directory and the RL seed (both backends)."""
-    native = {**(training.get("native") or {}), "seed": int(seed)}
-    verl = dict(training.get("verl") or {})
-    verl["overrides"] = [*(verl.get("overrides") or []), f"data.seed={int(seed)}", f"actor_rollout_ref.actor.data_loader_seed={int(seed)}"]
-    return {**training, "output_dir": str(Path(output_dir) / f"seed{seed}"), "native": native, "verl": verl}
+    seed = int(seed)
+    return training.with_changes(output_dir=str(Path(output_dir) / f"seed{seed}"), native={"seed": seed},
+                                 verl_overrides=(f"data.seed={seed}", f"actor_rollout_ref.actor.data_loader_seed={seed}"))
 
 
 @runs_child_processes
@@ -157,7 +159,7 @@ def write_report(design: Mapping[str, Any], runs: Mapping[str, Any], samples: pd
     chain run's artifacts (the project hook logs the metrics as ``compare/...``)."""
     from spader_pipeline.reporting.compare import build_report
 
-    text, figure, metrics = build_report(design, runs, samples, compare, training)
+    text, figure, metrics = build_report(design, runs, samples, compare, TrainingSettings.from_mapping(training).trainer)
     tracking.log_text(text, "compare/report.md")
     tracking.log_figure(figure, "compare/curves.png")
     return text, figure, metrics

@@ -19,6 +19,7 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.reporting.positive_control import FITTED_SOURCE
+from spader_pipeline.training import TrainingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +68,19 @@ def _rows_with_ids(verl_train: pd.DataFrame, ids: list[str]) -> pd.DataFrame:
     return verl_train.iloc[[position[i] for i in ids]].reset_index(drop=True)
 
 
-def cell_settings(training: Mapping[str, Any], output_dir: str, seed: int) -> dict[str, Any]:
-    """One cell's ``training``: its seed, its own directory, every fitted question used and every
-    validation row scored."""
+def cell_settings(training: Mapping[str, Any], output_dir: str, seed: int) -> TrainingSettings:
+    """One cell's typed ``training``: its seed, its own directory, every fitted question used and
+    every validation row scored."""
     from spader_pipeline.pipelines.compare.nodes import seed_training
 
-    seeded = start_validation_settings(seed_training(training, output_dir, seed))
-    return {**seeded, "run_label": RUN_LABEL, "max_train_questions": None}
+    seeded = seed_training(start_validation_settings(training), output_dir, seed)
+    return seeded.with_changes(run_label=RUN_LABEL, max_train_questions=None)
 
 
-def start_validation_settings(training: Mapping[str, Any]) -> dict[str, Any]:
-    """``training`` scoring every validation row (the fitted set and the held-out questions): the
-    warm start's step-0 validation and, through :func:`cell_settings`, every cell's."""
-    return {**training, "validation": {**(training.get("validation") or {}), "max_questions": None}}
+def start_validation_settings(training: Mapping[str, Any]) -> TrainingSettings:
+    """``training`` typed, scoring every validation row (the fitted set and the held-out questions):
+    the warm start's step-0 validation and, through :func:`cell_settings`, every cell's."""
+    return TrainingSettings.from_mapping(training).with_changes(validation={"max_questions": None})
 
 
 def write_report(design: Mapping[str, Any], **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:

@@ -20,9 +20,9 @@ from spader_pipeline.child_process import in_child_process, runs_child_processes
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged, rollout_decoding_path
 from spader_pipeline.native.stages import run_warm_start, validate_start_model
+from spader_pipeline.native.warm_start import WarmStartSettings
 from spader_pipeline.tracking.buffer import active_run_target
-from spader_pipeline.training import TrainingSettings
-from spader_pipeline.training.backends import get_backend
+from spader_pipeline.training import TrainingSettings, get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,16 @@ def warm_start(
     prompt: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Supervised warm start of the base model (:func:`spader_pipeline.native.warm_start.warm_start`);
-    its manifest and summary metrics. ``enabled: false`` passes the base model through unchanged.
-    With ``subprocess`` (default) it runs in a child process, which returns its memory when it ends."""
-    if not params.get("enabled", True):
+    its manifest and summary metrics. ``params`` is typed first (:class:`~spader_pipeline.native.warm_start.
+    WarmStartSettings`). ``enabled: false`` passes the base model through unchanged. With ``subprocess``
+    (default) it runs in a child process, which returns its memory when it ends."""
+    settings = WarmStartSettings.from_mapping(params)
+    if not settings.enabled:
         logger.info("warm start disabled; RL starts from the base model")
         return {**base_model_manifest, "warm_start": False}, {}
-    run = in_child_process(run_warm_start, enabled=params.get("subprocess", True), name="warm_start")
-    return run(base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], params,
-               _template(prompt, params.get("prompt_template")), active_run_target())
+    run = in_child_process(run_warm_start, enabled=settings.subprocess, name="warm_start")
+    return run(base_model_manifest["path"], verl_train, verl_validation, index_manifest["index_dir"], settings,
+               _template(prompt, settings.prompt_template), active_run_target())
 
 
 # ----------------------------------------------------------------------------------------------
