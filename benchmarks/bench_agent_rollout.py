@@ -72,7 +72,7 @@ def _project_setup(model_dir: str, n: int, max_turns: int | None = None):
     import yaml
 
     from spader_pipeline.agent.prompts import resolve_template
-    from spader_pipeline.agent.rollout import RolloutConfig
+    from spader_pipeline.agent.types import RolloutConfig
     from spader_pipeline.modeling import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
@@ -117,7 +117,8 @@ def bench_rollout(repeats: int, n: int, args_threads: int = 1, model_dir: str | 
     import torch
 
     from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts
+    from spader_pipeline.agent.rollout import run_rollouts
+    from spader_pipeline.agent.types import RolloutConfig, SamplingParams
     from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
     from spader_pipeline.modeling.tokenizer import train_tokenizer
     from spader_pipeline.retrieval import build_index, load_retriever

@@ -167,7 +167,7 @@ def rounds(trajectories: list[Any]) -> list[int]:
 class Bench:
     def __init__(self, args: argparse.Namespace, model: Any, tokenizer: Any, server: Any, search: Any,
                  template: str, bf16: bool) -> None:
-        from spader_pipeline.agent.rollout import RolloutConfig
+        from spader_pipeline.agent.types import RolloutConfig
 
         training = _conf("parameters_training.yml")["training"]
         native = training["native"]
@@ -182,7 +182,8 @@ class Bench:
 
     async def reference(self, samples: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         from spader_pipeline.agent.hf_backend import HFGenerator
-        from spader_pipeline.agent.rollout import SamplingParams, run_rollouts
+        from spader_pipeline.agent.rollout import run_rollouts
+        from spader_pipeline.agent.types import SamplingParams
 
         gen = HFGenerator(self.model, self.tokenizer, SamplingParams(temperature=self.temperature,
                                                                       max_new_tokens=self.max_new_tokens),

@@ -37,7 +37,8 @@ import smoke
 import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.modeling import load_model_and_tokenizer
 from spader_pipeline.modeling.kv_cache import GrowingLayer

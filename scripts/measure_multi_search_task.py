@@ -29,8 +29,9 @@ from pathlib import Path
 import yaml
 
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
 from spader_pipeline.agent.scripted import ScriptedPolicy, _Hit, evidence_line, question_query
+from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.data import multi_search_qa, wiki
 from spader_pipeline.retrieval.bm25 import BM25Params, BM25Retriever, build_bm25
 from spader_pipeline.retrieval.corpus import Passage

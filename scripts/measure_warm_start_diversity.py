@@ -34,9 +34,10 @@ import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
 from spader_pipeline.agent.scripted import ScriptedPolicy
 from spader_pipeline.agent.tokens import examples_from_dialogues
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.group_metrics import normalise_query
 from spader_pipeline.data.formats import samples_from_verl

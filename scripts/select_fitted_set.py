@@ -34,7 +34,8 @@ import torch
 
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.modeling import load_model_and_tokenizer

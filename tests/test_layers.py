@@ -9,7 +9,7 @@ The order below is the one place it is written. Why each layer sits where it doe
 * over the leaves: ``child_process``, which bounds its children's heap with ``host_memory``; and
   ``tracking``, MLflow (the store, the runs and what is logged into them, the buffered writer, the
   UI server) for every layer above that logs: the trainers and the verl plugin as well as the Kedro
-  shell; then ``tracking_buffer``, the buffered writer's old import path (a re-export);
+  shell;
 * core: the methods' maths (``algorithms``) and the models (``modeling``), pure torch/numpy;
 * ``retrieval``: indexes, the search service and its client;
 * ``agent``: the search agent's protocol, prompts and rollouts, over retrieval's schemas and the models;
@@ -26,11 +26,12 @@ The order below is the one place it is written. Why each layer sits where it doe
   the chain's order, its report from ``reporting``;
 * the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points.
 
-Inside the packages that have an order (``native``, ``agent``, ``retrieval``, ``modeling``), the
-same rule holds between their modules: :data:`PACKAGE_LAYERS` lists each package's modules bottom
-first, with the reason for the order, and a module imports only modules of lower layers of its
-package (and, as everywhere, lower top-level layers). A package's ``__init__`` (and ``__main__``) is
-its top: it may export any of its modules.
+Inside every package and subpackage (``native``, ``algorithms.methods``, ``pipelines.compare``…),
+the same rule holds between its modules: :data:`PACKAGE_LAYERS` lists each package's modules (and
+subpackages) bottom first, with the reason for the order, and a module imports only modules of
+lower layers of its package (and, as everywhere, lower top-level layers). A package's ``__init__``
+(and ``__main__``) is its top: it may export any of its modules. Together the two orders leave no
+import circle anywhere (:func:`test_no_import_circle`, which checks that on the whole graph).
 
 Imports inside functions and ``if TYPE_CHECKING:`` blocks count as well; relative imports are
 resolved.
@@ -42,6 +43,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 PACKAGE = "spader_pipeline"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
@@ -49,7 +52,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("", "typed_config", "local_servers", "run_lock", "host_memory", "bf16_switch"),
     ("child_process", "tracking"),
-    ("tracking_buffer",),
     ("algorithms", "modeling"),
     ("retrieval",),
     ("agent",),
@@ -101,6 +103,83 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it
         ("provide", "warm_start"),  # the base model of a run; supervised fine-tuning
     ),
+    "algorithms": (
+        ("matching", "steps", "step_metrics", "validation"),  # answer matching; a trajectory's steps; their
+                                                              # rollout metrics; the validation schedule
+        ("advantages", "entity_search"),  # the estimators over steps; gold entities in retrieved documents
+        ("rewards",),  # the reward terms (outcome, SPADER's exploration, tool cost)
+        ("methods",),  # each method: its reward layout and estimator, registered by name
+        ("group_metrics",),  # a group's mechanism metrics, comparing methods' advantages
+    ),
+    "algorithms.advantages": (
+        ("_groups",),  # per-group statistics every estimator uses
+        ("grpo", "spa"),  # GRPO's group-normalised outcome; SPADER's step-wise peer advantage
+        ("calibadv", "tspo"),  # the estimators built on GRPO's
+    ),
+    "algorithms.methods": (
+        ("base",),  # the method registry and what a method is
+        ("grpo", "spader", "calibadv", "tspo"),  # one module per method, registering itself
+    ),
+    "data": (
+        ("schema", "wiki"),  # the unified row; the embedded Wikipedia summaries
+        ("formats", "readers", "validation"),  # VERL parquet rows; benchmark readers; the quarantine
+        ("embedded_qa",),  # questions from articles sharing a description
+        ("multi_search_qa",),  # questions that need several searches, over embedded_qa's groups
+    ),
+    "evaluation": (
+        ("bootstrap", "metrics", "models"),  # intervals; per-question scores; what a model entry is
+        ("config", "plots", "runner"),  # the typed `evaluate` block; figures; one dataset's evaluation
+        ("mlflow_runs", "suite"),  # an evaluation's MLflow run; every model × dataset
+    ),
+    "launch": (
+        ("settings", "overrides", "metrics", "process"),  # typed launch settings; Hydra overrides; verl's
+                                                           # metrics files; the process runner
+        ("data_files",),  # the parquet and the search tool's config a launch reads
+        ("command",),  # the command line and environment of a launch
+        ("verl", "merge"),  # a launch, step by step; merging its checkpoint
+    ),
+    "reporting": (
+        ("tables", "portable"),  # markdown tables; the portable run's summary
+        ("compare", "positive_control", "training"),  # the reports over runs and evaluation records
+    ),
+    "training": (
+        ("registry",),  # the table of backends (no settings, so the settings can look names up in it)
+        ("settings",),  # `training` typed once; the trainer's configuration built once
+        ("backends",),  # the native and verl backends, registered as the package is imported
+    ),
+    "portable": (
+        ("bundle", "methods"),  # a bundle's files and settings; one method's stage
+        ("run",),  # the whole run in the chain's order
+    ),
+    "tracking": (
+        ("store", "runs", "buffer", "provenance", "ui"),  # the store; runs; the buffered writer; lineage; the UI
+        ("metrics_files",),  # metrics files a process writes, followed into the buffered writer
+    ),
+    "verl_plugin": (
+        ("gaps", "estimators", "registration", "search_tool", "trajectory"),  # verl's mended gaps; our estimators,
+                                                                             # registrations, tool, trajectories
+        ("agent_loop", "batch_reward", "method_configs", "reward_manager", "cpu", "decoder_rollout"),
+        # the agent loop, the batch reward assembly, the methods' Hydra configs, the reward manager, the
+        # CPU platform and our rollout server: each over the leaves, independent of each other
+    ),
+    "verl_plugin.decoder_rollout": (
+        ("batching", "names", "weights"),  # request batching; registered names; weight sync
+        ("server",),  # the rollout server over our decoder
+        ("replica",),  # verl's replica around the server
+    ),
+    "verl_plugin.cpu": (
+        ("platform",),  # verl's platform for CPU workers
+    ),
+    "pipelines": (
+        ("base_model", "data_prep", "index_build", "merge", "report", "training"),  # the chain's stages
+        ("evaluate", "warm_start"),  # evaluation (over merge's manifests); the warm start (training's nodes)
+        ("compare",),  # method × seed cells over the stages
+        ("positive_control",),  # the fitted cells over compare's seeding
+    ),
+    **{f"pipelines.{stage}": (("nodes",), ("pipeline",))  # thin nodes; the pipeline that wires them
+       for stage in ("base_model", "compare", "data_prep", "evaluate", "index_build", "merge", "positive_control",
+                     "report", "training")},
+    "pipelines.warm_start": (("pipeline",),),
 }
 TOP_OF_PACKAGE = ("__init__", "__main__")
 
@@ -162,7 +241,7 @@ def module_of(module: str, package: str) -> str | None:
     prefix = f"{PACKAGE}.{package}"
     if module == prefix:
         return "__init__"
-    return module.split(".")[2] if module.startswith(prefix + ".") else None
+    return module.split(".")[package.count(".") + 2] if module.startswith(prefix + ".") else None
 
 
 def upward_imports_in(package: str) -> list[str]:
@@ -172,7 +251,7 @@ def upward_imports_in(package: str) -> list[str]:
     rank = {part: k for k, parts in enumerate(PACKAGE_LAYERS[package]) for part in parts}
     rank.update({top: len(PACKAGE_LAYERS[package]) for top in TOP_OF_PACKAGE})
     found = []
-    for path in sorted((SRC / package).rglob("*.py")):
+    for path in sorted(package_dir(package).rglob("*.py")):
         name = module_name(path)
         here = module_of(name, package)
         for line, target in imported_modules(path):
@@ -184,9 +263,47 @@ def upward_imports_in(package: str) -> list[str]:
     return found
 
 
+def package_dir(package: str) -> Path:
+    return SRC.joinpath(*package.split("."))
+
+
+def test_every_package_has_an_order():
+    """Every package and subpackage of ``src/`` has its order in :data:`PACKAGE_LAYERS`."""
+    packages = {".".join(p.parent.relative_to(SRC).parts) for p in SRC.rglob("__init__.py") if p.parent != SRC}
+    assert packages - set(PACKAGE_LAYERS) == set(), "add the new package's order to PACKAGE_LAYERS"
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports (a package's own ``__init__``, which re-exports its
+    modules, is not followed from inside the package)."""
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = {target for _, target in imported_modules(path) if target.startswith(PACKAGE + ".")
+                       and target != name and not (is_package(target) and name.startswith(target + "."))
+                       and not (path.name == "__init__.py" and target == package)}
+    circles = []
+    for start in sorted(graph):
+        seen, stack = set(), [(start, (start,))]
+        while stack:
+            node, trail = stack.pop()
+            for target in graph.get(node, ()):
+                if target == start:
+                    circles.append(" -> ".join((*trail, target)))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*trail, target)))
+    assert circles == []
+
+
+def is_package(module: str) -> bool:
+    return (SRC.joinpath(*module.split(".")[1:]) / "__init__.py").is_file()
+
+
 def test_every_module_of_an_ordered_package_has_a_layer():
     for package, layers in PACKAGE_LAYERS.items():
-        modules = {module_of(module_name(p), package) for p in (SRC / package).rglob("*.py")}
+        modules = {module_of(module_name(p), package) for p in package_dir(package).rglob("*.py")}
         listed = {m for parts in layers for m in parts} | set(TOP_OF_PACKAGE)
         assert modules - listed == set(), f"add the new module of {package} to PACKAGE_LAYERS"
         assert {m for parts in layers for m in parts} - modules == set(), f"{package}: a listed module is gone"
@@ -234,3 +351,18 @@ def test_the_walk_inside_a_package_sees_an_upward_import(tmp_path, monkeypatch):
     assert upward_imports_in("native") == [
         "spader_pipeline.native.config (line 2) imports spader_pipeline.native.trainer: native.trainer is not "
         "below native.config"]
+
+
+def test_the_circle_check_sees_a_circle_through_a_type_checking_import(tmp_path, monkeypatch):
+    """The checker itself: the circle the training settings once had (the settings looked the backend
+    up inside a function, the backends named the settings for type checkers) is found."""
+    root = tmp_path / PACKAGE / "training"
+    root.mkdir(parents=True)
+    (root.parent / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("from .settings import TrainingSettings\n")
+    (root / "settings.py").write_text("def check():\n    from spader_pipeline.training.backends import get\n")
+    (root / "backends.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from spader_pipeline.training.settings import TrainingSettings\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path / PACKAGE)
+    with pytest.raises(AssertionError, match="training.backends -> spader_pipeline.training.settings"):
+        test_no_import_circle()

@@ -55,12 +55,3 @@ def test_metric_files_are_followed_to_their_last_complete_line_and_can_be_backfi
     assert backfill(run_id, native, uri, timeout=30)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "answer/recall")] == [(1, 0.1), (2, 0.2)]
     assert mlflow_key("val-core/q//acc/mean@4 (x)") == "val-core/q/acc/mean_at_4 _x_"
-
-
-def test_the_old_module_path_still_imports_the_same_objects():
-    """``spader_pipeline.tracking_buffer`` (its home before it moved into ``tracking/``) re-exports them."""
-    from spader_pipeline import tracking, tracking_buffer
-
-    assert tracking_buffer.BufferedMetricsWriter is BufferedMetricsWriter is tracking.BufferedMetricsWriter
-    assert tracking_buffer.follow_jsonl is follow_jsonl
-    assert tracking_buffer.append_metrics_line is append_metrics_line

@@ -16,8 +16,14 @@ from spader_pipeline.agent.engines import (
     register_engine,
     unregister_engine,
 )
-from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
-from spader_pipeline.agent.types import CapturesStates, GeneratedTurn, Generator, SamplingParams
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import (
+    CapturesStates,
+    GeneratedTurn,
+    Generator,
+    RolloutConfig,
+    SamplingParams,
+)
 from spader_pipeline.typed_config import SettingsError
 
 

@@ -12,7 +12,7 @@ import torch
 from agent_toy_data import QUESTIONS
 
 from spader_pipeline.agent.hf_backend import HFGenerator
-from spader_pipeline.agent.rollout import RolloutState, SamplingParams
+from spader_pipeline.agent.types import RolloutState, SamplingParams
 
 
 def _states(prompts, limits):

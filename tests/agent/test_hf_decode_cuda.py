@@ -10,7 +10,7 @@ import torch
 from agent_toy_data import QUESTIONS, corpus_records
 
 from spader_pipeline.agent.hf_backend import HFGenerator
-from spader_pipeline.agent.rollout import RolloutState, SamplingParams
+from spader_pipeline.agent.types import RolloutState, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

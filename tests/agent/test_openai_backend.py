@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from spader_pipeline.agent.openai_backend import OpenAIChatGenerator, server_command
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts
+from spader_pipeline.agent.rollout import run_rollouts
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.retrieval import RetrievalClient
 
 

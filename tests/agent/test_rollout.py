@@ -12,15 +12,9 @@ from agent_toy_data import GROUPS, QUESTIONS
 
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.agent.protocol import FORMAT_HINT, format_error_observation
-from spader_pipeline.agent.rollout import (
-    GeneratedTurn,
-    Generator,
-    RolloutConfig,
-    SamplingParams,
-    run_rollouts,
-    run_rollouts_sync,
-)
+from spader_pipeline.agent.rollout import run_rollouts, run_rollouts_sync
 from spader_pipeline.agent.scripted import ScriptedPolicy, evidence_line, question_query
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutConfig, SamplingParams
 from spader_pipeline.retrieval import RetrievalClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +233,7 @@ def test_hf_kv_cache_reuse_gives_the_same_turns(tiny_lm):
     """Continuing from the KV cache (variable-length observations, trajectories dropping out)
     samples exactly what re-encoding the whole context samples."""
     from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import RolloutState
+    from spader_pipeline.agent.types import RolloutState
 
     model, tokenizer = tiny_lm
     sampling = SamplingParams(temperature=0.0, max_new_tokens=9)
@@ -274,7 +268,7 @@ def test_hf_shared_prompt_prefill_gives_the_same_turns(tiny_lm):
     """A group's shared prompt is encoded once and its cache copied to every row of the group
     (left-padded prompts of different lengths); the turns equal encoding every row separately."""
     from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import RolloutState
+    from spader_pipeline.agent.types import RolloutState
 
     model, tokenizer = tiny_lm
     sampling = SamplingParams(temperature=0.0, max_new_tokens=9)
@@ -299,7 +293,7 @@ def test_hf_common_instruction_prefix_is_encoded_once(tiny_lm, group_size):
     step): the instruction is encoded once for the batch, and the turns, and the next turn's
     cache continuation, equal encoding every row separately."""
     from spader_pipeline.agent.hf_backend import HFGenerator
-    from spader_pipeline.agent.rollout import RolloutState
+    from spader_pipeline.agent.types import RolloutState
 
     model, tokenizer = tiny_lm
     sampling = SamplingParams(temperature=0.0, max_new_tokens=7)

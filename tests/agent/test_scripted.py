@@ -15,7 +15,7 @@ from agent_toy_data import QUESTIONS
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.agent.protocol import parse_turn
 from spader_pipeline.agent.question_facets import _signature, parse_facets, singular
-from spader_pipeline.agent.rollout import RolloutConfig, Step, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
 from spader_pipeline.agent.scripted import (
     _AGAIN,
     _FACET_ANSWER,
@@ -24,6 +24,7 @@ from spader_pipeline.agent.scripted import (
     ScriptedPolicy,
     evidence_line,
 )
+from spader_pipeline.agent.types import RolloutConfig, Step
 from spader_pipeline.data import embedded_qa, multi_search_qa, wiki
 from spader_pipeline.retrieval import build_index_from_file
 from spader_pipeline.retrieval.index import load_retriever

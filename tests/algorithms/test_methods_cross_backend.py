@@ -39,7 +39,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
 
 import spader_pipeline.verl_plugin  # noqa: E402,F401  (registers the estimators and the manager)
 from spader_pipeline.agent.protocol import format_observation, parse_turn  # noqa: E402
-from spader_pipeline.agent.rollout import Step, Trajectory  # noqa: E402
+from spader_pipeline.agent.types import Step, Trajectory  # noqa: E402
 from spader_pipeline.algorithms.methods import (  # noqa: E402
     get_method,
     method_names,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from spader_pipeline.agent.rollout import GeneratedTurn, RolloutConfig
 from spader_pipeline.agent.scripted import ScriptedPolicy
+from spader_pipeline.agent.types import GeneratedTurn, RolloutConfig
 from spader_pipeline.evaluation.models import ModelSpec
 from spader_pipeline.evaluation.runner import evaluate_dataset, fingerprint, read_work_file
 from spader_pipeline.retrieval.service import LocalSearch

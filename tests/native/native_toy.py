@@ -24,7 +24,7 @@ def corpus_records() -> list[dict[str, str]]:
 def toy_trajectory(prompt, turns, predicted, retrieved, thinks=None):
     """A token-level trajectory: each turn is ``(model_tokens, observation_tokens)``; ``retrieved[k]``
     is the document text (or list of texts) turn ``k``'s search returned, ``thinks[k]`` its reasoning."""
-    from spader_pipeline.agent.rollout import Step, Trajectory
+    from spader_pipeline.agent.types import Step, Trajectory
 
     response, mask, steps = [], [], []
     for k, (model_tokens, obs_tokens) in enumerate(turns):

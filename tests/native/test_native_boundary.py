@@ -12,7 +12,8 @@ import torch
 from native_toy import QUESTIONS, TEMPLATE
 
 from spader_pipeline.agent.hf_backend import HFGenerator
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
 from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
 from spader_pipeline.native.update import (

@@ -120,8 +120,9 @@ class DownSearch:
 def test_a_step_counts_its_failed_searches(toy_index_dir):
     """A rollout never stops for a failed search (the model sees an error observation), so the step's
     metrics say how many searches failed: rewards earned against a broken tool are visible."""
-    from spader_pipeline.agent.rollout import RolloutConfig, run_rollouts_sync
+    from spader_pipeline.agent.rollout import run_rollouts_sync
     from spader_pipeline.agent.scripted import ScriptedPolicy
+    from spader_pipeline.agent.types import RolloutConfig
     from spader_pipeline.native.metrics import search_failures
     from spader_pipeline.retrieval import load_retriever
 

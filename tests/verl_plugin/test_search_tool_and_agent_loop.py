@@ -20,7 +20,8 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 from spader_pipeline.agent.hf_backend import HFGenerator  # noqa: E402
 from spader_pipeline.agent.protocol import format_error_observation  # noqa: E402
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts  # noqa: E402
+from spader_pipeline.agent.rollout import run_rollouts
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams  # noqa: E402
 from spader_pipeline.retrieval import RetrievalClient, build_index_from_file, running_service  # noqa: E402
 from spader_pipeline.verl_plugin.agent_loop import AGENT_NAME, SearchAgentLoop  # noqa: E402
 from spader_pipeline.verl_plugin.search_tool import SearchTool  # noqa: E402
@@ -247,7 +248,7 @@ class ScriptedServer:
 
 
 def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_url):
-    from spader_pipeline.agent.rollout import GeneratedTurn, Generator
+    from spader_pipeline.agent.types import GeneratedTurn, Generator
 
     _, tokenizer = lm
     loop = _loop(lm, search_url)

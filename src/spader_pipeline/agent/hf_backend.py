@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from spader_pipeline.agent.decode_engine import DecodeEngine
-from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.agent.state_capture import CapturedStates
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.modeling.decode import PREFILL_BLOCK_COST
 
 __all__ = ["HFGenerator", "encode_dialogue", "make_token_builder"]

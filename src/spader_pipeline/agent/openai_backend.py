@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from spader_pipeline.agent.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, SamplingParams
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutState, SamplingParams
 from spader_pipeline.local_servers import free_port, stop_process_group, wait_healthy
 
 logger = logging.getLogger(__name__)

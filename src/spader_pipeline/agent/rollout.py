@@ -43,15 +43,12 @@ from typing import Any
 
 from spader_pipeline.agent.prompts import render_prompt
 from spader_pipeline.agent.protocol import format_error_observation, parse_turn
-from spader_pipeline.agent.search_step import SearchOutcome, document_text, observe_search
+from spader_pipeline.agent.search_step import observe_search
 from spader_pipeline.agent.types import (
-    ErrorKind,
     FinishReason,
-    GeneratedTurn,
     Generator,
     RolloutConfig,
     RolloutState,
-    SamplingParams,
     SearchBackend,
     Step,
     Trajectory,
@@ -60,23 +57,7 @@ from spader_pipeline.agent.types import (
 logger = logging.getLogger(__name__)
 
 
-__all__ = [
-    "ErrorKind",
-    "FinishReason",
-    "GeneratedTurn",
-    "Generator",
-    "RolloutConfig",
-    "RolloutState",
-    "SamplingParams",
-    "SearchBackend",
-    "SearchOutcome",
-    "Step",
-    "Trajectory",
-    "document_text",
-    "observe_search",
-    "run_rollouts",
-    "run_rollouts_sync",
-]
+__all__ = ["new_state", "run_rollouts", "run_rollouts_sync"]
 
 
 

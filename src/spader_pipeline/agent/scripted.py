@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from spader_pipeline.agent.question_facets import STOPWORDS, WORD_RE, QuestionFacets, parse_facets, stem
-from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutState, Step
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutState, Step
 
 _QUOTED_RE = re.compile(r"[\"“]([^\"”]{2,200})[\"”]")
 

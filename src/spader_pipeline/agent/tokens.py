@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from spader_pipeline.agent.rollout import GeneratedTurn, RolloutState
+from spader_pipeline.agent.types import GeneratedTurn, RolloutState
 from spader_pipeline.modeling.warm_start import SFTExample, example_from_tokens
 
 logger = logging.getLogger(__name__)

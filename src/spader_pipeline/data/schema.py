@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
-    from spader_pipeline.agent.rollout import Trajectory
+    from spader_pipeline.agent.types import Trajectory
 
 SPLITS = ("train", "validation", "test")
 UNIFIED_COLUMNS = ("id", "question", "ground_truth", "data_source", "split")

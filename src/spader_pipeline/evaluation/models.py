@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator, check_engine
-from spader_pipeline.agent.rollout import Generator, SamplingParams
+from spader_pipeline.agent.types import Generator, SamplingParams
 from spader_pipeline.typed_config import from_mapping
 
 

@@ -21,13 +21,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from spader_pipeline.agent.rollout import (
-    Generator,
-    RolloutConfig,
-    SearchBackend,
-    Trajectory,
-    run_rollouts,
-)
+from spader_pipeline.agent.rollout import run_rollouts
+from spader_pipeline.agent.types import Generator, RolloutConfig, SearchBackend, Trajectory
 from spader_pipeline.algorithms.matching import normalize_ground_truth
 from spader_pipeline.data.schema import sample_record
 from spader_pipeline.evaluation.metrics import sample_metrics

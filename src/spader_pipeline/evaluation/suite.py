@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from spader_pipeline.agent.rollout import RolloutConfig
+from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.child_process import in_child_process
 from spader_pipeline.evaluation.config import EvaluationConfig
 from spader_pipeline.evaluation.metrics import aggregate

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from spader_pipeline.agent.engines import check_engine
-from spader_pipeline.agent.rollout import RolloutConfig
+from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.algorithms.methods import get_method, options_from_mapping, reward_config_from_mapping
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig
 from spader_pipeline.typed_config import SettingsError, from_mapping, method_settings, typed_block

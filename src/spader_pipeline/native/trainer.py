@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from spader_pipeline.agent.engines import build_generator, captures_states
-from spader_pipeline.agent.rollout import SamplingParams, run_rollouts_sync
-from spader_pipeline.agent.types import CapturesStates
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import CapturesStates, SamplingParams
 from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.host_memory import bound_heap

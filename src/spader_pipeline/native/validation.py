@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from spader_pipeline.agent.engines import DEFAULT_ENGINE, build_generator
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams, run_rollouts_sync
+from spader_pipeline.agent.rollout import run_rollouts_sync
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.algorithms import score_answers
 from spader_pipeline.algorithms.validation import validation_batches, validation_metrics
 from spader_pipeline.native.checkpoint import weights_stamp

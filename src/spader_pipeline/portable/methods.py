@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from spader_pipeline.agent.rollout import RolloutConfig, SamplingParams
+from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.evaluation.runner import evaluate_dataset
 from spader_pipeline.native import stages
 from spader_pipeline.retrieval.settings import search_backend

@@ -27,8 +27,9 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
-from spader_pipeline.agent.rollout import GeneratedTurn, Generator, RolloutConfig, RolloutState, run_rollouts
+from spader_pipeline.agent.rollout import run_rollouts
 from spader_pipeline.agent.tokens import TokenLayout
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutConfig, RolloutState
 from spader_pipeline.verl_plugin.search_tool import SearchTool
 from spader_pipeline.verl_plugin.trajectory import MASK_FIELD, SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
