@@ -52,9 +52,9 @@ def test_trained_models_come_from_their_manifests_with_the_training_link(tmp_pat
     merged = _checkpoint(tmp_path / "06_models/merged/train_spader")
     manifest = {"path": str(merged), "method": "spader", "backend": "verl", "mlflow_run_id": "abc"}
     spec = ModelSpec.from_manifest("spader", manifest, TRAINED, source="spader_model_manifest",
-                                   training={"method": "spader", "training_run_id": "abc"})
+                                   training_link={"method": "spader", "training_run_id": "abc"})
     assert (spec.kind, spec.path, spec.batch_size) == ("hf", str(merged), 4)
-    assert spec.training == {"method": "spader", "training_run_id": "abc"}
+    assert spec.training_link == {"method": "spader", "training_run_id": "abc"}
     config = EvaluationConfig.from_mapping({"models": [{"name": "scripted", "kind": "scripted"}]})
     assert [m.name for m in select_models(config, [spec])] == ["spader", "scripted"]
     unmerged = {"path": None, "method": "grpo", "backend": "verl", "actor_dir": "/x"}

@@ -12,8 +12,8 @@ import pytest
 import torch
 from native_toy import QUESTIONS, TEMPLATE
 
-from spader_pipeline.portable.bundle import export_bundle, read_settings
-from spader_pipeline.portable.run import run_bundle, with_overrides
+from spader_pipeline.portable.bundle import export_bundle, read_settings, with_overrides
+from spader_pipeline.portable.run import run_bundle
 from spader_pipeline.reporting.portable import environment, summarise
 
 ROLLOUT = {"max_turns": 2, "max_response_tokens": 600, "topk": 2}

@@ -25,16 +25,17 @@ def log_evaluation(result: Any, edges: Any) -> None:
     if not tracking.active():
         return
     spec, dataset = result.model, result.dataset
-    tags = {"model": spec.name, "dataset": dataset, "kind": spec.kind, **spec.training}
-    note = tracking.training_note(spec.training)
+    link = spec.training_link
+    tags = {"model": spec.name, "dataset": dataset, "kind": spec.kind, **link}
+    note = tracking.training_note(link)
     if note:
         tags["mlflow.note.content"] = note
     with tracking.linked_run(f"evaluate:{spec.name}:{dataset}", tags), tempfile.TemporaryDirectory() as tmp:
         tracking.log_params({**spec.describe(), "dataset": dataset, "prompt_template": result.template_name,
                              **{f"rollout.{k}": v for k, v in asdict(result.rollout).items()}})
         values = tracking.numeric_items(result.metrics)
-        tracking.log_metrics(values, model_id=tracking.model_in_store(spec.training.get("checkpoint.model_id")))
-        tracking.log_heldout(spec.training.get("training_run_id"), dataset, values)
+        tracking.log_metrics(values, model_id=tracking.model_in_store(link.get("checkpoint.model_id")))
+        tracking.log_heldout(link.get("training_run_id"), dataset, values)
         path = Path(tmp) / f"{spec.name}__{dataset}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in result.records),
                         encoding="utf-8")

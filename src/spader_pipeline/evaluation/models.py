@@ -70,7 +70,7 @@ class ModelSpec:
     """``false``: the entry is switched off (skipped with a log line); every enabled entry must run"""
     source: str | None = None
     """the catalog dataset the model came from (``None``: configured in ``evaluate.models``)"""
-    training: Mapping[str, str] = field(default_factory=dict)
+    training_link: Mapping[str, str] = field(default_factory=dict)
     """MLflow tags linking to the training run of the checkpoint (:func:`spader_pipeline.tracking.training_link_tags`)"""
 
     def __post_init__(self) -> None:
@@ -89,23 +89,23 @@ class ModelSpec:
             raise ValueError(f"model {entry.get('name')!r}: kind must be one of {MODEL_KINDS}, got {kind!r}")
         options = {k: entry.pop(k) for k in KIND_OPTIONS[kind] if k in entry}
         where = f"evaluate model {entry.get('name')!r} (kind {kind}, options {', '.join(KIND_OPTIONS[kind])})"
-        return from_mapping(cls, entry, where=where, exclude=("source", "training"), options=options)
+        return from_mapping(cls, entry, where=where, exclude=("source", "training_link"), options=options)
 
     @classmethod
     def from_manifest(
         cls, name: str, manifest: Mapping[str, Any], settings: Mapping[str, Any], *, source: str,
-        training: Mapping[str, str] | None = None,
+        training_link: Mapping[str, str] | None = None,
     ) -> ModelSpec:
         """The model of a catalog manifest (``{"path", ...}``), evaluated with ``settings``
-        (``evaluate.trained_models``: kind, batch size, decoding, rollout limits); ``training``: the
-        tags linking it to its MLflow training run."""
+        (``evaluate.trained_models``: kind, batch size, decoding, rollout limits); ``training_link``:
+        the tags linking it to its MLflow training run."""
         if not manifest.get("path"):
             raise ModelUnavailableError(
                 f"model {name} ({source}): the manifest has no Hugging Face folder (a VERL checkpoint is "
                 "converted by the merge pipeline: kedro run --pipeline merge)"
             )
         spec = cls.from_mapping({"kind": "hf", **settings, "name": name, "path": str(manifest["path"])})
-        return replace(spec, source=source, training=dict(training or {}))
+        return replace(spec, source=source, training_link=dict(training_link or {}))
 
     def require_available(self) -> None:
         """Raise :class:`ModelUnavailableError` when this model cannot be evaluated here."""

@@ -264,7 +264,7 @@ def evaluate_manifests(
                          f"({sorted(manifests)})")
     from_catalog = [
         ModelSpec.from_manifest(name, manifest, config.catalog_settings(name), source=f"the catalog's {name} manifest",
-                                training=dict(links(manifest)))
+                                training_link=dict(links(manifest)))
         for name, manifest in manifests.items()
     ]
     return evaluate_models(config, select_models(config, from_catalog), datasets, frequencies,

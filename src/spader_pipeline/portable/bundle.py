@@ -101,6 +101,30 @@ def export_bundle(out: str | Path, settings: Mapping[str, Any], *, verl_train: p
     return out
 
 
+def with_overrides(settings: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with each ``"a.b.c": value`` of ``overrides`` set (a copy; a missing parent is an error)."""
+    out = json.loads(json.dumps(settings))
+    for dotted, value in overrides.items():
+        *parents, key = dotted.split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise KeyError(f"override {dotted!r}: the settings have no block {part!r}")
+            node = node[part]
+        node[key] = value
+    return out
+
+
+def base_model_dir(bundle: Path, params: Mapping[str, Any], output_dir: Path) -> str:
+    """The base model's folder: the bundled one, or the packaged GGUF converted into ``output_dir``."""
+    from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
+
+    if params.get("path"):
+        return str((bundle / params["path"]).resolve())
+    convert_packaged_model(PackagedModel(**params.get("packaged", {})), output_dir)
+    return str(output_dir)
+
+
 def _jsonable(value: Any) -> Any:
     """numpy arrays and scalars in parquet-read records, as JSON."""
     if hasattr(value, "tolist"):

@@ -20,7 +20,6 @@ One seed: the intervals are over questions only, and say nothing of the seed-to-
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,13 +27,11 @@ from typing import Any
 
 import pandas as pd
 
-from spader_pipeline.algorithms.validation import validation_subset
-from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.data.schema import frame_records
 from spader_pipeline.modeling.device import resolve_device
-from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
 from spader_pipeline.native import stages
-from spader_pipeline.portable.bundle import read_settings
+from spader_pipeline.native.warm_start import WarmStartSettings
+from spader_pipeline.portable.bundle import base_model_dir, read_settings, with_overrides
 from spader_pipeline.portable.methods import (
     MethodStage,
     evaluate_heldout,
@@ -43,7 +40,7 @@ from spader_pipeline.portable.methods import (
     run_side_by_side,
     stage_clock,
 )
-from spader_pipeline.reporting.portable import environment, plot_curves, summarise, summary_markdown
+from spader_pipeline.reporting.portable import environment, summarise, write_outputs
 from spader_pipeline.retrieval.settings import search_backend
 from spader_pipeline.training import TrainingSettings
 
@@ -73,12 +70,10 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
     out.mkdir(parents=True, exist_ok=True)
     settings = with_overrides(read_settings(bundle), overrides or {})
     training = TrainingSettings.from_mapping(settings["training"])  # a bad setting stops the run here
-    device = resolve_device(device)
-    template = settings["prompt_template"]
-    train = pd.read_parquet(bundle / "train.parquet")
-    validation_frame = pd.read_parquet(bundle / "validation.parquet")
+    warm_start = WarmStartSettings.from_mapping(settings["warm_start"])
+    device, template = resolve_device(device), settings["prompt_template"]
+    train, validation = pd.read_parquet(bundle / "train.parquet"), pd.read_parquet(bundle / "validation.parquet")
     heldout = frame_records(pd.read_json(bundle / "heldout.jsonl", lines=True, dtype=False))[:max_heldout]
-    index_dir = str(bundle / "index")
     methods = list(methods or settings["methods"])
     timings: dict[str, float] = {}
     clock = functools.partial(stage_clock, timings)
@@ -90,7 +85,7 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
 
     def report() -> dict[str, Any]:
         """Write the outputs as they stand (after each evaluation, so a run cut short keeps them)."""
-        trainer = training.start_config()
+        trainer = training.trainer
         summary = summarise(records, settings["bootstrap"], reference=REFERENCE)
         summary.update({
             "bundle": str(bundle), "heldout": settings["heldout"], "questions": len(heldout), "methods": methods,
@@ -100,33 +95,34 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
             "environment": environment(device, trainer.bf16, bf16_weights=trainer.rollout_weights == "bf16"),
             "overrides": dict(overrides or {}), "rl_seconds": rl_seconds,
         })
-        with (out / "heldout_records.jsonl").open("w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, default=str) + "\n")
-        (out / "curves.json").write_text(json.dumps(curves, indent=1, default=float))
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        (out / "summary.md").write_text(summary_markdown(summary))
-        plot_curves(curves, start_validation.get("metrics", {}), out / "curves.png")
+        write_outputs(out, summary, records, curves, start_validation.get("metrics", {}))
         return summary
 
-    with search_backend({"mode": "local"}, index_dir, where="portable.search") as search:
+    with search_backend({"mode": "local"}, str(bundle / "index"), where="portable.search") as search:
         with clock("base_model"):
-            base_path = _base_model(bundle, settings["base_model"], out / "base_model")
-        with clock("warm_start"):
-            warm_start_dir, warm_start_metrics = _warm_start(base_path, train, validation_frame, search, settings,
-                                                             out / "warm_start", device)
-        with clock("validate_warm_start"):
-            start_validation = _start_validation(warm_start_dir, validation_frame, search, training, template, device)
+            model_dir = base_model_dir(bundle, settings["base_model"], out / "base_model")
+        if warm_start.enabled:
+            with clock("warm_start"):
+                manifest, warm_start_metrics = stages.warm_start(
+                    model_dir, train, validation, search,
+                    warm_start.replace(output_dir=str(out / "warm_start"), device=device), template)
+            model_dir = manifest["path"]
+        with clock("validate_warm_start"):  # step 0 of every method's curve, computed once (as the node does)
+            if samples := training.start_validation_samples(validation):
+                metrics, identity = stages.validate_start(model_dir, samples, search, training.start_config(device=device),
+                                                          template, training.validation.batch_size)
+                start_validation = {"identity": identity, "metrics": metrics}
+                free_device(device)
 
         def evaluate_reference() -> None:
             with clock(f"evaluate_{REFERENCE}"):
-                records.extend(evaluate_heldout(REFERENCE, warm_start_dir, heldout, search, settings["evaluation"],
+                records.extend(evaluate_heldout(REFERENCE, model_dir, heldout, search, settings["evaluation"],
                                                 template, device))
             report()
 
-        stage = MethodStage(index_dir=index_dir, warm_start_dir=str(warm_start_dir), settings=settings, out=str(out),
-                            device=device, start_validation=start_validation, rl_seconds=rl_seconds,
-                            train=train, validation=validation_frame, heldout=heldout)
+        stage = MethodStage(index_dir=str(bundle / "index"), warm_start_dir=str(model_dir), settings=settings,
+                            out=str(out), device=device, start_validation=start_validation, rl_seconds=rl_seconds,
+                            train=train, validation=validation, heldout=heldout)
         if parallel_methods and len(methods) > 1:  # the warm start's evaluation beside the methods' RL
             results = run_side_by_side(stage, methods, meanwhile=evaluate_reference)
         else:
@@ -140,50 +136,4 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
                 curves[result.method] = result.history
                 records += result.records
             report()
-    summary = report()
-    return summary
-
-
-def with_overrides(settings: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` with each ``"a.b.c": value`` of ``overrides`` set (a copy; a missing parent is an error)."""
-    out = json.loads(json.dumps(settings))
-    for dotted, value in overrides.items():
-        *parents, key = dotted.split(".")
-        node = out
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                raise KeyError(f"override {dotted!r}: the settings have no block {part!r}")
-            node = node[part]
-        node[key] = value
-    return out
-
-
-def _base_model(bundle: Path, params: Mapping[str, Any], output_dir: Path) -> str:
-    """The base model's folder: the bundled one, or the packaged GGUF converted into ``output_dir``."""
-    if params.get("path"):
-        return str((bundle / params["path"]).resolve())
-    convert_packaged_model(PackagedModel(**params.get("packaged", {})), output_dir)
-    return str(output_dir)
-
-
-def _warm_start(base_path: str, train: pd.DataFrame, validation: pd.DataFrame, search: Any,
-                settings: Mapping[str, Any], output_dir: Path, device: str) -> tuple[str, dict]:
-    """The warm start stage (``warm_start`` settings) into ``output_dir``: its model's folder and metrics."""
-    params = dict(settings["warm_start"])
-    if not params.get("enabled", True):
-        return base_path, {}
-    params.update(output_dir=str(output_dir), device=device, search={"mode": "local"})
-    manifest, metrics = stages.warm_start(base_path, train, validation, search, params, settings["prompt_template"])
-    return manifest["path"], metrics
-
-
-def _start_validation(model_dir: str, validation: pd.DataFrame, search: Any, training: TrainingSettings,
-                      template: str, device: str) -> dict[str, Any]:
-    """Step 0 of every method's validation curve, computed once (as the ``validate_warm_start`` node)."""
-    samples = validation_subset(samples_from_verl(validation), training.validation.max_questions)
-    if not training.validation.before_train or not samples:
-        return {}
-    metrics, identity = stages.validate_start(model_dir, samples, search, training.start_config(device=device),
-                                              template, training.validation.batch_size)
-    free_device(device)
-    return {"identity": identity, "metrics": metrics}
+    return report()

@@ -1,13 +1,15 @@
 """The portable run's report (:mod:`spader_pipeline.portable`): held-out scores per model with
 question-bootstrap intervals and each model's paired difference from the warm start
 (:func:`summarise`), their markdown table (:func:`summary_markdown`), the validation and training
-curves (:func:`plot_curves`) and what the run ran on (:func:`environment`).
+curves (:func:`plot_curves`), what the run ran on (:func:`environment`) and the files that hold them
+(:func:`write_outputs`).
 
 One seed: the intervals are over questions only, and say nothing of the seed-to-seed spread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 from collections.abc import Mapping, Sequence
@@ -118,3 +120,16 @@ def environment(device: str, bf16: bool | str = "auto", *, bf16_weights: bool = 
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else (platform.processor() or platform.machine())
     return {"device": device, "device_name": name, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), **decoding_path(device, bf16, bf16_weights=bf16_weights)}
+
+
+def write_outputs(out: Path, summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
+                  curves: Mapping[str, Sequence[Mapping[str, float]]], start: Mapping[str, float]) -> None:
+    """The run's files in ``out``: ``heldout_records.jsonl``, ``curves.json``/``.png`` (``start``: the
+    warm start's validation, drawn as a line), ``summary.json``/``.md``."""
+    with (out / "heldout_records.jsonl").open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
+    (out / "curves.json").write_text(json.dumps(curves, indent=1, default=float))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    (out / "summary.md").write_text(summary_markdown(summary))
+    plot_curves(curves, start, out / "curves.png")

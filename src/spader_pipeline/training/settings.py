@@ -23,12 +23,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.agent.types import RolloutConfig
 from spader_pipeline.algorithms.rewards import SpaderRewardConfig
-from spader_pipeline.algorithms.validation import ValidationSettings
+from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
+from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.launch.settings import MethodLaunch, VerlSettings, verl_settings
 from spader_pipeline.native.config import NativeTrainerConfig, trainer_config
 from spader_pipeline.retrieval.settings import RetrievalSettings, retrieval_settings
@@ -41,6 +42,9 @@ from spader_pipeline.typed_config import (
     settings_layer,
     typed_block,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["TrainingSettings"]
 
@@ -175,6 +179,14 @@ class TrainingSettings:
         if self.method is None:
             return self.trainer_config(**overrides)
         return trainer_config(self.native, reward=self.reward, **overrides)
+
+    def start_validation_samples(self, validation: pd.DataFrame | None) -> list[dict[str, Any]]:
+        """The validation questions the start model is scored on once, step 0 of every method's curve
+        (the Kedro chain's ``validate_warm_start`` node and the portable run); none when the schedule
+        has no step 0 or the backend validates step 0 itself (verl)."""
+        if validation is None or not self.validation.before_train or not get_backend(self.backend).validates_start_model:
+            return []
+        return validation_subset(samples_from_verl(validation), self.validation.max_questions)
 
     def verl_launch(self) -> MethodLaunch:
         """What a verl launch of the method reads: its method, reward settings and options as the

@@ -15,9 +15,7 @@ import pandas as pd
 
 from spader_pipeline import tracking
 from spader_pipeline.agent.prompts import resolve_template
-from spader_pipeline.algorithms.validation import validation_subset
 from spader_pipeline.child_process import in_child_process, runs_child_processes
-from spader_pipeline.data.formats import samples_from_verl
 from spader_pipeline.native.checkpoint import SettingsChanged, rollout_decoding_path
 from spader_pipeline.native.stages import run_warm_start, validate_start_model
 from spader_pipeline.native.warm_start import WarmStartSettings
@@ -155,8 +153,8 @@ def validate_warm_start(
     the schedule has no step 0 or the backend validates step 0 itself, as verl's loop does). It runs
     in a child process with ``training.subprocess``, as training does."""
     settings = TrainingSettings.from_mapping(training)
-    samples = validation_subset(samples_from_verl(verl_validation), settings.validation.max_questions)
-    if not get_backend(settings.backend).validates_start_model or not settings.validation.before_train or not samples:
+    samples = settings.start_validation_samples(verl_validation)
+    if not samples:
         return {}
     validate = in_child_process(validate_start_model, enabled=settings.subprocess, name="validate_warm_start")
     metrics, identity = validate(warm_start_manifest["path"], samples, config=settings.start_config(),
