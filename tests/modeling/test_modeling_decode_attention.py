@@ -103,10 +103,10 @@ def test_on_a_random_llama_log_probs_move_within_the_bound(tiny_llama, monkeypat
         assert max(_log_prob_changes(bf16_run, fp32_run)) <= LOG_PROB_BOUND
 
 
-def test_where_the_extension_does_not_build_the_cache_is_bf16_and_one_warning_says_so(monkeypatch, tmp_path, caplog):
+def test_where_the_extension_does_not_build_the_keys_are_bf16_and_one_warning_says_so(monkeypatch, tmp_path, caplog):
     """A build that fails (here: a source that does not compile) leaves the extension unavailable, with one
-    warning per process that says how to build it, and the keys cached in bf16 all the same, attended by
-    fp32 SDPA over the widened cache."""
+    warning per process that says how to build it, and the keys rounded to bf16 all the same: held in fp32,
+    where fp32 SDPA reads them as it reads the widened bf16 cache."""
     broken = tmp_path / "decode_step.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native_step, "SOURCE", broken)
@@ -121,10 +121,14 @@ def test_where_the_extension_does_not_build_the_cache_is_bf16_and_one_warning_sa
     from spader_pipeline.modeling.kv_cache import GrowingLayer
 
     layer = GrowingLayer()
-    keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4).to(torch.bfloat16)
+    keys, values = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8).to(torch.bfloat16)
     layer.update(keys, values)
-    assert layer.keys.dtype == torch.bfloat16 and torch.equal(layer.keys, keys.to(torch.bfloat16))
-    query = torch.randn(1, 4, 1, 4)
+    layer.update(keys[:, :, :1] * 2, values[:, :, :1])  # a decoding step: the cache is a view with spare room
+    bf16_keys = torch.cat([keys, keys[:, :, :1] * 2], 2).to(torch.bfloat16)
+    bf16_values = torch.cat([values, values[:, :, :1]], 2)
+    assert layer.keys.dtype == torch.float32 and torch.equal(layer.keys, bf16_keys.float())
+    query, mask = torch.randn(2, 4, 1, 8), torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :3] = False
     with torch.no_grad():
-        got = decode_attention.decode_attention(query, layer.keys, layer.values, None, 0.5)
-    assert torch.equal(got, native_step.sdpa_decode_reference(query, layer.keys, layer.values, None, 0.5))
+        got = decode_attention.decode_attention(query, layer.keys, layer.values, mask, 0.5)
+    assert torch.equal(got, native_step.sdpa_decode_reference(query, bf16_keys, bf16_values, mask, 0.5))

@@ -1,6 +1,6 @@
 """The decoding path and what it changes (modeling/decode_step.py:decoding_path): a run decodes the same
 tokens for the same seed with the C++ step, with the Python step, and where the C++ step did not build (the
-Python step over the same bf16 cache, attending with fp32 SDPA), on the tests' tiny models and on SmolLM2's
+Python step with the same bf16 keys, attending with fp32 SDPA), on the tests' tiny models and on SmolLM2's
 shape; and the path each of these reports."""
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _decode(model, *, sample: bool):
         extra = torch.randint(3, vocab, (4, 3), generator=torch.Generator().manual_seed(1))
         second = decode_batch(model, torch.cat([first.ids, extra], 1), torch.cat([first.mask, torch.ones_like(extra)], 1),
                               cache, [8] * 4, **common)
-    assert cache.layers[0].keys.dtype == torch.bfloat16  # every path: the same bf16 cache
+    keys = cache.layers[0].keys
+    assert torch.equal(keys, keys.to(torch.bfloat16).to(keys.dtype))  # every path: bf16 keys
     return [(run.tokens, run.log_probs) for run in (first, second)]
 
 
@@ -106,7 +107,7 @@ needs_native = pytest.mark.skipif(not native_available(), reason="the C++ step d
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_the_same_seed_samples_the_same_tokens_with_or_without_the_cpp_step(tiny_model, sample, monkeypatch):
     """The tiny models: the C++ step and the Python step, the same floats; the Python step where the C++
-    step did not build (fp32 SDPA over the same bf16 cache), the same tokens and every log-probability
+    step did not build (fp32 SDPA over the same bf16 keys), the same tokens and every log-probability
     within :data:`LOG_PROB_BOUND` (measured: the same floats too)."""
     runs = _runs(tiny_model, sample, monkeypatch)
     assert runs["cpp"] == runs["python"]  # ==: the same floats

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from spader_pipeline.modeling import decode_attention
 from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
 from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
 
 
@@ -147,10 +148,11 @@ def test_selecting_distinct_rows_moves_them_in_place(rows):
 def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache(bf16_cache, monkeypatch):
     """Under bf16 autocast the keys come fp32 (rotary's fp32 cos/sin) and the values bf16. Off the CPU
     (the meta device stands in for CUDA here) both are cached in bf16, the dtype attention casts them
-    to; on the CPU both are cached in bf16 with a bf16 key cache (the default, whether the native
-    attention builds or not), else in fp32 (SDPA attends in fp32), holding exactly the values given."""
+    to; on the CPU the keys are rounded to bf16 with a bf16 key cache (the default, whether the native
+    attention builds or not), and both are cached in bf16 where the native attention reads them, else in
+    fp32 (SDPA attends in fp32), holding exactly the (rounded) values given."""
     monkeypatch.setattr(decode_attention, "BF16_CACHE", bf16_cache)
-    cpu_dtype = torch.bfloat16 if bf16_cache else torch.float32
+    cpu_dtype = torch.bfloat16 if bf16_cache and bf16_decode_attention_available() else torch.float32
     for device, expected in (("meta", torch.bfloat16), ("cpu", cpu_dtype)):
         layer = GrowingLayer()
         keys = torch.randn(2, 3, 5, 4, device=device)
@@ -160,7 +162,7 @@ def test_fp32_keys_beside_bf16_values_share_one_dtype_in_the_cache(bf16_cache, m
         assert layer.keys.dtype == expected and layer.values.dtype == expected
         assert layer.get_seq_length() == 6
         if device == "cpu":
-            assert torch.equal(layer.keys[:, :, :5], keys.to(cpu_dtype))
+            assert torch.equal(layer.keys[:, :, :5], (keys.to(torch.bfloat16) if bf16_cache else keys).to(cpu_dtype))
             assert torch.equal(layer.values, values.to(cpu_dtype))
 
 

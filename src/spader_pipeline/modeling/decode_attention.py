@@ -15,13 +15,14 @@ a decoding step's attention reads keys rounded as the prefill's attention under 
 them. Tokens and log-probabilities move within the bound ``tests/modeling/test_modeling_decode_attention.py``
 states; the trainer recomputes the log-probabilities it trains on in any case.
 
-Where it runs: the keys are cached in bf16 wherever :data:`BF16_CACHE` is on (:func:`bf16_key_cache`),
-whether the native extension builds or not, so that the decoding path does not change which tokens a
-seed samples. Where the extension builds and its attention checks out against fp32 SDPA
-(:func:`~spader_pipeline.modeling.native_step.native_available`) the native attention reads that cache;
-elsewhere (no C++ compiler) fp32 SDPA attends over it widened
-(:func:`~spader_pipeline.modeling.native_step.sdpa_decode_reference`, the reference the native attention
-is checked against): the same keys and values, the same arithmetic up to the order of the fp32 sums.
+Where it runs: the keys are rounded to bf16 in the cache wherever :data:`BF16_CACHE` is on
+(:func:`bf16_key_cache`), whether the native extension builds or not, so that the decoding path does
+not change which tokens a seed samples. Where the extension builds and its attention checks out against
+fp32 SDPA (:func:`~spader_pipeline.modeling.native_step.native_available`) they are stored in bf16 and
+the native attention reads them. Elsewhere (no C++ compiler) they are stored widened to fp32, once, and
+fp32 SDPA attends over them (:func:`~spader_pipeline.modeling.native_step.sdpa_decode_reference`, the
+reference the native attention is checked against): the same keys and values, the same arithmetic up
+to the order of the fp32 sums, without widening the whole cache at every step.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from spader_pipeline.modeling.native_step import native_available, sdpa_decode_r
 
 __all__ = ["BF16_CACHE", "bf16_decode_attention_available", "bf16_key_cache", "decode_attention"]
 
-#: cache keys in bf16 on the CPU and attend with the native attention where it is available, fp32 SDPA
-#: over the widened cache elsewhere (benchmarks switch it off to time the fp32 cache in the same process)
+#: cache keys rounded to bf16 on the CPU and attend with the native attention where it is available, fp32
+#: SDPA over them widened elsewhere (benchmarks switch it off to time the fp32 cache in the same process)
 BF16_CACHE = True
 
 
 def bf16_key_cache() -> bool:
-    """Whether the CPU's decoding steps cache their keys in bf16 (:data:`BF16_CACHE`), with or without
-    the native attention."""
+    """Whether the CPU's decoding steps cache their keys rounded to bf16 (:data:`BF16_CACHE`), with or
+    without the native attention (stored in bf16 for it, in fp32 for SDPA)."""
     return BF16_CACHE
 
 

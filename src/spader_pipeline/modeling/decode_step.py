@@ -258,7 +258,8 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
       (:class:`FusedDecodeStep`) or ``transformers`` (the model's own forward);
     * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache) or ``sdpa`` (SDPA; on the
       CPU in fp32 over the widened cache);
-    * ``decode.kv_cache``: the keys' dtype in the cache, ``bf16`` or ``fp32``;
+    * ``decode.kv_cache``: the keys' precision in the cache, ``bf16`` (stored in bf16 for the native
+      attention, held in fp32 for SDPA) or ``fp32``;
     * ``decode.packed_weights``: ``on`` where the products read weights packed for oneDNN once
       (:mod:`~spader_pipeline.modeling.packed_linear`), else ``off``.
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from spader_pipeline.modeling.decode_attention import bf16_key_cache
+from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available, bf16_key_cache
 
 __all__ = ["GrowingKVCache", "GrowingLayer", "GrowingStates"]
 
@@ -149,21 +149,25 @@ class GrowingLayer(DynamicLayer):
         cos/sin promote the bf16 key projection to fp32 while the values stay bf16; attention (autocast
         casts its inputs to bf16) then read an fp32 key cache and cast all of it again at every step.
         Stored in bf16 the cache is a third smaller and the attention gets the same bf16 keys. On a
-        CPU a decoding step attends in fp32 over the widened cache: with a bf16 key cache
-        (:func:`~spader_pipeline.modeling.decode_attention.bf16_key_cache`, the default) the keys are
-        stored in bf16 as on a GPU (half the bytes a step reads; the prefill's attention under autocast
-        reads the same bf16 keys), read by the native attention where it builds and by fp32 SDPA
-        elsewhere. Without it SDPA attends in fp32
-        (:func:`spader_pipeline.modeling.attention.sdpa_gqa_attention_forward`), so the values are
-        stored in fp32 beside the fp32 keys: the bf16 values are exact in fp32, and a step reads the
-        cache as it is instead of casting every cached value to a new fp32 tensor
-        (benchmarks/profile_rollout.py). Prefill under autocast casts them back to the same bf16.
+        CPU a decoding step attends in fp32, and the keys are rounded to bf16 as on a GPU
+        (:func:`~spader_pipeline.modeling.decode_attention.bf16_key_cache`, the default; the prefill's
+        attention under autocast reads the same bf16 keys). Where the native attention reads the cache
+        (:func:`~spader_pipeline.modeling.decode_attention.bf16_decode_attention_available`) they are
+        stored in bf16: half the bytes a step reads. Elsewhere SDPA attends in fp32
+        (:func:`spader_pipeline.modeling.attention.sdpa_gqa_attention_forward`), so keys and values are
+        stored in fp32, holding the bf16 values exactly: a step reads the cache as it is instead of
+        casting all of it to a new fp32 tensor (benchmarks/profile_rollout.py), and the same bf16 keys
+        give SDPA's result on the widened bf16 cache. Without the bf16 key cache the keys keep their
+        fp32 values. Prefill under autocast casts the cache back to the same bf16.
         """
         if key_states.dtype != value_states.dtype:
-            if key_states.device.type != "cpu" or bf16_key_cache():
+            if key_states.device.type != "cpu" or bf16_decode_attention_available():
                 key_states = key_states.to(value_states.dtype)
-            elif key_states.dtype == torch.float32 and self.fp32_values_on_cpu:
-                value_states = value_states.float()
+            elif key_states.dtype == torch.float32:
+                if bf16_key_cache():  # bf16 keys held in fp32: widened once, not at every step's attention
+                    key_states = key_states.to(value_states.dtype).float()
+                if self.fp32_values_on_cpu:
+                    value_states = value_states.float()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]

@@ -24,8 +24,8 @@ later ones load it. ``make install`` builds it (``python -m spader_pipeline.mode
 exits non-zero where it does not build, unless :data:`REQUIREMENT_ENV` is ``optional``). Where it
 does not build (no C++ compiler, no ninja) or its attention differs from fp32 SDPA,
 :func:`native_available` is false, a warning says so once per process, and decoding runs the Python
-step over the same bf16 cache, attending with :func:`sdpa_decode_reference`: the same tokens up to the
-reassociation of fp32 sums (``tests/modeling/test_modeling_decoding_path.py``), slower.
+step with the same bf16 keys (held in fp32), attending with :func:`sdpa_decode_reference`: the same
+tokens up to the order of fp32 sums (``tests/modeling/test_modeling_decoding_path.py``), slower.
 
 Builders take turns under an ``flock``. Where there is none (Windows has no ``fcntl``) they do not:
 torch's own lock file keeps them apart, and one left by a killed build is not removed.
@@ -168,10 +168,9 @@ def _warn_once(problem: str) -> None:
     if _warned:
         return
     _warned = True
-    logger.warning("the C++ decoding step is not available here: %s. Decoding runs the Python step over the same "
-                   "bf16 cache (the same tokens up to fp32 rounding), several times slower at one row "
-                   "(docs/performance.md). To build it, install a C++ compiler (g++ or clang) and run make install.",
-                   problem[:300])
+    logger.warning("the C++ decoding step is not available here: %s. Decoding runs the Python step with the same "
+                   "bf16 keys (the same tokens up to the order of fp32 sums), slower (docs/performance.md). To build "
+                   "it, install a C++ compiler (g++ or clang) and run make install.", problem[:300])
 
 
 def sdpa_decode_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
