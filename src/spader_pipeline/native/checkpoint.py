@@ -217,12 +217,16 @@ def weights_stamp(model_path: str | Path) -> list[list[Any]]:
 
 
 def rollout_decoding_path(config: NativeTrainerConfig) -> dict[str, str]:
-    """How this machine decodes the run's rollouts (``decode.step``, ``decode.attention``, ``decode.kv_cache``,
-    ``decode.packed_weights``: :func:`~spader_pipeline.modeling.decode_step.decoding_path`) on the run's
-    device and precision."""
+    """How this machine decodes the run's rollouts: the rollout engine (``decode.engine``) and, for our
+    in-process decoder (``hf``), its path on the run's device and precision (``decode.step``,
+    ``decode.attention``, ``decode.kv_cache``, ``decode.packed_weights``:
+    :func:`~spader_pipeline.modeling.decode_step.decoding_path`). Another engine's numerics are its own."""
     from spader_pipeline.modeling.decode_step import decoding_path
 
-    return decoding_path(config.device, config.bf16, bf16_weights=config.rollout_weights == "bf16")
+    if config.engine != "hf":
+        return {"decode.engine": config.engine}
+    return {"decode.engine": config.engine,
+            **decoding_path(config.device, config.bf16, bf16_weights=config.rollout_weights == "bf16")}
 
 
 def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[str, Any]:

@@ -57,5 +57,9 @@ def test_the_method_runs_parameters_name_the_decoding_path():
 
     settings = TrainingSettings.from_mapping({"native": {"device": "cpu", "bf16": False}}, {"method": "grpo"})
     _, _, params = method_run_identity({"path": "/models/start"}, settings)
-    assert {key: value for key, value in params.items() if key.startswith("decode.")} == decoding_path("cpu", False)
+    assert {key: value for key, value in params.items() if key.startswith("decode.")} == {
+        "decode.engine": "hf", **decoding_path("cpu", False)}
     assert params["decode.step"] == "transformers" and params["decode.kv_cache"] == "fp32"  # no autocast
+    verl = TrainingSettings.from_mapping({"backend": "verl"}, {"method": "grpo"})
+    _, _, params = method_run_identity({"path": "/models/start"}, verl)
+    assert not any(key.startswith("decode.") for key in params)  # verl's rollout server is verl's

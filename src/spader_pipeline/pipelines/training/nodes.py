@@ -73,15 +73,17 @@ def method_run_identity(init_manifest: Mapping[str, Any], settings: TrainingSett
 
     The parameters are what defines the method — its ``train_<method>.method`` block over the shared
     reward settings — under namespace-free keys (``method``, ``reward.alpha``, ``options.gamma``…),
-    so MLflow's compare view of two methods' runs shows exactly their differences; and the path this
-    machine decodes the rollouts with (``decode.*``: :func:`~spader_pipeline.native.checkpoint.rollout_decoding_path`).
+    so MLflow's compare view of two methods' runs shows exactly their differences; and, for the native
+    trainer, the path this machine decodes the rollouts with (``decode.*``:
+    :func:`~spader_pipeline.native.checkpoint.rollout_decoding_path`; verl's rollout server is verl's).
     """
     name, seed = settings.method_name, settings.seed
     base = init_manifest.get("base") or init_manifest["path"]
     tags = {"method": name, "backend": settings.backend, "base_model": Path(str(base)).name, "seed": seed,
             "init_model": init_manifest["path"]}
-    params = {"backend": settings.backend, "seed": seed, **settings.method_parameters(),
-              **rollout_decoding_path(settings.trainer_config())}
+    params = {"backend": settings.backend, "seed": seed, **settings.method_parameters()}
+    if settings.backend == "native":
+        params.update(rollout_decoding_path(settings.trainer))
     label = settings.run_label  # e.g. "compare": a compare cell's run, told apart at a glance
     if label:
         tags["chain_kind"] = label
