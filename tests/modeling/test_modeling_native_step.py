@@ -68,10 +68,14 @@ def test_without_fcntl_the_module_imports_and_builders_do_not_take_turns(monkeyp
 
 
 def test_the_build_is_named_by_its_source_torch_and_the_cpu(monkeypatch, tmp_path):
-    """A build made for another CPU (-march=native), torch or source is never loaded: each has its own name."""
+    """A build made for another CPU (-march=native), torch, virtual environment or source is never loaded
+    (nor rebuilt over by another environment's process): each has its own name."""
     name = extension_name()
     assert name.startswith("spader_native_") and extension_name() == name
     monkeypatch.setattr(native_step, "_cpu_flags", lambda: "flags : fpu sse2")
+    assert extension_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(native_step.sys, "prefix", str(tmp_path / "another-venv"))
     assert extension_name() != name
     monkeypatch.undo()
     changed = tmp_path / "decode_step.cpp"

@@ -83,10 +83,13 @@ def _cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: one per source, torch version, Python, compiler flags and CPU."""
+    """The build's name: one per source, torch version, Python environment, compiler flags and CPU. The
+    environment (``sys.prefix``) is part of it because a build's ninja file names the include folders of
+    the torch it was built against: two virtual environments sharing one build folder would each find the
+    other's build stale and build again in every process."""
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.implementation.cache_tag.encode(),
-                 " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
+                 sys.prefix.encode(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
     return f"spader_native_{key.hexdigest()[:16]}"
 
