@@ -1,8 +1,12 @@
 """The native learning test's reward, in verl's reward path: the ``fixed_answer`` reward manager, and
-GRPO's estimator with its advantages zeroed or flipped (``grpo_zeroed``, ``grpo_flipped``).
+two control methods, GRPO with its advantages zeroed or flipped (``grpo_zeroed``, ``grpo_flipped``).
 
-verl's reward workers and trainer import this module through ``VERL_USE_EXTERNAL_MODULES`` (as a user's
-own reward module is imported). The reward is ``tests/native/test_native_learns.py``'s: a trajectory
+A control is a method of its own, registered as a user's method is (GRPO's reward layout and options,
+its estimator scaled): on verl a method is one key (``spader_method``), which sets the estimator and
+the reward layout together. verl's reward workers and trainer import this module through
+``VERL_USE_EXTERNAL_MODULES`` (as a user's own reward module is imported) and register the controls
+when :data:`WORKER_FLAG` is set in their environment; the test registers them only while it runs
+(``registered``), so the registry other tests see holds the project's methods. The reward is ``tests/native/test_native_learns.py``'s: a trajectory
 earns the share of its model tokens that are tokens of the fixed answer; it replaces the answer score
 (F1, every answer counted well formed) where the ``spader`` manager scores a sample, so the method's
 reward layout, its estimator, verl's policy loss and optimiser run as in a real run.
@@ -10,17 +14,17 @@ reward layout, its estimator, verl's policy loss and optimiser run as in a real 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import torch
 from verl.experimental.reward_loop.reward_manager import register
-from verl.trainer.ppo.core_algos import (
-    ADV_ESTIMATOR_REGISTRY,
-    compute_grpo_outcome_advantage,
-    register_adv_est,
-)
 
+from spader_pipeline.algorithms.methods import Method, get_method, register_method
 from spader_pipeline.verl_plugin.reward_manager import PAYLOAD_KEY, SpaderRewardManager
+
+WORKER_FLAG = "SPADER_TEST_REGISTER_CONTROLS"  # set only in the Ray workers of a run that trains a control
 
 FIXED_ANSWER = '<answer>["Ghana"]</answer>'
 REWARD_NAME = "fixed_answer"
@@ -52,14 +56,20 @@ class FixedAnswerRewardManager(SpaderRewardManager):
         return scored
 
 
-def _scaled_grpo(scale: float):
-    def estimator(token_level_rewards, response_mask, index, config=None, **kwargs):
-        advantages, returns = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, config=config)
+def scaled_grpo(name: str, scale: float) -> Method:
+    """GRPO under the name ``name`` (its estimator's name too), its advantages and returns times ``scale``."""
+    grpo = get_method("grpo")
+
+    def advantage(rewards, mask, index, options, layout):
+        advantages, returns = grpo.advantage(rewards, mask, index, options, layout)
         return advantages * scale, returns * scale
 
-    return estimator
+    return dataclasses.replace(grpo, name=name, estimator=name, advantage=advantage, default_run=False,
+                               paper=f"GRPO, advantages × {scale:g} (a learning control)")
 
 
-for _name, _scale in (("grpo_zeroed", 0.0), ("grpo_flipped", -1.0)):
-    if _name not in ADV_ESTIMATOR_REGISTRY:
-        register_adv_est(_name)(_scaled_grpo(_scale))
+CONTROLS = (scaled_grpo("grpo_zeroed", 0.0), scaled_grpo("grpo_flipped", -1.0))
+
+if os.environ.get(WORKER_FLAG) == "1":  # a verl worker of a run that trains a control
+    for _control in CONTROLS:
+        register_method(_control)

@@ -13,6 +13,7 @@ work for the reward to rise.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ from verl_loop_support import REAL_WORKER_OVERRIDES, compose_config, local_ray, 
 
 pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
 
-ESTIMATORS = {"advantages": "grpo", "zeroed": "grpo_zeroed", "flipped": "grpo_flipped"}
+#: the method each variant trains: GRPO, or a control method with GRPO's advantages zeroed or flipped
+METHODS = {"advantages": "grpo", "zeroed": "grpo_zeroed", "flipped": "grpo_flipped"}
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +67,21 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_ray(workspace):
-    with local_ray(gpus=1, cpu_platform=True, modules=["fixed_answer_reward"]):
+    from fixed_answer_reward import WORKER_FLAG
+
+    with local_ray(gpus=1, cpu_platform=True, modules=["fixed_answer_reward"], env={WORKER_FLAG: "1"}):
         yield
 
 
-def mean_reward_per_step(workspace, run_dir: Path, estimator: str, seed: int) -> list[float]:
-    from fixed_answer_reward import REWARD_NAME
+def mean_reward_per_step(workspace, run_dir: Path, method: str, seed: int) -> list[float]:
+    from fixed_answer_reward import CONTROLS, REWARD_NAME
 
-    block = {"method": "grpo", "reward": {"tool_round_cost": 0.0}, "options": {}}
+    from spader_pipeline.algorithms.methods import registered
+
+    block = {"method": method, "reward": {"tool_round_cost": 0.0}, "options": {}}
     overrides = [
         *REAL_WORKER_OVERRIDES,
         f"reward.reward_manager.name={REWARD_NAME}",
-        f"algorithm.adv_estimator={estimator}",
         "data.max_response_length=16",
         "actor_rollout_ref.rollout.n=8",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=1",
@@ -90,18 +95,22 @@ def mean_reward_per_step(workspace, run_dir: Path, estimator: str, seed: int) ->
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         f"trainer.total_epochs={STEPS}",
     ]
-    config = compose_config(block, workspace, run_dir, steps=STEPS, overrides=overrides,
-                            validation={"every": 0, "before_train": False, "max_questions": None})
-    metrics = run_fit(config, run_dir)
+    with contextlib.ExitStack() as stack:
+        for control in CONTROLS:  # a control is a method of its own, as a user's would be (one key on verl)
+            if control.name == method:
+                stack.enter_context(registered(control))
+        config = compose_config(block, workspace, run_dir, steps=STEPS, overrides=overrides,
+                                validation={"every": 0, "before_train": False, "max_questions": None})
+        metrics = run_fit(config, run_dir)
     return [m["data"]["critic/score/mean"] for m in metrics if "critic/score/mean" in m["data"]]
 
 
-@pytest.mark.parametrize("variant", ESTIMATORS)
+@pytest.mark.parametrize("variant", METHODS)
 def test_the_mean_reward_rises_only_when_the_advantages_point_up(workspace, cpu_ray, tmp_path, variant):
     curves = {}
     for seed in SEEDS:
         start = time.perf_counter()
-        curves[seed] = mean_reward_per_step(workspace, tmp_path / f"seed{seed}", ESTIMATORS[variant], seed)
+        curves[seed] = mean_reward_per_step(workspace, tmp_path / f"seed{seed}", METHODS[variant], seed)
         print_timing(f"{variant} seed {seed}: fit() of {STEPS} steps", time.perf_counter() - start)
         assert len(curves[seed]) == STEPS
     rises = {seed: reward_rise(curve) for seed, curve in curves.items()}
