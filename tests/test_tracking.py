@@ -13,7 +13,7 @@ from kedro.pipeline import Pipeline
 
 from spader_pipeline import tracking
 from spader_pipeline.hooks import MlflowTrackingHooks, lone_method_node
-from spader_pipeline.pipelines import training
+from spader_pipeline.pipelines import positive_control, training
 
 
 @pytest.fixture
@@ -123,6 +123,44 @@ def test_a_lone_method_pipeline_adopts_the_kedro_run(experiment):
     run = mlflow.get_run(top.info.run_id)
     assert run.info.run_name == "grpo seed0" and "mlflow.parentRunId" not in run.data.tags
     assert tracking.ADOPT_TAG not in run.data.tags and run.data.params["method"] == "grpo"
+
+
+def test_a_cell_alone_adopts_the_kedro_run_and_a_grid_nests_its_jobs_runs_under_the_grid_run(tmp_path, monkeypatch):
+    """A cell's job (``--namespaces fit_grpo_seed0``) is the cell's training run; in a grid (the grid
+    run's id handed over in the environment) every job's run is a child of the grid run, tagged with its
+    part, without the parameters the grid run holds; a job whose process died is ended at the end."""
+    grid_pipeline = positive_control.create_pipeline()
+    cell = grid_pipeline.only_nodes_with_namespaces(["fit_grpo_seed0"])
+    assert lone_method_node(cell).name == "fit_grpo_seed0.train_policy"
+    assert lone_method_node(grid_pipeline) is None
+    config = {"experiment": f"grid-{tmp_path.name}", "artifact_dir": "artifacts"}
+    hooks = MlflowTrackingHooks()
+    hooks.after_context_created(SimpleNamespace(project_path=tmp_path, env="positive_control", params={"training": {}},
+                                                config_loader={"mlflow": config}))
+    tracking.use_experiment(config, tmp_path)  # what the grid's driver does
+    with mlflow.start_run(run_name=tracking.grid_run_name("positive_control", "positive_control")) as grid:
+        pass
+    monkeypatch.setenv(tracking.GRID_RUN_ENV, grid.info.run_id)
+    ran = {}
+    for part, pipeline in (("shared", grid_pipeline.only_nodes("fitted_set")), ("cell", cell), ("dead", cell)):
+        hooks.before_pipeline_run({"pipeline_name": "positive_control"}, pipeline, None)
+        ran[part] = mlflow.active_run().info.run_id
+        if part == "dead":  # its process is killed: nothing ends its run
+            mlflow.end_run("RUNNING")
+            continue
+        if part == "cell":
+            with tracking.method_run("positive control grpo seed0", {"method": "grpo"}, {"seed": 0}) as rid:
+                assert rid == ran["cell"]
+        hooks.after_pipeline_run({}, None, None)
+    runs = {part: mlflow.get_run(rid) for part, rid in ran.items()}
+    assert all(r.data.tags["mlflow.parentRunId"] == grid.info.run_id for r in runs.values())
+    assert runs["shared"].info.run_name.startswith("shared part of positive_control · env positive_control · ")
+    assert runs["shared"].data.tags[tracking.GRID_JOB_TAG] == "shared part" and not runs["shared"].data.params
+    assert runs["cell"].info.run_name == "positive control grpo seed0" and runs["cell"].data.params == {"seed": "0"}
+    assert runs["cell"].data.tags[tracking.GRID_JOB_TAG] == "fit_grpo_seed0"
+    assert tracking.end_unfinished_children(grid.info.run_id) == [runs["dead"].info.run_name]
+    assert mlflow.get_run(ran["dead"]).info.status == "KILLED"
+    assert mlflow.get_run(ran["cell"]).info.status == "FINISHED"
 
 
 def test_a_failing_method_run_is_failed_with_its_error_and_the_parent_stays_active(experiment):

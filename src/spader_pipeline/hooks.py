@@ -5,9 +5,12 @@
   for what ran (:func:`spader_pipeline.tracking.chain_run_name`: pipeline, environment, time), tags
   it with the pipeline name, Kedro environment and git commit, and logs the parameters the
   pipeline reads.
-  When the pipeline is a single method's training (``kedro run --pipeline train_spader``), that run
-  *is* the method's run: the training node adopts it (:func:`spader_pipeline.tracking.method_run`)
-  instead of nesting a child under it.
+  When the pipeline is a single method's training (``kedro run --pipeline train_spader``), or one
+  cell (``--namespaces grpo_seed0``), that run *is* the method's run: the training node adopts it
+  (:func:`spader_pipeline.tracking.method_run`) instead of linking another run to it.
+  A job of a grid on Ray (:mod:`spader_pipeline.grid`) nests its run under the grid run whose id it
+  was handed (``mlflow.parentRunId``), tagged with its part (``grid.job``), and logs no parameters:
+  the grid run holds them.
 - Training nodes (Kedro tag ``mlflow_method_run``) log into their own method run; every other
   node's outputs whose dataset name ends in ``metrics`` (a dict of numbers) are logged here as
   metrics of the ``kedro run`` run under the node's namespace.
@@ -15,7 +18,8 @@
 
 :class:`DataRootLockHooks` holds the data root's lock for the run's life
 (:mod:`spader_pipeline.run_lock`): a run made only of compare cells (``--namespaces grpo_seed0``)
-holds those cells, any other run the whole root; a run in the way stops before anything starts.
+holds those cells, any other run the whole root; a run in the way stops before anything starts. A
+grid's job runs under its driver's hold instead (``SPADER_DATA_ROOT_HOLD``), taking no lock.
 
 :class:`CompareCellsHooks` makes the run's environment decide the compare cells: it keeps the
 cells of the context's ``compare`` parameters for the pipeline registry, which loads after it, and
@@ -39,6 +43,7 @@ Configuration lives in ``conf/<env>/mlflow.yml`` (``tracking_uri``, ``experiment
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -51,12 +56,46 @@ from spader_pipeline import run_lock, tracking
 logger = logging.getLogger(__name__)
 
 
+#: A method's block among a run's inputs (``params:train_grpo.method``): the method run logs it itself.
+METHOD_BLOCK = re.compile(r"params:train_\w+\.method")
+
+
 def lone_method_node(pipeline) -> Any | None:
-    """The training node when ``pipeline`` is exactly one method's training run, else ``None``."""
+    """The training node when ``pipeline`` is exactly one method's training run: that node alone, or
+    one cell (the nodes of one namespace, all tagged ``cell``) with one training node; else ``None``."""
     nodes = list(pipeline.nodes)
-    if len(nodes) == 1 and tracking.METHOD_RUN_TAG in nodes[0].tags:
-        return nodes[0]
+    methods = [n for n in nodes if tracking.METHOD_RUN_TAG in n.tags]
+    if len(methods) != 1:
+        return None
+    if len(nodes) == 1 or len(locked_cells(pipeline)) == 1:
+        return methods[0]
     return None
+
+
+def data_root(context) -> Path:
+    """The data root of a Kedro context: ``globals:data_root`` (``data`` by default) under its project."""
+    try:
+        root = (context.config_loader["globals"] or {}).get("data_root")
+    except KeyError:
+        root = None
+    return Path(context.project_path) / (root or "data")
+
+
+def used_params(pipeline, params: dict[str, Any], skip: set[str] = frozenset()) -> dict[str, Any]:
+    """The parameter blocks ``pipeline`` reads (``params:a.b`` inputs) in ``params``, keyed by their
+    path; every parameter when it reads ``parameters``. ``skip``: inputs to leave out."""
+    used: dict[str, Any] = {}
+    for name in sorted(pipeline.inputs()):
+        if name == "parameters":
+            return dict(params)
+        if not name.startswith("params:") or name in skip:
+            continue
+        path = name.removeprefix("params:")
+        value: Any = params
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        used[path] = value
+    return used
 
 
 def pipeline_label(run_params: dict[str, Any]) -> str:
@@ -90,20 +129,19 @@ class DataRootLockHooks:
 
     @hook_impl
     def after_context_created(self, context) -> None:
-        try:
-            root = (context.config_loader["globals"] or {}).get("data_root")
-        except KeyError:
-            root = None
-        project = Path(context.project_path)
-        self._roots[(project.as_posix(), context.env or "local")] = project / (root or "data")
+        self._roots[(Path(context.project_path).as_posix(), context.env or "local")] = data_root(context)
 
     @hook_impl(wrapper=True)
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline, catalog):
         """Take the lock around the other hooks (the MLflow run opens inside it); give it back when
-        one of them fails, since Kedro then calls no ``on_pipeline_error``."""
+        one of them fails, since Kedro then calls no ``on_pipeline_error``. A grid's job
+        (:data:`~spader_pipeline.run_lock.HOLD_ENV` set) checks its driver's hold instead."""
         env = run_params.get("env") or "local"
         root = self._roots.get((str(run_params.get("project_path")), env))
-        if root is not None:
+        hold = os.environ.get(run_lock.HOLD_ENV)
+        if root is not None and hold:
+            run_lock.check_hold(root, hold)
+        elif root is not None:
             self._held[str(run_params.get("run_id"))] = run_lock.acquire(
                 root, pipeline_label(run_params), env, cells=locked_cells(pipeline),
                 lease_seconds=self.lease_seconds, renew_seconds=self.renew_seconds)
@@ -192,7 +230,7 @@ class TrainingSettingsHooks:
 
         training = TrainingSettings.from_mapping(catalog.load("params:training"))
         for name in sorted(read):
-            if re.fullmatch(r"params:train_\w+\.method", name):
+            if METHOD_BLOCK.fullmatch(name):
                 training.with_method(catalog.load(name))
 
 
@@ -221,11 +259,7 @@ class MlflowTrackingHooks:
         if mlflow.active_run() is not None:  # e.g. a notebook or test that opened its own run
             logger.info("MLflow run already active; logging into it")
             return
-        uri = tracking.resolve_tracking_uri(self._config.get("tracking_uri"), self._project_path)
-        mlflow.set_tracking_uri(uri)
-        experiment = self._config.get("experiment", "spader-pipeline")
-        artifacts = self._project_path / self._config.get("artifact_dir", tracking.DEFAULT_ARTIFACT_DIR)
-        mlflow.set_experiment(experiment_id=tracking.ensure_experiment(experiment, artifacts))
+        uri = tracking.use_experiment(self._config, self._project_path)
         pipeline_name = pipeline_label(run_params)
         tags = {
             "kedro.pipeline": pipeline_name,
@@ -236,31 +270,18 @@ class MlflowTrackingHooks:
         lone = lone_method_node(pipeline)
         if lone is not None:
             tags[tracking.ADOPT_TAG] = "true"  # the training node makes this run its method run
-        mlflow.start_run(run_name=tracking.chain_run_name(pipeline_name, self._env), tags=tags)
+        grid, part = tracking.grid_parent(), None
+        if grid:
+            part = ",".join(locked_cells(pipeline)) or "shared part"
+            tags[tracking.GRID_JOB_TAG] = part
+        mlflow.start_run(run_name=tracking.chain_run_name(pipeline_name, self._env, part=part), tags=tags,
+                         parent_run_id=grid)
         self._started = True
-        tracking.log_params(self._used_params(pipeline, skip_namespace=lone.namespace if lone else None))
+        if not grid:  # a grid's run holds the parameters of its jobs
+            # the method run logs its method block under namespace-free names (two methods' runs share keys)
+            skip = {name for name in lone.inputs if METHOD_BLOCK.fullmatch(name)} if lone else set()
+            tracking.log_params(used_params(pipeline, self._params, skip))
         logger.info("MLflow run %s (tracking %s)", mlflow.active_run().info.run_id, uri)
-
-    def _used_params(self, pipeline, skip_namespace: str | None = None) -> dict[str, Any]:
-        """The parameter blocks this pipeline reads (``params:a.b`` inputs), keyed by their path.
-
-        ``skip_namespace``: leave out that namespace's blocks (the method run logs its method block
-        under namespace-free names, so two methods' runs share parameter keys).
-        """
-        used: dict[str, Any] = {}
-        for name in sorted(pipeline.inputs()):
-            if name == "parameters":
-                return dict(self._params)
-            if not name.startswith("params:"):
-                continue
-            path = name.removeprefix("params:")
-            if skip_namespace and path.startswith(skip_namespace + "."):
-                continue
-            value: Any = self._params
-            for part in path.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            used[path] = value
-        return used
 
     @hook_impl
     def after_node_run(self, node, outputs: dict[str, Any]) -> None:

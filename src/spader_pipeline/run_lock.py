@@ -24,6 +24,12 @@ A lock is stale, and the next run takes it over with a warning, when
 - its holder is gone, on the same host: the pid is checked together with the process's start
   time, so a reused pid does not count.
 
+A grid on Ray (:mod:`spader_pipeline.grid`) holds the whole root in its driver for the grid's life,
+and its jobs (the shared part, each cell) run under that hold: they find the driver's token in
+:data:`HOLD_ENV` and only check that the root lock still carries it (:func:`check_hold`), taking no
+lock of their own. Ray runs each cell once at a time and retries it where it died, so the jobs of a
+grid need no cell locks; the cell locks serve jobs started side by side by hand or by ``make run``.
+
 Files rather than ``fcntl``/``flock`` locks: those need the shared filesystem's lock manager,
 and a mount without one (``nolock``) grants every lock locally, so two hosts would both hold it
 silently; a file and a lease need only an atomic create and a settable modification time.
@@ -58,6 +64,8 @@ CELLS_DIR = ".kedro-run.cells"
 LEASE_SECONDS = 300.0
 #: How often a holder renews its locks.
 RENEW_SECONDS = 30.0
+#: Environment variable of a grid's jobs: the token of the root lock their driver holds for them.
+HOLD_ENV = "SPADER_DATA_ROOT_HOLD"
 
 
 class DataRootBusy(RuntimeError):
@@ -218,6 +226,19 @@ def acquire(data_root: str | Path, pipeline: str, env: str, cells: Sequence[str]
             _remove_own(path, info)
         raise
     return HeldLock(taken, info, RENEW_SECONDS if renew_seconds is None else float(renew_seconds))
+
+
+def check_hold(data_root: str | Path, token: str) -> LockInfo:
+    """The root lock of ``data_root`` when it holds ``token`` (a grid driver's hold, under which its
+    jobs run); raise :class:`DataRootBusy` when it does not (the grid ended, or lost the root)."""
+    path = root_lock_path(data_root)
+    holder = read_lock(path)
+    if holder is not None and holder.token == token:
+        return holder
+    now = f"it is held by another run ({holder.describe()})" if holder else "nothing holds it now"
+    raise DataRootBusy(f"this job runs under the hold of a grid on data root {path.parent} ({HOLD_ENV}={token}), "
+                       f"but {now}: the grid that started it has ended or lost the root. Run the grid again "
+                       f"(python -m spader_pipeline.grid), or unset {HOLD_ENV} to run this job on its own.")
 
 
 def _take(path: Path, info: LockInfo, busy: str) -> None:

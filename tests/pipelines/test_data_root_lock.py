@@ -24,7 +24,7 @@ from kedro.runner import SequentialRunner
 from spader_pipeline import run_lock
 from spader_pipeline.run_lock import CELLS_DIR, LOCK_NAME, DataRootBusy, cell_lock_path, root_lock_path
 
-#: the comparison's phases (docs/compare.md): what the shared part and the report run
+#: the comparison's shared part and its report, as whole-root runs (before or after the cells)
 SHARED_PART = {"to_nodes": ["validate_warm_start", "select_heldout", "evaluate_references"]}
 REPORT = {"node_names": ["gather_cells", "compare_report"]}
 
@@ -261,3 +261,28 @@ def test_make_runs_methods_side_by_side_as_cells_while_the_parts_around_them_hol
     finally:
         first.finish()
     assert not list((data / CELLS_DIR).glob("*.lock"))
+
+
+# --- a grid's jobs: under their driver's hold, no lock of their own ---
+
+def test_a_grids_jobs_run_under_its_drivers_hold_and_not_once_the_hold_is_gone(kedro_project, monkeypatch):
+    """The driver holds the whole root; its shared part and its cells, side by side, take no lock and
+    run while the root lock carries the token they were handed; without it they are refused."""
+    data = kedro_project / "data"
+    driver = run_lock.acquire(data, "compare", "test")
+    monkeypatch.setenv(run_lock.HOLD_ENV, driver.info.token)
+    cell = HeldRun(kedro_project, "test", "compare", namespaces=["grpo_seed0"])
+    try:
+        _run_now(kedro_project, "test", "compare", namespaces=["spader_seed0"])  # beside it
+        _run_now(kedro_project, "test", "compare", **SHARED_PART)  # the driver holds the root for it
+        assert not (data / CELLS_DIR).exists() and json.loads((data / LOCK_NAME).read_text())["token"] == driver.info.token
+    finally:
+        cell.finish()
+    monkeypatch.setenv(run_lock.HOLD_ENV, "another-grid")
+    with pytest.raises(DataRootBusy, match=re.escape(f"but it is held by another run ({driver.info.describe()})")):
+        _run_now(kedro_project, "test", "compare", namespaces=["grpo_seed1"])
+    monkeypatch.setenv(run_lock.HOLD_ENV, driver.info.token)
+    driver.release()
+    with pytest.raises(DataRootBusy, match="nothing holds it now: the grid that started it has ended"):
+        _run_now(kedro_project, "test", "compare", namespaces=["grpo_seed1"])
+    assert not (data / LOCK_NAME).exists()

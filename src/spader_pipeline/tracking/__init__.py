@@ -32,6 +32,9 @@ _HOME = {
     "DEFAULT_TRACKING_URI": "store",
     "EXPERIMENT_KIND": "store",
     "EXPERIMENT_KIND_TAG": "store",
+    "GRID_JOB_TAG": "runs",
+    "GRID_RUN_ENV": "runs",
+    "GRID_TAG": "runs",
     "HELDOUT_KEYS": "runs",
     "METHOD_DEPENDENT_PREFIX": "runs",
     "METHOD_RUN_TAG": "runs",
@@ -44,10 +47,13 @@ _HOME = {
     "backfill": "metrics_files",
     "chain_run_name": "runs",
     "comparable_first": "runs",
+    "end_unfinished_children": "runs",
     "ensure_experiment": "store",
     "flatten": "runs",
     "follow_jsonl": "metrics_files",
     "git_commit": "provenance",
+    "grid_parent": "runs",
+    "grid_run_name": "runs",
     "handed_over_run": "runs",
     "linked_run": "runs",
     "log_artifact": "runs",
@@ -68,6 +74,7 @@ _HOME = {
     "running_ui": "ui",
     "training_link_tags": "runs",
     "training_note": "runs",
+    "use_experiment": "store",
 }
 
 __all__ = sorted(_HOME)

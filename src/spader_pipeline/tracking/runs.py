@@ -10,6 +10,10 @@ run alone makes its ``kedro run`` run the method run. Evaluations of a trained c
 :func:`training_link_tags` and copy their headline scores onto the training run
 (:func:`log_heldout`), so Compare shows held-out results next to the training curves.
 
+A grid of cells run on Ray (:mod:`spader_pipeline.grid`) is one run too, the *grid* run: its driver
+opens it (:func:`grid_run_name`) and hands its id to the grid's jobs in :data:`GRID_RUN_ENV`; each
+job's chain run is its child (``mlflow.parentRunId``), so the experiment page folds the grid under it.
+
 Code that runs inside a node logs into the active run through the functions here, which are no-ops
 when no run is active (plain unit tests, library use). Code in another process (a verl worker) logs
 into the run its parent handed over (:func:`handed_over_run`, :func:`log_metrics_to_run`). Metric
@@ -46,6 +50,11 @@ _INHERITED_TAGS = ("mlflow.user", "mlflow.source.name", "mlflow.source.type", "g
 #: keys under ``method_reward/`` depend on each method's reward terms (docs/metrics.md).
 COMPARABLE_FIRST = ("answer/recall", "answer/f1", "retrieval/recall")
 METHOD_DEPENDENT_PREFIX = "method_reward/"
+#: Environment variable of a grid's jobs: the id of the grid run their chain runs nest under.
+GRID_RUN_ENV = "SPADER_GRID_RUN_ID"
+#: Tag of a grid run (``"true"``) and of its jobs' runs (the job: ``shared part`` or the cell's name).
+GRID_TAG = "spader.grid"
+GRID_JOB_TAG = "grid.job"
 #: Evaluation scores copied onto the training run as ``heldout/<dataset>/<key>`` (docs/metrics.md).
 HELDOUT_KEYS = ("recall", "precision", "f1", "exact_match", "seen_recall", "failure_rate")
 
@@ -173,15 +182,42 @@ def run_url(run_id: str, experiment_id: str) -> str:
     return f"#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def chain_run_name(pipeline: str, env: str, when: datetime | None = None) -> str:
+def chain_run_name(pipeline: str, env: str, when: datetime | None = None, part: str | None = None) -> str:
     """The chain run's name: what ran, in which Kedro environment, when (local time, to the minute).
 
     ``chain_run_name("__default__", "local")`` → ``"full chain · env local · 2026-11-24 21:40"``;
-    a named pipeline gives ``"pipeline evaluate · env local · …"``. What ran comes first: the runs
-    table cuts long names.
+    a named pipeline gives ``"pipeline evaluate · env local · …"``, a part of one (a grid's job)
+    ``"shared part of compare · env compare · …"``. What ran comes first: the runs table cuts long names.
     """
     what = "full chain" if pipeline in ("", "__default__") else f"pipeline {pipeline}"
+    if part:
+        what = f"{part} of {'the full chain' if what == 'full chain' else pipeline}"
     return f"{what} · env {env} · {(when or datetime.now()).strftime('%Y-%m-%d %H:%M')}"
+
+
+def grid_run_name(pipeline: str, env: str, when: datetime | None = None) -> str:
+    """The grid run's name: ``"compare grid · env compare · 2026-11-28 21:40"``."""
+    return f"{pipeline} grid · env {env} · {(when or datetime.now()).strftime('%Y-%m-%d %H:%M')}"
+
+
+def grid_parent() -> str | None:
+    """The grid run this process's chain run nests under (:data:`GRID_RUN_ENV`), if any."""
+    return os.environ.get(GRID_RUN_ENV) or None
+
+
+def end_unfinished_children(parent_run_id: str, status: str = "KILLED") -> list[str]:
+    """End the children of ``parent_run_id`` still marked running with ``status``; return their names.
+
+    A grid's job whose process was killed (its Ray worker died, and Ray ran it again) never ended its
+    run; once the grid's jobs are over, none of its runs is running. Their metrics stay."""
+    client = mlflow.MlflowClient()
+    parent = client.get_run(parent_run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' "
+                                                "and attributes.status = 'RUNNING'")
+    for child in children:
+        client.set_terminated(child.info.run_id, status)
+    return [child.info.run_name for child in children]
 
 
 @contextmanager

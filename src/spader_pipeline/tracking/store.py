@@ -4,6 +4,7 @@ MLflow experiment (tagged so that the UI opens it on the runs table)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,14 @@ def ensure_experiment(name: str, artifact_location: Path | None = None) -> str:
     if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
+
+
+def use_experiment(config: Mapping[str, Any], project_path: Path) -> str:
+    """Point this process's MLflow at the store and experiment of ``config`` (an environment's
+    ``mlflow.yml``: ``tracking_uri``, ``experiment``, ``artifact_dir``), as every ``kedro run`` and a
+    grid's driver do; return the tracking URI, absolute (:func:`resolve_tracking_uri`)."""
+    uri = resolve_tracking_uri(config.get("tracking_uri"), project_path)
+    mlflow.set_tracking_uri(uri)
+    artifacts = project_path / config.get("artifact_dir", DEFAULT_ARTIFACT_DIR)
+    mlflow.set_experiment(experiment_id=ensure_experiment(config.get("experiment", "spader-pipeline"), artifacts))
+    return uri
