@@ -34,14 +34,14 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-verl run-long compare positive-control test-verl positive-control-fit_grpo_seed0 positive-control-fit_spader_seed0 positive-control-fit_grpo_seed1 positive-control-fit_spader_seed1 test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control test-verl test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
 	@echo "make run-verl   - the same chain, its training through verl's real loop on the CPU (conf/verl_cpu)"
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
-	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare)"
-	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control)"
+	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare), on Ray"
+	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control), on Ray"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make test-verl  - verl's fit() with its real FSDP workers and our rollout server on the CPU (CI runs it after make test)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
@@ -115,36 +115,25 @@ run-verl: $(STAMP)
 run-long: $(STAMP)
 	$(MAKE) --no-print-directory run RUN_ENV=long
 
+# The two grids of method x seed cells run on Ray (python -m spader_pipeline.grid; docs/compare.md,
+# "On Ray"): the shared part, then every cell as a Ray task declaring its CPUs, GPUs and memory (conf:
+# grid.cell; by default the cells that fit in memory at 5 GiB each run at once, sharing the cores, at
+# least one thread each), then the report. A Ray of their own on this machine, or the cluster at
+# RAY_ADDRESS. Interrupted, they resume: a stored part is skipped, a cell goes on from its checkpoint.
+GRID = $(BIN)/python -m spader_pipeline.grid
+
 # GRPO vs SPADER, seeded, with bootstrap confidence intervals (conf/compare; docs/results.md).
-# Interrupted, it resumes: Kedro runs only the nodes whose outputs are missing (a finished cell is skipped).
 compare: $(STAMP)
 	mkdir -p mlruns
-	$(BIN)/kedro run --env compare --pipeline compare --only-missing-outputs
+	$(GRID) --env compare --pipeline compare
 
 # Does the loop learn what it is rewarded for? GRPO and SPADER, seeds 0 and 1, each fit the same 4
 # training questions from make compare's warm start; greedy recall on them from step 0
-# (conf/positive_control; docs/results.md). Three phases, as docs/compare.md runs a comparison's cells:
-# the shared part; the 4 cells, a job each, as many at once as memory allows (POSITIVE_CONTROL_JOBS),
-# each with its share of the cores and at least one thread (on 2 cores two one-thread cells did 1.37x
-# the steps of one two-thread cell, docs/results.md; 4 at once share the cores however unequal the
-# cells' lengths, where two jobs of two cells each left a core idle for 5 minutes); the report.
-# Resumes as compare does (a finished cell is skipped).
-POSITIVE_CONTROL = $(BIN)/kedro run --env positive_control --pipeline positive_control --only-missing-outputs
-POSITIVE_CONTROL_CELLS := fit_grpo_seed0 fit_spader_seed0 fit_grpo_seed1 fit_spader_seed1
-# Cells at once: one job per cell where the available memory holds 5 GB per job (a cell's Kedro
-# process, fork server and training child peaked at ~4.4 GB together, docs/results.md), else fewer
-# (2 on a 16 GB laptop), at least 1; without /proc/meminfo, 2. Each job gets its share of the cores.
-POSITIVE_CONTROL_JOBS ?= $(shell awk '/^MemAvailable:/ {j = int($$2 / 5242880); print (j < 1 ? 1 : (j > 4 ? 4 : j))}' /proc/meminfo 2>/dev/null || echo 2)
-CELL_THREADS = $(call cores_per,$(POSITIVE_CONTROL_JOBS))
+# (conf/positive_control; docs/results.md). On 2 cores the 4 cells run at once, one thread each (two
+# one-thread cells did 1.37x the steps of one two-thread cell, docs/results.md).
 positive-control: $(STAMP)
 	mkdir -p mlruns
-	$(POSITIVE_CONTROL) --to-nodes validate_warm_start_on_fitted_set
-	jobs=$(POSITIVE_CONTROL_JOBS); $(MAKE) --no-print-directory -j$$jobs POSITIVE_CONTROL_JOBS=$$jobs \
-		$(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS))
-	$(POSITIVE_CONTROL) --nodes positive_control_report
-
-$(addprefix positive-control-,$(POSITIVE_CONTROL_CELLS)): positive-control-%: $(STAMP)
-	OMP_NUM_THREADS=$(CELL_THREADS) $(POSITIVE_CONTROL) --namespaces $*
+	$(GRID) --env positive_control --pipeline positive_control
 
 # On every core (at most 4 workers: each holds torch and its models), a test module per worker at a
 # time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).

@@ -24,7 +24,8 @@ The order below is the one place it is written. Why each layer sits where it doe
   trainer's stages, a verl launch);
 * ``portable`` runs a whole experiment from a bundle without Kedro or MLflow: the native stages in
   the chain's order, its report from ``reporting``;
-* the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points.
+* the Kedro shell: ``pipelines`` (thin nodes), then ``hooks``, which read the compare pipeline's cells; then Kedro's entry points,
+  and ``grid``, which runs a registered pipeline's cells on Ray through Kedro's command line (over the hooks' data root).
 
 Inside every package and subpackage (``native``, ``algorithms.methods``, ``pipelines.compare``…),
 the same rule holds between its modules: :data:`PACKAGE_LAYERS` lists each package's modules (and
@@ -62,7 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("portable",),
     ("pipelines",),
     ("hooks",),
-    ("settings", "pipeline_registry", "__main__"),
+    ("settings", "pipeline_registry", "__main__", "grid"),
 )
 LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
@@ -180,6 +181,10 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
        for stage in ("base_model", "compare", "data_prep", "evaluate", "index_build", "merge", "positive_control",
                      "report", "training")},
     "pipelines.warm_start": (("pipeline",),),
+    "grid": (
+        ("settings", "phases", "child", "tasks"),  # resources; the pipeline's parts; a job's process; its Ray task
+        ("driver",),  # the whole grid, its lock and its MLflow run
+    ),
 }
 TOP_OF_PACKAGE = ("__init__", "__main__")
 

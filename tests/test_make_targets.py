@@ -53,18 +53,21 @@ def test_make_run_is_the_default_chain_with_its_default_methods_side_by_side():
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_make_positive_control_runs_every_cell_of_the_pipeline_once_as_a_job_of_its_own():
-    """The shared part, one job per cell of the pipeline's design (``CELLS``), the report: a cell added
-    to the pipeline and not to the Makefile would otherwise stop the report, or run in no job."""
+@pytest.mark.parametrize(("target", "env"), [("compare", "compare"), ("positive-control", "positive_control")])
+def test_make_compare_and_positive_control_run_their_grid_on_ray(target, env):
+    """One grid driver per target, on the pipeline and environment of its name; the driver reads the
+    cells from the registered pipeline (every cell of ``positive_control``'s design is one job)."""
+    from spader_pipeline.grid.phases import split
+    from spader_pipeline.pipelines.positive_control import create_pipeline
     from spader_pipeline.pipelines.positive_control.nodes import cell_name
     from spader_pipeline.pipelines.positive_control.pipeline import CELLS
 
-    runs = _kedro_runs("positive-control")
-    common = ["--env", "positive_control", "--pipeline", "positive_control", "--only-missing-outputs"]
-    assert all(args[:5] == common for args in runs)
-    assert runs[0][5:] == ["--to-nodes", "validate_warm_start_on_fitted_set"]
-    assert runs[-1][5:] == ["--nodes", "positive_control_report"]
-    assert sorted(args[5:] for args in runs[1:-1]) == sorted(["--namespaces", cell_name(m, s)] for m, s in CELLS)
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    (line,) = [shlex.split(line) for line in out.splitlines() if "spader_pipeline.grid" in line]
+    assert line[line.index("-m"):] == ["-m", "spader_pipeline.grid", "--env", env, "--pipeline", env]
+    assert "kedro run" not in out
+    assert sorted(split(create_pipeline()).cells) == sorted(cell_name(m, s) for m, s in CELLS)
 
 
 def _benchmark_scripts() -> list[str]:

@@ -1,75 +1,48 @@
-"""docs/compare.md's recipe for running the comparison as separate jobs, as written: the shared
-part, then one ``kedro run --namespaces <cell>`` per cell, side by side on one data root, then the
-report.
+"""``make compare``'s grid as its driver reads it (docs/compare.md, "On Ray"): the shared part, one job
+per cell, the report, split from the registered pipeline (:mod:`spader_pipeline.grid.phases`).
 
-The default test runs the documented commands (read from the page) through the project's real
-session and hooks with a runner that records what each would run and which locks it holds, and
-runs no node: the shared part writes every dataset a cell reads, persisted; a cell reads nothing
-else; two cell jobs in two processes hold their cells at once, and the report reads only what the
-phases before it wrote. Training the cells for real in separate processes costs minutes per job on
-two cores; ``SPADER_TEST_JOBS=1`` adds that run (tiny model, test env, two cells at a time), which
-also checks every cell job's MLflow run.
+Each job's ``kedro run`` arguments, as the driver hands them to its Ray task, run through the project's
+real session and hooks with a runner that records what the job would run and runs no node: the shared
+part writes every dataset a cell reads, persisted; a cell reads nothing else; the report reads only what
+the jobs before it wrote. Under the driver's hold no job takes a lock of its own. The grid run for real,
+on a Ray of two nodes, is tests/grid/test_grid_on_ray.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import mlflow
-import pandas as pd
 import pytest
+from kedro.framework.project import pipelines
 from kedro.framework.session import KedroSession
 from kedro.io import MemoryDataset
 from kedro.runner import SequentialRunner
 
+from spader_pipeline import run_lock
+from spader_pipeline.grid.phases import SHARED, has_work, kedro_args, split
 from spader_pipeline.run_lock import CELLS_DIR, LOCK_NAME
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "compare.md"
 #: the test env's design: two seeds (the fewest the design check allows)
 CELLS = ["grpo_seed0", "spader_seed0", "grpo_seed1", "spader_seed1"]
 
 
-def _recipe() -> dict[str, list[str]]:
-    """The three phases' ``kedro run`` arguments from docs/compare.md (after ``--pipeline compare``)."""
-    commands = re.findall(r"`kedro run --env compare --pipeline compare (--[^`]+)`", DOC.read_text())
-    phases = {"shared": [c for c in commands if c.startswith("--to-nodes")],
-              "cell": [c for c in commands if c == "--namespaces <cell>"],
-              "report": [c for c in commands if c.startswith("--nodes")]}
-    assert all(len(found) == 1 for found in phases.values()), phases
-    return {phase: found[0].split() for phase, found in phases.items()}
-
-
-def _run_kwargs(args: list[str], cell: str = "") -> dict[str, list[str]]:
-    """``session.run`` arguments of the CLI options the recipe uses (Kedro's CLI maps them so)."""
-    names = {"--to-nodes": "to_nodes", "--nodes": "node_names", "--namespaces": "namespaces"}
-    return {names[option]: value.replace("<cell>", cell).split(",") for option, value in zip(args[::2], args[1::2], strict=True)}
+def _run_kwargs(args: list[str]) -> dict:
+    """``session.run`` arguments of a job's ``kedro run`` arguments (Kedro's CLI maps them so)."""
+    assert args[:5] == ["run", "--env", "test", "--pipeline", "compare"] and args[-1] == "--only-missing-outputs"
+    option, value = args[5:7]
+    names = {"--nodes": "node_names", "--namespaces": "namespaces"}
+    return {names[option]: value.split(","), "only_missing_outputs": True}
 
 
 class Recorded(SequentialRunner):
     """Records the pipeline, the catalog and the data root's locks while it 'runs'; runs no node."""
 
-    def __init__(self, data_root: Path) -> None:
+    def __init__(self, data_root) -> None:
         super().__init__()
         self.data_root = data_root
 
     def run(self, pipeline, catalog, hook_manager=None, run_id=None, only_missing_outputs=False):
         self.pipeline, self.catalog = pipeline, catalog
-        self.root_locked = (self.data_root / LOCK_NAME).exists()
         self.cells_locked = sorted(p.stem for p in (self.data_root / CELLS_DIR).glob("*.lock"))
         return {}
-
-
-def _session_run(project: Path, env: str, **run_kwargs) -> Recorded:
-    runner = Recorded(project / "data")
-    with KedroSession.create(project_path=project, env=env) as session:
-        session.run(pipeline_names=["compare"], runner=runner, **run_kwargs)
-    return runner
 
 
 def _persisted(recorded: Recorded, names) -> bool:
@@ -77,118 +50,52 @@ def _persisted(recorded: Recorded, names) -> bool:
                for n in names)
 
 
-#: another process: one cell job through the project's hooks, holding its cell until the file
-#: named by argv[4] exists (it writes argv[3] once it holds its cell)
-CELL_JOB = """
-import sys, time
-from pathlib import Path
-from kedro.framework.session import KedroSession
-from kedro.framework.startup import bootstrap_project
-from kedro.runner import SequentialRunner
-
-project, cell, holding, release = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
-
-class Holding(SequentialRunner):
-    def run(self, pipeline, catalog, hook_manager=None, run_id=None, only_missing_outputs=False):
-        holding.write_text(",".join(sorted({n.namespace for n in pipeline.nodes})))
-        while not release.exists():
-            time.sleep(0.05)
-        return {}
-
-bootstrap_project(project)
-with KedroSession.create(project_path=project, env="test") as session:
-    session.run(pipeline_names=["compare"], namespaces=[cell], runner=Holding())
-"""
-
-
 @pytest.mark.slow
-def test_the_separate_jobs_recipe_runs_as_written(kedro_project, tmp_path_factory):
-    recipe = _recipe()
+def test_the_grids_jobs_read_only_what_the_jobs_before_them_stored(kedro_project, monkeypatch):
     with (kedro_project / "conf/test/parameters_compare.yml").open("a") as f:
         f.write("  seeds: [0, 1]\n")
     data = kedro_project / "data"
+    with KedroSession.create(project_path=kedro_project, env="test") as session:
+        context = session.load_context()  # the run's cells, for the registry (CompareCellsHooks)
+        grid = split(pipelines["compare"], "compare")
+        assert sorted(grid.cells) == sorted(CELLS)
+        assert has_work(grid.shared, context.catalog) and all(has_work(p, context.catalog) for p in grid.cells.values())
+    assert {"check_compare_design", "warm_start", "select_heldout", "evaluate_references"} <= {
+        n.name for n in grid.shared.nodes}
+    assert sorted(n.name for n in grid.report.nodes) == ["compare_report", "gather_cells"]
 
-    # 1. the shared part: holds the whole root, writes every dataset a cell reads, persisted
-    shared = _session_run(kedro_project, "test", **_run_kwargs(recipe["shared"]))
-    assert shared.root_locked and not shared.cells_locked
-    assert not [n for n in shared.pipeline.nodes if n.namespace]
-    written = shared.pipeline.all_outputs()
+    driver = run_lock.acquire(data, "compare", "test")  # what the driver holds for the grid's life
+    monkeypatch.setenv(run_lock.HOLD_ENV, driver.info.token)
 
-    # 2. the cells, two jobs in two processes at once, then each cell's own job reads only the shared part
-    signals = tmp_path_factory.mktemp("signals")
-    job = subprocess.Popen([sys.executable, "-c", CELL_JOB, str(kedro_project), "spader_seed1",
-                            str(signals / "holding"), str(signals / "release")],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def job(args: list[str]) -> Recorded:
+        runner = Recorded(data)
+        with KedroSession.create(project_path=kedro_project, env="test") as session:
+            session.run(pipeline_names=["compare"], runner=runner, **_run_kwargs(args))
+        assert not runner.cells_locked  # a grid's job takes no lock of its own
+        return runner
+
     try:
-        for _ in range(6000):  # until the other process holds its cell
-            if (signals / "holding").exists():
-                break
-            assert job.poll() is None, job.communicate()[0][-5000:]
-            time.sleep(0.1)
-        assert (signals / "holding").read_text() == "spader_seed1"
-        beside = _session_run(kedro_project, "test", **_run_kwargs(recipe["cell"], "grpo_seed0"))
-        assert beside.cells_locked == ["grpo_seed0", "spader_seed1"] and not beside.root_locked
-        holder = json.loads((data / CELLS_DIR / "spader_seed1.lock").read_text())
-        assert holder["pid"] == job.pid and holder["cells"] == ["spader_seed1"]
+        # the shared part writes every dataset a cell reads, persisted
+        shared = job(kedro_args("test", "compare", nodes=grid.shared))
+        assert {n.name for n in shared.pipeline.nodes} == {n.name for n in grid.shared.nodes}
+        assert not [n for n in shared.pipeline.nodes if n.namespace]
+        written = shared.pipeline.all_outputs()
+        cells_wrote: set[str] = set()
+        for cell in CELLS:  # each cell's job reads only the shared part
+            alone = job(kedro_args("test", "compare", cell=cell))
+            assert {n.namespace for n in alone.pipeline.nodes} == {cell}
+            reads = {i for i in alone.pipeline.inputs() if not i.startswith("params:")}
+            assert reads <= written and _persisted(alone, reads), reads - written
+            assert _persisted(alone, {f"{cell}__history", f"{cell}__samples"})
+            cells_wrote |= alone.pipeline.all_outputs()
+        # the report reads what the shared part and every cell wrote (it runs in the driver, this process)
+        report = Recorded(data)
+        with KedroSession.create(project_path=kedro_project, env="test") as session:
+            session.run(pipeline_names=["compare"], runner=report, node_names=[n.name for n in grid.report.nodes])
+        reads = {i for i in report.pipeline.inputs() if not i.startswith("params:")}
+        assert {f"{c}__samples" for c in CELLS} <= reads and reads <= written | cells_wrote
+        assert _persisted(report, reads)
+        assert SHARED not in grid.cells
     finally:
-        (signals / "release").touch()
-        output, _ = job.communicate(timeout=600)
-    assert job.returncode == 0, output[-5000:]
-
-    cells_wrote: set[str] = set()
-    for cell in CELLS:
-        alone = _session_run(kedro_project, "test", **_run_kwargs(recipe["cell"], cell))
-        assert {n.namespace for n in alone.pipeline.nodes} == {cell} and alone.cells_locked == [cell]
-        reads = {i for i in alone.pipeline.inputs() if not i.startswith("params:")}
-        assert reads <= written and _persisted(alone, reads), reads - written
-        assert _persisted(alone, {f"{cell}__history", f"{cell}__samples"})
-        cells_wrote |= alone.pipeline.all_outputs()
-
-    # 3. the report: holds the whole root, reads what the shared part and every cell wrote
-    report = _session_run(kedro_project, "test", **_run_kwargs(recipe["report"]))
-    assert report.root_locked and not report.cells_locked
-    reads = {i for i in report.pipeline.inputs() if not i.startswith("params:")}
-    assert {f"{c}__samples" for c in CELLS} <= reads and reads <= written | cells_wrote
-    assert _persisted(report, reads)
-    assert not (data / LOCK_NAME).exists() and not list((data / CELLS_DIR).glob("*.lock"))
-
-
-# --- the same recipe with real training, on demand (minutes per job on two cores) ---
-
-def _kedro(project: Path, args: list[str]) -> subprocess.Popen:
-    """``kedro run --env test --pipeline compare <args>`` in its own process, on a short design."""
-    command = [sys.executable, "-m", "kedro", "run", "--env", "test", "--pipeline", "compare",
-               "--params", "compare.max_questions=4,training.native.total_steps=1", *args]
-    return subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(project / "src")})
-
-
-def _wait(*jobs: subprocess.Popen) -> None:
-    for job in jobs:
-        output, _ = job.communicate(timeout=3600)
-        assert job.returncode == 0, output[-5000:]
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("SPADER_TEST_JOBS") != "1", reason="set SPADER_TEST_JOBS=1: trains every cell")
-def test_the_separate_jobs_recipe_trains_every_cell_in_its_own_process(kedro_project):
-    recipe = _recipe()
-    since = f"attributes.start_time >= {int(time.time() * 1000)}"
-    with (kedro_project / "conf/test/parameters_compare.yml").open("a") as f:
-        f.write("  seeds: [0, 1]\n")
-    _wait(_kedro(kedro_project, recipe["shared"]))
-    for first, second in (CELLS[:2], CELLS[2:]):
-        _wait(_kedro(kedro_project, ["--namespaces", first]), _kedro(kedro_project, ["--namespaces", second]))
-    _wait(_kedro(kedro_project, recipe["report"]))
-
-    data = kedro_project / "data"
-    assert sorted(json.loads((data / "07_model_output/compare_runs.json").read_text())) == sorted(CELLS)
-    samples = pd.read_json(data / "07_model_output/compare_eval_samples.jsonl", lines=True)
-    assert set(samples["model"]) == {"warm_start", "scripted", *CELLS}
-    assert "SPADER vs GRPO" in (data / "08_reporting/compare_report.md").read_text()
-    # every cell job created its cell's MLflow run, with the cell's held-out scores
-    cells = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                               filter_string=f"tags.chain_kind = 'compare' and {since}")
-    assert sorted(r.info.run_name for r in cells) == sorted(f"compare {c.replace('_seed', ' seed')}" for c in CELLS)
-    assert all(r.info.status == "FINISHED" and "heldout/embedded_test/recall" in r.data.metrics for r in cells)
+        driver.release()
+    assert not (data / LOCK_NAME).exists() and not (data / CELLS_DIR).exists()
