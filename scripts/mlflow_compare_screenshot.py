@@ -16,6 +16,9 @@ seed training run ticked and compared (held-out scores side by side), and the pe
 whether the methods' updates differ (``adv/corr_vs_grpo``) for all of them
 (docs/images/mlflow_seeds_*.png).
 
+After ``make compare`` or ``make positive-control``, ``--grid`` shoots the experiment page as it opens:
+the latest grid run folded, its jobs under it, then expanded (docs/images/mlflow_grid_*.png).
+
 It starts ``mlflow ui`` on the project's store (``--store``, default ``mlruns/mlflow.db``, with the
 project venv's ``mlflow``) on a free port and stops it at the end; ``--url`` uses a running UI
 instead. Needs Playwright (``pip install playwright``, in any Python: the script uses nothing else
@@ -151,6 +154,56 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
     return paths
 
 
+GRID_SHOTS = ("mlflow_grid_folded.png", "mlflow_grid_expanded.png")
+
+
+def latest_grid_run(url: str, experiment: str) -> tuple[str, dict]:
+    """The experiment id and its latest grid run (tag ``spader.grid``: one per ``make compare``)."""
+    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
+    experiment_id = exp["experiment"]["experiment_id"]
+    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1,
+                                                     "filter": "tags.`spader.grid` = 'true'",
+                                                     "order_by": ["attributes.start_time DESC"]}).get("runs")
+    if not runs:
+        raise SystemExit(f"no grid run in experiment {experiment!r}: run `make compare` or `make positive-control`")
+    return experiment_id, {"id": runs[0]["info"]["run_id"], "name": runs[0]["info"]["run_name"]}
+
+
+def grid_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    experiment_id, grid = latest_grid_run(url, experiment)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in GRID_SHOTS]
+    with sync_playwright() as p:
+        browser, page = _browser_page(p, chromium)
+        # 1. the experiment page as it opens: the grid's row, its jobs folded under it (the names
+        # column widened, as a user drags it, so that whole names show)
+        _open_runs_table(page, url, experiment_id)
+        _widen_run_names(page, 260)
+        page.screenshot(path=str(paths[0]))
+        # 2. the grid's row expanded: the shared part and every cell
+        row = page.locator('div[role="row"]', has_text=grid["name"]).first
+        row.get_by_role("button").first.click()
+        page.wait_for_timeout(2000)
+        page.screenshot(path=str(paths[1]))
+        browser.close()
+    return paths
+
+
+def _widen_run_names(page, pixels: int) -> None:
+    """Drag the right edge of the runs table's Run Name column ``pixels`` to the right."""
+    handle = page.locator('[role="columnheader"][col-id*="Run Name"] .ag-header-cell-resize').first
+    box = handle.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    handle.hover()
+    page.mouse.down()
+    page.mouse.move(x + 50, y, steps=5)  # the grid starts resizing after a first small drag
+    page.mouse.move(x + pixels, y, steps=20)
+    page.mouse.up()
+    page.wait_for_timeout(1000)
+
+
 def _browser_page(p, chromium: str):
     browser = p.chromium.launch(executable_path=chromium, args=[
         "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -270,11 +323,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--seeds", action="store_true", help="the latest `make compare` chain instead of `make run`")
+    parser.add_argument("--grid", action="store_true", help="the latest grid run, folded then expanded")
     args = parser.parse_args()
-    args.experiment = args.experiment or ("spader-pipeline-compare" if args.seeds else "spader-pipeline")
+    args.experiment = args.experiment or ("spader-pipeline-compare" if args.seeds or args.grid else "spader-pipeline")
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(mlflow_ui(args.store, args.artifacts, args.mlflow))
-        if args.seeds:
+        if args.grid:
+            paths = grid_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
+        elif args.seeds:
             paths = seed_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
         else:
             paths = screenshots(url.rstrip("/"), args.experiment, args.methods, args.out, args.chromium)
