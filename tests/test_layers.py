@@ -99,8 +99,10 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("packed_linear", "native_step"),  # oneDNN's weight layout; the decoding step and attention in C++
         ("decode_attention",),  # the bf16 cache's decoding attention
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
-         "memory_budget", "packaged"),  # each one concern of running a model
+         "memory_budget", "packaged", "sampling", "static_cache"),  # each one concern of running a model
         ("decode_step",),  # one decoding step over fused packed weights (in C++ where it builds)
+        ("graph_decode",),  # the GPU's decoding steps: static cache, sampled on the device, CUDA graphs; it
+                            # reuses the fused step's norms and the boundary capture's block, and decode calls it
         ("base_model", "boundary", "decode"),  # loading and training a model; decoding with it
         ("provide", "warm_start"),  # the base model of a run; supervised fine-tuning
     ),

@@ -121,3 +121,54 @@ def test_unsupported_cache_falls_back_to_generate(tiny_lm, caplog):
     assert "decoding with model.generate" in caplog.text
     prompts = [tokenizer.encode(q["question"]) for q in QUESTIONS[:2]]
     assert len(asyncio.run(gen.generate(_states(prompts, [50, 50])))) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_the_static_step_gives_the_host_loops_turns_and_states(tiny_lm, temperature, monkeypatch):
+    """The GPU's decoding steps (modeling/graph_decode.py), forced on this CPU, under bf16 autocast: over three
+    turns whose batch shrinks, with a shared prefix, prefills in blocks and rows ending on stop tokens, the
+    host loop's tokens, log-probabilities and boundary states, the same floats (a grouped-query model on
+    ``sdpa_gqa``, whose decoding the CPU attends in fp32 either way)."""
+    from spader_pipeline.modeling import static_cache
+    from spader_pipeline.modeling.attention import use_gqa_attention
+    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
+    from spader_pipeline.modeling.graph_decode import static_decode_stats
+
+    _, tokenizer = tiny_lm
+    spec = TinyQwen3Spec(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64)
+    model = build_tiny_qwen3(tokenizer, spec, seed=0)
+    assert use_gqa_attention(model)
+    texts = ["Find every answer. Question: " + t for t in [q["question"] for q in QUESTIONS] + ["Ghana", "Which river?"]]
+    prompts = [tokenizer.encode(t) for t in texts[:4]]
+    observation = tokenizer.encode(" Doc 1 (Title: Ghana) Country in West Africa. Accra is the capital.")
+    stop = _frequent_tokens(model, tokenizer, prompts, 2)
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, max_new_tokens=9, seed=3)
+
+    def roll(static: bool):
+        monkeypatch.setattr(static_cache, "STATIC_DECODE", "on" if static else "off")
+        gen = HFGenerator(model, tokenizer, sampling, prefill_block_cost=(0, 0), capture_states_from_layer=0,
+                          return_log_probs=True, bf16=True)
+        gen.eos_ids |= stop
+        states = _states(prompts, [40, 14, 40, 30])
+        for state in states:
+            gen.start(state)
+        turns = []
+        for round_ in range(3):
+            out = asyncio.run(gen.generate(states))
+            turns.append([(t.token_ids, t.logprobs) for t in out])
+            for i, (state, turn) in enumerate(zip(states, out, strict=True)):
+                state.token_ids += list(turn.token_ids) + observation[: 1 + 3 * i + round_]
+            if round_ == 0:
+                states = [s for i, s in enumerate(states) if i != 1]
+        return turns, [(c.token_ids.tolist(), c.states) for c in gen.captured_states()], gen
+
+    host, host_states, _ = roll(False)
+    steps = static_decode_stats()["eager_steps"]
+    static, static_states, gen = roll(True)
+    assert static_decode_stats()["eager_steps"] > steps  # the static step decoded
+    assert static == host  # ==: tokens and log-probabilities
+    assert gen.blocked_prefills == 2 and gen.kv_reuses == 2
+    assert len({len(ids) for turn in host for ids, _ in turn}) > 1  # rows ended at different steps
+    for (ids, states), (host_ids, host_state) in zip(static_states, host_states, strict=True):
+        assert ids == host_ids and torch.equal(states, host_state)

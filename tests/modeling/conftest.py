@@ -5,9 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from spader_pipeline.modeling import TinyQwen3Spec, build_base_model, build_tiny_qwen3
+from spader_pipeline.modeling.attention import use_gqa_attention
 
 TINY_SPEC = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                           intermediate_size=128, max_position_embeddings=1024)
@@ -58,3 +59,13 @@ def tiny_llama() -> LlamaForCausalLM:
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return LlamaForCausalLM(config)
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def tiny_model(request, gqa_model_dir):
+    """The tests' tiny Qwen3 and a tiny Llama, on the sdpa_gqa attention, without gradients."""
+    model = (AutoModelForCausalLM.from_pretrained(gqa_model_dir) if request.param == "qwen3"
+             else request.getfixturevalue("tiny_llama"))
+    model.eval().requires_grad_(False)
+    assert use_gqa_attention(model)
+    return model

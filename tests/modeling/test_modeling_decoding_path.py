@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from decoding_runs import SMOLLM2_135M, parting
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
 from spader_pipeline.modeling import decode_attention, decode_step, native_step, packed_linear
 from spader_pipeline.modeling.attention import use_gqa_attention
@@ -20,11 +21,6 @@ from spader_pipeline.modeling.precision import bf16_inference
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no bf16 unit or no oneDNN packing on this CPU")
 
-#: SmolLM2-135M's configuration (its shapes; the weights here are random)
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1, eos_token_id=2,
-                    pad_token_id=0)
 #: the largest change of a token's log-probability between the C++ attention and fp32 SDPA over the same bf16
 #: cache, up to the first token where two runs part: the two sum the same fp32 products in another order, so a
 #: bf16 value computed from the sums (a product's input, a logit) can round to its neighbour. Measured: 0 on the
@@ -38,16 +34,6 @@ PATHS = ("cpp", "python", "not built")
 def _smollm2_shaped() -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
-
-
-@pytest.fixture(params=["qwen3", "llama"])
-def tiny_model(request, gqa_model_dir):
-    """The tests' tiny Qwen3 and a tiny Llama, on the sdpa_gqa attention."""
-    model = (AutoModelForCausalLM.from_pretrained(gqa_model_dir) if request.param == "qwen3"
-             else request.getfixturevalue("tiny_llama"))
-    model.eval().requires_grad_(False)
-    assert use_gqa_attention(model)
-    return model
 
 
 def _as_path(path: str, monkeypatch) -> None:
@@ -89,17 +75,6 @@ def _runs(model, sample: bool, monkeypatch) -> dict[str, list]:
     return runs
 
 
-def _parting(run, other) -> list[tuple[int, float]]:
-    """Per row of each turn: how many tokens the two runs share before they part, and the largest change of
-    a log-probability over those."""
-    shared = []
-    for (tokens, log_probs), (other_tokens, other_log_probs) in zip(run, other, strict=True):
-        for row, other_row, logs, other_logs in zip(tokens, other_tokens, log_probs, other_log_probs, strict=True):
-            same = next((i for i, (a, b) in enumerate(zip(row, other_row, strict=False)) if a != b), min(len(row), len(other_row)))
-            shared.append((same, max((abs(a - b) for a, b in zip(logs[:same], other_logs[:same], strict=True)), default=0.0)))
-    return shared
-
-
 needs_native = pytest.mark.skipif(not native_available(), reason="the C++ step does not build here: nothing to compare")
 
 
@@ -112,7 +87,7 @@ def test_the_same_seed_samples_the_same_tokens_with_or_without_the_cpp_step(tiny
     runs = _runs(tiny_model, sample, monkeypatch)
     assert runs["cpp"] == runs["python"]  # ==: the same floats
     assert [tokens for tokens, _ in runs["not built"]] == [tokens for tokens, _ in runs["cpp"]]
-    assert max(change for _, change in _parting(runs["cpp"], runs["not built"])) <= LOG_PROB_BOUND
+    assert max(change for _, change in parting(runs["cpp"], runs["not built"])) <= LOG_PROB_BOUND
 
 
 @needs_native
@@ -129,7 +104,7 @@ def test_on_smollm2s_shape_the_runs_agree_until_a_logits_last_bit_decides(sample
     assert use_gqa_attention(model)
     runs = _runs(model, sample, monkeypatch)
     assert runs["cpp"] == runs["python"]
-    shared = _parting(runs["cpp"], runs["not built"])
+    shared = parting(runs["cpp"], runs["not built"])
     assert max(change for _, change in shared) <= LOG_PROB_BOUND
     tokens = sum(len(row) for row_tokens, _ in runs["cpp"] for row in row_tokens)
     assert sum(same for same, _ in shared) >= (0.9 * tokens if not sample else 1)

@@ -1,5 +1,6 @@
 """Length-sorted batches: under a padded-token budget (the warm start's SFT, the RL update) and in blocks
-of least padding cost (a decoding turn's prefill)."""
+of least padding cost (a decoding turn's prefill); and the rows a decoding batch moves behind its going
+ones when they finish (:func:`retire_rows`)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,15 @@ def padding_blocks(descending_lengths: Sequence[int], *, min_tokens: int = 128, 
         blocks.append(range(cut[end], end))
         end = cut[end]
     return blocks[::-1]
+
+
+def retire_rows(finished: list[int], active: int) -> tuple[list[int], list[int]]:
+    """Pairs of rows to exchange so that the rows ``finished`` (ascending, each ``< active``) end up
+    behind the ``active - len(finished)`` rows that go on: each finished row among the first
+    ``active - len(finished)`` with a going row among the rest, in order. Returns ``(holes,
+    fillers)``, equally long (both empty when the finished rows are already the last ones)."""
+    kept = active - len(finished)
+    holes = [row for row in finished if row < kept]
+    done = set(finished)
+    fillers = [row for row in range(kept, active) if row not in done]
+    return holes, fillers

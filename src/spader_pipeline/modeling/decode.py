@@ -21,6 +21,10 @@ in masked positions instead of starting with padding. Exact: every key keeps its
 Each decoding step (one new token per row) runs through
 :func:`~spader_pipeline.modeling.decode_step.fused_decode_step` where it applies: the model's own forward,
 bit for bit, as tensor code over fused packed weights instead of the modules; elsewhere through the model.
+On a GPU (:func:`~spader_pipeline.modeling.graph_decode.static_decoder`) the steps after the prefill run
+on the device instead: over a static cache, sampled there, captured in CUDA graphs per bucket of rows and
+positions; ended rows are masked and moved behind the going ones between windows of steps, and the
+result is laid out as this loop lays it out.
 
 Sampling uses ``generate``'s own logits processors (:func:`generation_processors`) and the same
 softmax, then draws by inverse CDF (:func:`sample_categorical`) instead of ``torch.multinomial``,
@@ -36,9 +40,11 @@ from typing import Any
 
 import torch
 
-from spader_pipeline.modeling.batching import padding_blocks
+from spader_pipeline.modeling.batching import padding_blocks, retire_rows
 from spader_pipeline.modeling.decode_step import fused_decode_step
+from spader_pipeline.modeling.graph_decode import StaticOutcome, decode_static, static_decoder
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
 
 __all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
            "supports_decode_batch", "token_log_probs"]
@@ -135,50 +141,6 @@ def left_aligned_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return index, new_mask
 
 
-def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """One draw per row from the categorical distributions ``probs`` ``[n, V]`` (rows sum to ~1).
-
-    Inverse-CDF sampling: one uniform number per row against the row's cumulative sum. The same
-    distribution as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential variate for
-    every vocabulary entry (49k per row for SmolLM2, ~9% of a rollout's time). A token of
-    probability 0 (cut by top-p/top-k) is never drawn: the first index whose cumulative sum exceeds
-    the draw is always one where the sum grew. ``uniforms`` ``[n]``: the uniform numbers in [0, 1) to
-    draw with; ``None``: from the global torch RNG (seeded runs repeat). Returns long ``[n]``.
-    """
-    cdf = probs.cumsum(dim=-1)  # [n, V]
-    if uniforms is None:
-        uniforms = torch.rand(probs.shape[0], dtype=cdf.dtype, device=cdf.device)
-    draws = uniforms.to(dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
-    index = torch.searchsorted(cdf, draws, right=True).squeeze(1)  # first position with cdf > draw
-    overflow = index >= probs.shape[1]  # the draw rounded up to the row's total: its last possible token
-    if bool(overflow.any()):
-        last = probs.shape[1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
-        index = torch.where(overflow, last, index)
-    return index
-
-
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` at ``tokens``: ``logits`` ``[n, V]``, ``tokens`` long ``[n]``
-    → fp32 ``[n]``. ``temperature <= 0`` (greedy) scores under the unscaled logits."""
-    scaled = logits.to(torch.float32)
-    if temperature > 0 and temperature != 1.0:
-        scaled = scaled / temperature
-    chosen = scaled.gather(-1, tokens[:, None].to(scaled.device)).squeeze(-1)
-    return chosen - torch.logsumexp(scaled, dim=-1)
-
-
-def retire_rows(finished: list[int], active: int) -> tuple[list[int], list[int]]:
-    """Pairs of rows to exchange so that the rows ``finished`` (ascending, each ``< active``) end up
-    behind the ``active - len(finished)`` rows that go on: each finished row among the first
-    ``active - len(finished)`` with a going row among the rest, in order. Returns ``(holes,
-    fillers)``, equally long (both empty when the finished rows are already the last ones)."""
-    kept = active - len(finished)
-    holes = [row for row in finished if row < kept]
-    done = set(finished)
-    fillers = [row for row in range(kept, active) if row not in done]
-    return holes, fillers
-
-
 def _exchange(holes: list[int], fillers: list[int], tensors: tuple[torch.Tensor, ...], lists: tuple[list, ...],
               cache: GrowingKVCache) -> None:
     """Exchange rows ``holes[k]`` and ``fillers[k]`` of ``tensors`` (dim 0), ``lists`` and ``cache``, all
@@ -218,6 +180,35 @@ def _block_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, past: i
             ids[row, start:end] = input_ids[source, past:][attention_mask[source, past:] == 1]
             mask[row, start:end] = 1
     return ids, mask
+
+
+def _static_result(outcome: StaticOutcome, input_ids: torch.Tensor, attention_mask: torch.Tensor, order: list[int],
+                   pad_id: int, prefill_blocks: int) -> DecodeResult:
+    """:class:`DecodeResult` of :func:`~spader_pipeline.modeling.graph_decode.decode_static` (``input_ids``/
+    ``attention_mask``: the prefill's, in its cache-row order ``order``), as the host loop lays it out: a
+    row's sampled tokens after its context, each fed one real in the mask, its last one never fed."""
+    batch, width = input_ids.shape
+    length = width + outcome.steps - 1
+    moved = torch.tensor(outcome.rows, device=input_ids.device)  # the prefill's cache row now at each row
+    fed = torch.full((batch, outcome.steps - 1), pad_id, dtype=input_ids.dtype)
+    for row, tokens in enumerate(outcome.tokens):
+        fed[row, : len(tokens) - 1] = torch.tensor(tokens[:-1], dtype=input_ids.dtype)
+    ids = torch.cat([input_ids[moved], fed.to(input_ids.device)], dim=1)
+    fed_mask = torch.arange(outcome.steps - 1)[None, :] < torch.tensor([len(t) - 1 for t in outcome.tokens])[:, None]
+    mask = torch.cat([attention_mask[moved], fed_mask.to(attention_mask)], dim=1)
+    holders = [order[row] for row in outcome.rows]  # the input row held by each cache row now
+    where = torch.empty(batch, dtype=torch.long)
+    where[torch.tensor(holders)] = torch.arange(batch)  # cache row of each input row
+    where = where.to(input_ids.device)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    log_probs: list[list[float]] | None = None if outcome.log_probs is None else [[] for _ in range(batch)]
+    for row, holder in enumerate(holders):
+        tokens[holder] = outcome.tokens[row]
+        if log_probs is not None:
+            log_probs[holder] = outcome.log_probs[row]
+    return DecodeResult(tokens=tokens, ids=ids[where, :length], mask=mask[where, :length], cache_rows=holders,
+                        row_steps=sum(len(t) for t in outcome.tokens), prefill_blocks=prefill_blocks,
+                        steps=outcome.steps, log_probs=log_probs)
 
 
 @torch.no_grad()
@@ -314,6 +305,12 @@ def decode_batch(
     if blocked:
         cache.close_windows()
     logits = torch.cat(parts) if blocked else parts[0]
+    decoder = static_decoder(model, cache, processors)
+    if decoder is not None:  # the steps on the device: sampled there, captured per bucket (graph_decode)
+        outcome = decode_static(model, decoder, cache, logits, attention_mask, next_position, budget, order,
+                                eos_ids=eos_ids, processors=processors, do_sample=do_sample,
+                                log_prob_temperature=log_prob_temperature)
+        return _static_result(outcome, input_ids, attention_mask, order, pad_id, len(blocks))
     fused_step = fused_decode_step(model)  # None: each step through the model's forward
     active, step, row_steps = batch, 0, 0
     while True:

@@ -53,6 +53,7 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 from spader_pipeline.modeling.precision import resolve_bf16
+from spader_pipeline.modeling.static_cache import static_step_name
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "decoding_path",
            "fused_decode_step"]
@@ -77,16 +78,29 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
+def rotated_query_keys(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: Any, k_norm: Any, cos: torch.Tensor,
+                       signed_sin: torch.Tensor) -> torch.Tensor:
+    """A step's query and key heads ``[n, H + H_kv, D]`` from its q|k|v product ``[n, H + 2 H_kv, D]``: normed
+    over each head where the family does (Qwen3's ``q_norm``/``k_norm``, before the rotation), then rotated
+    (``cos``, and ``sin`` with ``rotate_half``'s sign on its first half: ``[n, 1, D]``)."""
+    half = qkv.shape[-1] // 2
+    if q_norm is not None:
+        qk = torch.cat((_rms_norm(qkv[:, :heads], q_norm), _rms_norm(qkv[:, heads : heads + kv_heads], k_norm)), dim=1)
+    else:
+        qk = qkv[:, : heads + kv_heads]
+    return qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * signed_sin
+
+
 @functools.lru_cache(maxsize=8)
-def _fused_norm_matches(width: int) -> bool:
-    """Whether ``torch.rms_norm`` on fp32 rows of ``width`` equals :func:`_rms_norm` bit for bit here
-    (checked once per process and width): one call instead of six on the residual stream's norms. In
-    this torch it is the same operations in C++; a version with a kernel that sums in another order
-    would fail the check, and the norms keep the written-out form."""
+def _fused_norm_matches(width: int, device: str = "cpu") -> bool:
+    """Whether ``torch.rms_norm`` on fp32 rows of ``width`` equals :func:`_rms_norm` bit for bit on
+    ``device`` (checked once per process, width and device): one call instead of six on the residual
+    stream's norms. In this torch it is the same operations in C++ on a CPU; a version with a kernel that
+    sums in another order (a fused GPU kernel) fails the check, and the norms keep the written-out form."""
     generator = torch.Generator().manual_seed(0)
     norm = torch.nn.Module()
-    norm.weight, norm.variance_epsilon = torch.randn(width, generator=generator), 1e-5
-    x = torch.randn(5, width, generator=generator) * 3
+    norm.weight, norm.variance_epsilon = torch.randn(width, generator=generator).to(device), 1e-5
+    x = (torch.randn(5, width, generator=generator) * 3).to(device)
     return torch.equal(torch.rms_norm(x, (width,), norm.weight, 1e-5), _rms_norm(x, norm))
 
 
@@ -188,12 +202,7 @@ class FusedDecodeStep:
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
             qkv = packed_product(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
-            if q_norm is not None:  # Qwen3: RMSNorm over each query and key head, before the rotation
-                qk = torch.cat((_rms_norm(qkv[:, :heads], q_norm), _rms_norm(qkv[:, heads : heads + kv_heads], k_norm)),
-                               dim=1)
-            else:
-                qk = qkv[:, : heads + kv_heads]
-            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * signed_sin  # [n, H + H_kv, D]
+            qk = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos, signed_sin)  # [n, H + H_kv, D]
             keys, values = cache.update(qk[:, heads:, None], qkv[:, heads + kv_heads :, None], index)
             out = decode_attention(qk[:, :heads, None], keys, values, mask, scaling)  # [n, H, 1, D] fp32, as sdpa_gqa
             x = x + packed_product(out.reshape(rows, heads * dim), o_weight)
@@ -214,23 +223,33 @@ def _has_foreign_hooks(model: torch.nn.Module) -> bool:
     return any(set(m._forward_hooks) - known or m._forward_pre_hooks for m in model.modules())
 
 
-def _structure_supported(model: Any) -> bool:
+def decoder_linears(model: Any) -> list[torch.nn.Linear] | None:
+    """The output layer and every block's projections (q, k, v, o, gate, up, down) of a decoder whose
+    written-out step this module and :mod:`~spader_pipeline.modeling.graph_decode` compute: a family of
+    :data:`SUPPORTED_MODEL_TYPES` with SiLU, full attention in every block and ``nn.Linear`` projections;
+    ``None`` for any other model."""
     config, body = getattr(model, "config", None), getattr(model, "model", None)
     if not isinstance(model, torch.nn.Module) or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return False
-    if getattr(config, "_attn_implementation", None) != GQA_ATTENTION or getattr(config, "hidden_act", None) != "silu":
-        return False
+        return None
+    if getattr(config, "hidden_act", None) != "silu":
+        return None
     if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return False
+        return None
     if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return False
+        return None
     head = getattr(model, "lm_head", None)
     linears = [head] + [getattr(part, name, None) for block in body.layers
                         for part, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                             (block.mlp, ("gate_proj", "up_proj", "down_proj")))
                         for name in names]
-    return all(isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-               for m in linears)
+    return linears if all(isinstance(m, torch.nn.Linear) for m in linears) else None
+
+
+def _structure_supported(model: Any) -> bool:
+    linears = decoder_linears(model)
+    if linears is None or getattr(model.config, "_attn_implementation", None) != GQA_ATTENTION:
+        return False
+    return all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
 
 
 def fused_decode_step(model: Any) -> FusedDecodeStep | None:
@@ -255,7 +274,9 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     weights, or (``bf16_weights``) from a bf16 copy of them without autocast (``rollout_weights: bf16``):
 
     * ``decode.step``: ``cpp`` (the C++ step, :mod:`~spader_pipeline.modeling.native_step`), ``python``
-      (:class:`FusedDecodeStep`) or ``transformers`` (the model's own forward);
+      (:class:`FusedDecodeStep`), ``transformers`` (the model's own forward), or where the static step is
+      selected (:mod:`~spader_pipeline.modeling.graph_decode`; by default on CUDA) ``graph`` (captured in
+      CUDA graphs) or ``static`` (launched op by op);
     * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache) or ``sdpa`` (SDPA; on the
       CPU in fp32 over the widened cache);
     * ``decode.kv_cache``: the keys' precision in the cache, ``bf16`` (stored in bf16 for the native
@@ -269,10 +290,11 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     It reads the module switches (:data:`FUSED_DECODE_STEP`, ``PACK_WEIGHTS``, ``BF16_CACHE``,
     ``NATIVE_STEP``) and, on a CPU under autocast, builds or loads the C++ step once per process.
     """
-    if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
-        return {"decode.step": "transformers", "decode.attention": "sdpa", "decode.kv_cache": "bf16",
-                "decode.packed_weights": "off"}
     device = resolve_device(device)
+    static = static_step_name(device)  # the static step (graph_decode) where it is selected for this device
+    if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
+        return {"decode.step": static or "transformers", "decode.attention": "sdpa", "decode.kv_cache": "bf16",
+                "decode.packed_weights": "off"}
     cpu = torch.device(device).type == "cpu"
     autocast = resolve_bf16(bf16, device)
     packed = cpu and autocast and packed_linear.PACK_WEIGHTS and packing_available()
@@ -280,7 +302,8 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     native = cpu and autocast and native_available()
     bf16_keys = autocast and (not cpu or attention_settings.bf16_key_cache())
     return {
-        "decode.step": "cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused else "transformers",
+        "decode.step": static or ("cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused
+                                  else "transformers"),
         "decode.attention": "cpp" if native and bf16_keys else "sdpa",
         "decode.kv_cache": "bf16" if bf16_keys else "fp32",
         "decode.packed_weights": "on" if packed else "off",

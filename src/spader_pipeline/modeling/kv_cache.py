@@ -29,6 +29,11 @@ rows ``[start, stop)`` with ``length`` cached positions, so the model appends th
 after ``length``; :meth:`GrowingKVCache.close_windows` exposes every row again, as long as the
 furthest write. A block's rows then hold zeros (masked) between their last write and that length.
 
+A cache decoded by captured CUDA graphs (:mod:`~spader_pipeline.modeling.graph_decode`) lives in the
+static cache's buffers from its first decoding call on (:meth:`GrowingKVCache.move_storage`): every
+operation above keeps working there in place, and one that needs more room reallocates as always, leaving
+them. Their positions past a row's last write hold finite values, not zeros.
+
 For the native trainer the cache can also keep, per position, the hidden states one decoder block
 wrote there (``GrowingKVCache(capture_states=True)``, :class:`GrowingStates`): the states follow
 every cache operation exactly as the keys and values do, so after a rollout they line up with the
@@ -196,6 +201,34 @@ class GrowingLayer(DynamicLayer):
         self._furthest = max(self._furthest, end)
         self._expose()
         return self.keys, self.values
+
+    def holds(self, key_buffer: torch.Tensor) -> bool:
+        """Whether this layer's keys live in ``key_buffer`` (the same memory, shape and strides)."""
+        mine = self._key_buffer
+        return (mine is not None and mine.data_ptr() == key_buffer.data_ptr() and mine.shape == key_buffer.shape
+                and mine.stride() == key_buffer.stride())
+
+    def move_storage(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
+        """Keep the contents in ``key_buffer``/``value_buffer`` from now on (``[B, H_kv, capacity, D]``, this
+        layer's rows, at least its filled positions: e.g. views of a static cache's buffers, which a captured
+        decoding step writes in place), the filled positions copied there unless they are there already.
+        Positions past them keep what they held: finite values (a position is masked until it is written),
+        not necessarily zeros."""
+        if self._key_buffer is None:
+            raise ValueError("move_storage on an empty layer: the first update allocates it")
+        if not self.holds(key_buffer):
+            kept = max(self._length, self._furthest)
+            key_buffer[:, :, :kept] = self._key_buffer[:, :, :kept]
+            value_buffer[:, :, :kept] = self._value_buffer[:, :, :kept]
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._expose()
+
+    def own_storage(self) -> None:
+        """Move the contents into buffers of this layer's own, of the same shape (:meth:`move_storage`):
+        before the memory it shared is handed to another cache."""
+        if self._key_buffer is not None:
+            self.move_storage(self._key_buffer.new_zeros(self._key_buffer.shape),
+                              self._value_buffer.new_zeros(self._value_buffer.shape))
 
     def get_seq_length(self) -> int:
         return self._length if self._key_buffer is not None else 0
@@ -374,6 +407,23 @@ class GrowingKVCache(DynamicCache):
         captured states, which their own ``append`` extends."""
         reserved = [layer.reserve(new) for layer in self.layers]
         return [keys for keys, _ in reserved], [values for _, values in reserved]
+
+    def move_storage(self, key_buffers: list[torch.Tensor], value_buffers: list[torch.Tensor],
+                     states: torch.Tensor | None = None) -> None:
+        """Keep every decoder layer's contents in its ``key_buffers``/``value_buffers`` entry, and the
+        captured states in ``states`` (``[B, 1, capacity, H]``) where given (:meth:`GrowingLayer.move_storage`):
+        a static cache's buffers, which captured decoding steps write in place."""
+        for layer, keys, values in zip(self.layers, key_buffers, value_buffers, strict=True):
+            layer.move_storage(keys, values)
+        if states is not None and self.states is not None and self.states._key_buffer is not None:
+            self.states.move_storage(states, states.new_empty((*states.shape[:3], 0)))
+
+    def own_storage(self, shared: set[int]) -> None:
+        """Every layer (the states too) whose keys live at a data pointer in ``shared`` moves into buffers
+        of its own (:meth:`GrowingLayer.own_storage`): the memory is about to hold another cache."""
+        for layer in [*self.layers, *self._extra()]:
+            if layer._key_buffer is not None and layer._key_buffer.data_ptr() in shared:
+                layer.own_storage()
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)

@@ -1,0 +1,560 @@
+"""Decoding steps without host overhead: the model's step over a static cache, its tokens drawn on the
+device, captured in CUDA graphs per bucket of rows and positions.
+
+On one H200 a decoding step of SmolLM2 through the model's forward took ~33 ms at 256 or 768 rows,
+while its arithmetic and its reads of the cache take ~2-3 ms (docs/gpu.md, issue 63): the step was the
+host launching some thousand small kernels one by one, autocast casting every fp32 weight to bf16 again
+at every step, and the host reading every step's tokens to see which rows ended. llama.cpp runs the same
+step as one CUDA graph over bf16 weights (9.4 ms), and so does transformers' compiled static-cache
+``generate`` (10.0 ms). This module is that step for :func:`~spader_pipeline.modeling.decode.decode_batch`:
+
+* **bf16 weights, cast once**: the products read bf16 copies of the weights (q|k|v and gate|up stacked,
+  each one product), made once and refreshed in place when a weight changes (its version counter: an
+  optimiser step, a weight sync), instead of autocast's cast of every weight at every step. Under
+  autocast the rest is what autocast computes: the residual stream, norms and rotary embedding in fp32,
+  the products' inputs cast to bf16 (the same values, so the same products as autocast's);
+* **a static key/value cache** (:class:`~spader_pipeline.modeling.static_cache.StaticKVCache`) sized by
+  buckets of the real length, which the turn's :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
+  lives in from its first decoding call (no copy per turn; a cache that outgrows it, or another batch's,
+  moves once);
+* **grouped-query attention without expanding the key/value heads**: each key/value head's query heads
+  are the query positions of one SDPA call over that head's keys (``[rows, H_kv, H / H_kv, D]``), the
+  shape of a decoding step of any grouped model; on a CPU under autocast it is the CPU's own decoding
+  attention (:func:`~spader_pipeline.modeling.decode_attention.decode_attention`, fp32 over the cache);
+* **sampling and log-probabilities on the device**: the logits processors that read only the scores
+  (:data:`GRAPH_PROCESSORS`), the inverse-CDF draw from uniform numbers drawn for the whole turn at its
+  start (the same numbers, row by row, as the host loop draws step by step), each token's log-probability,
+  and each row's end (an end token or its budget) kept as a device flag; the host reads which rows ended
+  every :data:`~spader_pipeline.modeling.static_cache.SYNC_EVERY` steps, not at every step, and moves
+  the ended rows behind the going ones when those fit a smaller row bucket;
+* **one CUDA graph per bucket** of rows and positions (``torch.cuda.CUDAGraph``, all sharing one memory
+  pool), captured the first time its bucket decodes (that step runs eagerly first, which also warms its
+  kernels) and replayed after: the capture is paid once per process, bucket and allocation, logged and
+  counted (:func:`static_decode_stats`).
+
+The step is written so that it can be captured: every shape is fixed per bucket, nothing in it reads the
+device from the host, and every input is read from the static buffers (the cursor, the step's index, the
+tokens, the positions). The boundary states the native trainer's update starts from are written into the
+static cache's states at the captured block, as :mod:`~spader_pipeline.modeling.boundary`'s hook would.
+
+Where it runs (:func:`static_decoder`): a supported family (:data:`~spader_pipeline.modeling.decode_step.
+SUPPORTED_MODEL_TYPES`) without biases or a dynamic rotary embedding, under bf16 autocast or in its own
+fp32 or bf16, with the switches of :mod:`~spader_pipeline.modeling.static_cache` (by default on CUDA; the
+tests force it on the CPU, where the same step runs eagerly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spader_pipeline.modeling import static_cache
+from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
+from spader_pipeline.modeling.batching import retire_rows
+from spader_pipeline.modeling.decode_attention import (
+    bf16_decode_attention_available,
+    bf16_key_cache,
+    decode_attention,
+)
+from spader_pipeline.modeling.decode_step import (
+    CAPTURED_BLOCK,
+    _fused_norm_matches,
+    _has_foreign_hooks,
+    _residual_norm,
+    decoder_linears,
+    rotated_query_keys,
+)
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
+from spader_pipeline.modeling.static_cache import StaticKVCache, allocation_length, length_bucket, row_bucket
+
+__all__ = ["GRAPH_PROCESSORS", "SYNC_CHECK", "StaticOutcome", "decode_static", "static_decode_stats", "static_decoder"]
+
+logger = logging.getLogger(__name__)
+
+#: logits processors the device's sampling runs (they read only the scores, and nothing in them reads the
+#: device from the host); with any other, decoding runs the host loop
+GRAPH_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"})
+#: run every step (a replay, or an eager step) under ``torch.cuda.set_sync_debug_mode("error")``: a step
+#: that reads the device from the host raises (the gpu-marked tests set it)
+SYNC_CHECK = False
+#: rotary embeddings whose tables change with the positions seen (transformers' ``dynamic_rope_update``)
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+#: this process's counters (:func:`static_decode_stats`)
+_STATS = {"captures": 0, "capture_seconds": 0.0, "replays": 0, "eager_steps": 0, "allocations": 0,
+          "allocated_bytes": 0, "moved_in": 0, "evictions": 0}
+#: per model: per precision, its decoder
+_DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Decoder]] = weakref.WeakKeyDictionary()
+_graphs_failed = False
+
+
+def static_decode_stats() -> dict[str, float]:
+    """This process's counters: ``captures`` (CUDA graphs captured) and ``capture_seconds`` (their time,
+    each bucket's first eager step included), ``replays``, ``eager_steps`` (steps launched op by op:
+    without graphs, or a bucket's first step), ``allocations`` and ``allocated_bytes`` (static caches
+    allocated, and the bytes of the latest), ``moved_in`` (caches copied into a static cache) and
+    ``evictions`` (caches moved out of it for another batch)."""
+    return dict(_STATS)
+
+
+@dataclass(frozen=True)
+class _Precision:
+    """The dtypes of a step: the products' (inputs and weights), the residual stream's (the embedding's),
+    the cache's, whether keys are rounded to bf16 before they are stored (in fp32), and the attention's:
+    SDPA in that dtype, or (``None``) the CPU's fp32 decoding attention over the cache."""
+
+    product: torch.dtype
+    residual: torch.dtype
+    kv: torch.dtype
+    round_keys: bool
+    attention: torch.dtype | None
+
+
+def _precision(model: torch.nn.Module, linears: list[torch.nn.Linear], device: torch.device) -> _Precision | None:
+    """What the model's own decoding forward computes in, here and now: under bf16 autocast from fp32 weights
+    (the cache as :meth:`~spader_pipeline.modeling.kv_cache.GrowingLayer.update` stores it, the attention as
+    the model's attends: autocast's bf16 SDPA, or on a CPU with ``sdpa_gqa`` the fp32 decoding attention), or
+    in the weights' own fp32 or bf16. ``None`` for anything else (fp16, mixed weights, another autocast dtype)."""
+    dtypes = {m.weight.dtype for m in linears} | {model.model.embed_tokens.weight.dtype}
+    if len(dtypes) != 1 or any(m.weight.device != device for m in linears):
+        return None
+    weights = dtypes.pop()
+    autocast = torch.is_autocast_enabled(device.type)
+    if autocast and torch.get_autocast_dtype(device.type) != torch.bfloat16:
+        return None
+    if weights == torch.float32 and autocast:
+        if device.type == "cpu":  # bf16 keys, stored in fp32 where the native attention does not read them
+            native = bf16_decode_attention_available()
+            fp32_decoding = getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION
+            return _Precision(torch.bfloat16, torch.float32, torch.bfloat16 if native else torch.float32,
+                              not native and bf16_key_cache(), None if fp32_decoding else torch.bfloat16)
+        return _Precision(torch.bfloat16, torch.float32, torch.bfloat16, False, torch.bfloat16)
+    if weights in (torch.float32, torch.bfloat16):
+        return _Precision(weights, weights, weights, False, weights)
+    return None
+
+
+class _ProductWeights:
+    """The step's product weights at fixed addresses (a captured graph reads them there): each group of
+    linear layers stacked along its outputs in the products' dtype, or the layer's own weight where nothing
+    needs stacking or casting. A copy is refreshed in place when one of its sources changed."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.copies: list[tuple[tuple[torch.nn.Linear, ...], list[int], torch.Tensor]] = []
+
+    def add(self, modules: tuple[torch.nn.Linear, ...]) -> torch.Tensor:
+        if len(modules) == 1 and modules[0].weight.dtype == self.dtype:
+            return modules[0].weight.detach()
+        weight = self._stacked(modules)
+        self.copies.append((modules, [m.weight._version for m in modules], weight))
+        return weight
+
+    def _stacked(self, modules: tuple[torch.nn.Linear, ...]) -> torch.Tensor:
+        return torch.cat([m.weight.detach() for m in modules]).to(self.dtype)
+
+    def refresh(self) -> int:
+        """Copy again every copy whose sources changed since; the number copied."""
+        stale = 0
+        for modules, versions, weight in self.copies:
+            now = [m.weight._version for m in modules]
+            if now != versions:
+                weight.copy_(self._stacked(modules))
+                versions[:] = now
+                stale += 1
+        return stale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(weight.numel() * weight.element_size() for _, _, weight in self.copies)
+
+
+def _signature(model: torch.nn.Module) -> tuple:
+    """Where the model's tensors are (a captured graph reads them there): replaced tensors mean a new step."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+class _Step:
+    """The model's decoding step over a :class:`StaticKVCache` (the arithmetic of
+    :class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`, in :class:`_Precision`'s dtypes, with the
+    products from :class:`_ProductWeights` and the attention over the static cache's views)."""
+
+    def __init__(self, model: torch.nn.Module, precision: _Precision, device: torch.device) -> None:
+        config, body = model.config, model.model
+        self.precision, self.signature = precision, _signature(model)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden, self.layers_count = config.hidden_size, len(body.layers)
+        self.embed, self.rotary = body.embed_tokens.weight, body.rotary_emb
+        fused = precision.residual == torch.float32 and _fused_norm_matches(config.hidden_size, device.type)
+        self.weights = _ProductWeights(precision.product)
+        self.layers = []
+        for block in body.layers:
+            attention, mlp = block.self_attn, block.mlp
+            self.layers.append((
+                _residual_norm(block.input_layernorm, fused),
+                self.weights.add((attention.q_proj, attention.k_proj, attention.v_proj)),
+                getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), attention.scaling,
+                self.weights.add((attention.o_proj,)),
+                _residual_norm(block.post_attention_layernorm, fused),
+                self.weights.add((mlp.gate_proj, mlp.up_proj)),
+                self.weights.add((mlp.down_proj,)),
+            ))
+        self.final_norm = _residual_norm(body.norm, fused)
+        self.head = self.weights.add((model.lm_head,))
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        """One query position per row: ``query`` ``[n, H, D]`` over ``keys``/``values`` ``[n, H_kv, L, D]``
+        where ``mask`` ``[n, L]``; returns ``[n, H * D]``."""
+        rows, heads, dim = query.shape
+        dtype = self.precision.attention
+        if dtype is None:  # the CPU's decoding attention under autocast (sdpa_gqa): fp32 over the cache
+            return decode_attention(query.float()[:, :, None], keys, values, mask, scaling).reshape(rows, heads * dim)
+        # query heads j*G .. j*G+G-1 read key/value head j (transformers' repeat_kv): G query positions of head j
+        grouped = query.to(dtype).reshape(rows, self.kv_heads, heads // self.kv_heads, dim)
+        out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask[:, None, None, :],
+                                             scale=scaling)
+        return out.reshape(rows, heads * dim)
+
+    def forward(self, cache: StaticKVCache, rows: int, length: int, captured: int | None) -> torch.Tensor:
+        """Feed each of the first ``rows`` rows its ``token`` at ``position``, writing its keys, values (and the
+        captured block's output) at ``cursor``, attending over the first ``length`` positions; advance
+        ``position`` and ``cursor``. Returns the logits ``[rows, V]``."""
+        precision, heads, kv_heads, dim = self.precision, self.heads, self.kv_heads, self.head_dim
+        half = dim // 2
+        x = F.embedding(cache.token[:rows], self.embed)  # [n, hidden]: the residual stream
+        cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
+        cache.valid[:rows].index_fill_(1, cache.cursor, True)
+        mask = cache.valid[:rows, :length]
+        states = cache.states[:rows, 0] if captured is not None else None
+        for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
+                    down_weight) in enumerate(self.layers):
+            qkv = F.linear(norm_in(x).to(precision.product), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
+            qk = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos, signed_sin)  # [n, H + H_kv, D]
+            new_keys = qk[:, heads:].to(torch.bfloat16) if precision.round_keys else qk[:, heads:]
+            keys, values = cache.keys[index][:rows], cache.values[index][:rows]
+            keys.index_copy_(2, cache.cursor, new_keys[:, :, None].to(precision.kv))
+            values.index_copy_(2, cache.cursor, qkv[:, heads + kv_heads :, None].to(precision.kv))
+            out = self._attend(qk[:, :heads], keys[:, :, :length], values[:, :, :length], mask, scaling)
+            x = x + F.linear(out.to(precision.product), o_weight)
+            gate_up = F.linear(norm_mid(x).to(precision.product), gate_up_weight)
+            inner = gate_up.shape[-1] // 2
+            x = x + F.linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
+            if index == captured:
+                states.index_copy_(1, cache.cursor, x[:, None].to(states.dtype))
+        cache.position[:rows] += 1
+        cache.cursor += 1
+        return F.linear(self.final_norm(x).to(precision.product), self.head)
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """How a call draws and scores its tokens (a captured graph keeps these, so each has its own graphs)."""
+
+    key: tuple
+    processors: Any
+    do_sample: bool
+    temperature: float | None
+    eos: torch.Tensor
+    captured: int | None
+
+
+def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sampling) -> None:
+    """Draw each of the first ``rows`` rows' token ``step`` from ``logits`` ``[rows, V]`` (the host loop's
+    processors, draw and log-probability), record it, count it for the rows still going and mark the rows
+    it ends (an end token, or the row's budget); it becomes the row's next ``token``."""
+    scores = sampling.processors(cache.token[:rows, None], logits.to(dtype=torch.float32))
+    if sampling.do_sample:
+        uniforms = cache.uniforms.index_select(0, cache.step)[0, :rows]
+        new = sample_categorical(torch.softmax(scores, dim=-1), uniforms, host_check=False)
+    else:
+        new = torch.argmax(scores, dim=-1)
+    cache.tokens[:rows].index_copy_(1, cache.step, new[:, None])
+    if sampling.temperature is not None:
+        cache.log_probs[:rows].index_copy_(1, cache.step, token_log_probs(logits, new, sampling.temperature)[:, None])
+    done = cache.done[:rows]
+    cache.count[:rows] += (~done).long()
+    done |= (new[:, None] == sampling.eos[None, :]).any(-1) | (cache.step + 1 >= cache.budget[:rows])
+    cache.token[:rows] = new
+    cache.step += 1
+
+
+def _cuda_graph(step: Callable[[], None], pool: Any) -> Any:
+    """``step`` captured in a CUDA graph (its intermediates in ``pool``, which every graph of a static cache
+    shares: they replay one at a time, and nothing they leave in it is read after)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
+
+
+def _use_graphs(device: torch.device) -> bool:
+    return static_cache.CUDA_GRAPHS and device.type == "cuda" and not _graphs_failed
+
+
+class _CapturedStep:
+    """A bucket's step: launched op by op the first time (the step of that window, which also loads its
+    kernels), captured then, replayed after. Where the capture fails, op by op from then on."""
+
+    def __init__(self, step: Callable[[], None], pool: Any, label: str) -> None:
+        self.step, self.pool, self.label, self.graph = step, pool, label, None
+
+    @property
+    def ready(self) -> bool:
+        return self.graph is not None
+
+    def prepare(self) -> None:
+        """The bucket's first step, eagerly, then its capture."""
+        global _graphs_failed
+        started = time.perf_counter()
+        self.step()
+        _STATS["eager_steps"] += 1
+        try:
+            self.graph = _cuda_graph(self.step, self.pool)
+        except Exception:  # noqa: BLE001 - a step that does not capture: op by op, said once
+            _graphs_failed = True
+            self.graph = False
+            logger.warning("the decoding step at %s did not capture in a CUDA graph: decoding launches it op by op "
+                           "from now on", self.label, exc_info=True)
+            return
+        seconds = time.perf_counter() - started
+        _STATS["captures"] += 1
+        _STATS["capture_seconds"] += seconds
+        logger.info("captured the decoding step at %s in %.3f s (%d graphs, %.1f s in this process)", self.label,
+                    seconds, _STATS["captures"], _STATS["capture_seconds"])
+
+    def __call__(self) -> None:
+        if self.graph:
+            self.graph.replay()
+            _STATS["replays"] += 1
+        else:
+            self.step()
+            _STATS["eager_steps"] += 1
+
+
+class _EagerStep:
+    """A bucket's step launched op by op (the CPU, or graphs off)."""
+
+    ready = True
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+
+    def __call__(self) -> None:
+        self.step()
+        _STATS["eager_steps"] += 1
+
+
+class _Decoder:
+    """Per model and precision: the step, its static cache, its captured buckets, and the cache living in it."""
+
+    def __init__(self, model: torch.nn.Module, precision: _Precision, device: torch.device) -> None:
+        self.precision, self.device = precision, device
+        self.step = _Step(model, precision, device)
+        self.cache: StaticKVCache | None = None
+        self.tenant: weakref.ref | None = None
+        self.runners: dict[tuple, Any] = {}
+        self.samplings: dict[tuple, _Sampling] = {}
+        self.pool: Any = None
+
+    def renew(self, model: torch.nn.Module) -> None:
+        """A new step where the model's tensors moved (the graphs read the old ones), else fresh weights."""
+        if _signature(model) != self.step.signature:
+            self.step = _Step(model, self.precision, self.device)
+            self.runners.clear()
+        else:
+            self.step.weights.refresh()
+
+    def sampling(self, processors: Any, do_sample: bool, temperature: float | None, eos_ids: set[int],
+                 captured: int | None) -> _Sampling:
+        key = (tuple((type(p).__name__, tuple(sorted((k, repr(v)) for k, v in vars(p).items()))) for p in processors),
+               do_sample, temperature, tuple(sorted(eos_ids)), captured)
+        if key not in self.samplings:
+            eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=self.device)
+            self.samplings[key] = _Sampling(key, processors, do_sample, temperature, eos, captured)
+        return self.samplings[key]
+
+    def take(self, cache: GrowingKVCache, rows: int, length: int, steps: int, captured: int | None) -> StaticKVCache:
+        """A static cache for ``rows`` rows, ``length`` positions, ``steps`` tokens (allocated anew where the
+        current one is too small: its graphs go with it), with ``cache`` living in it: another cache living
+        there moves out first."""
+        width = self.step.hidden if captured is not None else None
+        current = self.cache
+        tenant = self.tenant() if self.tenant is not None else None
+        if tenant is not None and tenant is not cache and current is not None:
+            tenant.own_storage(current.pointers())
+            _STATS["evictions"] += 1
+        if current is None or not current.fits(rows=rows, length=length, steps=steps, states_width=width):
+            step = self.step
+            self.cache = self.pool = None
+            self.runners.clear()
+            self.cache = StaticKVCache(
+                layers=step.layers_count, kv_heads=step.kv_heads, head_dim=step.head_dim,
+                rows=max(row_bucket(rows), current.rows if current else 0),
+                length=max(allocation_length(length), current.length if current else 0),
+                steps=max(-(-steps // 64) * 64, current.steps if current else 0), kv_dtype=self.precision.kv,
+                device=self.device, states_width=width if width is not None else (current.states_width if current else None),
+                states_dtype=self.precision.residual)
+            _STATS["allocations"] += 1
+            _STATS["allocated_bytes"] = self.cache.nbytes
+            logger.info("static decoding cache: %d rows x %d positions, %.2f GB", self.cache.rows, self.cache.length,
+                        self.cache.nbytes / 1e9)
+        static = self.cache
+        if not cache.layers[0].holds(static.keys[0][:rows]):
+            _STATS["moved_in"] += 1
+        cache.move_storage([k[:rows] for k in static.keys], [v[:rows] for v in static.values],
+                           static.states[:rows] if captured is not None else None)
+        self.tenant = weakref.ref(cache)
+        return static
+
+    def runner(self, rows: int, length: int, sampling: _Sampling) -> Any:
+        """The step at ``rows`` x ``length`` for ``sampling``, captured once where graphs are on."""
+        key = (rows, length, sampling.key)
+        if key not in self.runners:
+            cache, step = self.cache, self.step
+
+            def one_step() -> None:
+                _sample(cache, step.forward(cache, rows, length, sampling.captured), rows, sampling)
+
+            if _use_graphs(self.device):
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                self.runners[key] = _CapturedStep(one_step, self.pool, f"{rows} rows x {length} positions")
+            else:
+                self.runners[key] = _EagerStep(one_step)
+        return self.runners[key]
+
+
+def static_decoder(model: Any, cache: Any, processors: Any) -> _Decoder | None:
+    """The static step's decoder for ``model`` decoding into ``cache`` with ``processors`` (the weights
+    refreshed), or ``None`` where it does not apply: the switches (:mod:`~spader_pipeline.modeling.static_cache`),
+    a :class:`GrowingKVCache` holding every layer, processors of :data:`GRAPH_PROCESSORS`, no gradients, a
+    supported decoder without biases or a dynamic rotary embedding, no forward hook but the boundary
+    capture's, and a precision :func:`_precision` knows."""
+    linears = decoder_linears(model)
+    if linears is None:
+        return None
+    device = linears[0].weight.device
+    if not static_cache.static_decode_selected(device) or torch.is_grad_enabled():
+        return None
+    if not isinstance(cache, GrowingKVCache) or not cache.layers or any(
+            layer._key_buffer is None for layer in cache.layers):
+        return None
+    if any(type(p).__name__ not in GRAPH_PROCESSORS for p in processors):
+        return None
+    if any(m.bias is not None for m in linears) or getattr(model.model.rotary_emb, "rope_type", "default") in DYNAMIC_ROPE:
+        return None
+    if _has_foreign_hooks(model):
+        return None
+    precision = _precision(model, linears, device)
+    if precision is None:
+        return None
+    decoders = _DECODERS.setdefault(model, {})
+    decoder = decoders.get(precision)
+    if decoder is None:
+        decoder = decoders[precision] = _Decoder(model, precision, device)
+    else:
+        decoder.renew(model)
+    return decoder
+
+
+@contextlib.contextmanager
+def _no_host_reads(device: torch.device) -> Iterator[None]:
+    """While active (with :data:`SYNC_CHECK`, on CUDA), an operation that waits for the device raises."""
+    if not (SYNC_CHECK and device.type == "cuda"):
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@dataclass
+class StaticOutcome:
+    """What :func:`decode_static` sampled, per cache row after the call: ``tokens`` (each ended by an end
+    token or its budget), ``log_probs`` (``None`` unless asked), ``rows`` (the cache row each held before
+    the call: ended rows move behind the going ones), ``steps`` (sampling steps: the longest row's tokens)."""
+
+    tokens: list[list[int]]
+    log_probs: list[list[float]] | None
+    rows: list[int]
+    steps: int
+
+
+def decode_static(model: Any, decoder: _Decoder, cache: GrowingKVCache, logits: torch.Tensor, mask: torch.Tensor,
+                  positions: torch.Tensor, budgets: list[int], draw_rows: list[int], *, eos_ids: set[int],
+                  processors: Any, do_sample: bool, log_prob_temperature: float | None) -> StaticOutcome:
+    """The decoding steps of :func:`~spader_pipeline.modeling.decode.decode_batch` after its prefill, on the
+    static step.
+
+    ``cache`` holds the prefill (``mask`` ``[B, W]``: its real positions per cache row), ``logits`` ``[B, V]``
+    the prefill's last position's, ``positions`` long ``[B]`` each row's next logical position, ``budgets``
+    its most tokens, ``draw_rows`` the input row it holds (a row draws the uniform numbers of its input row,
+    as the host loop: ``torch.rand(B)`` per step, for all ``B`` input rows). Afterwards ``cache`` is ``W +
+    steps - 1`` positions long (the last sampled token is not fed), its rows permuted as
+    :attr:`StaticOutcome.rows` says, and the global generator where the host loop would leave it.
+    """
+    batch, width = mask.shape
+    longest = max(budgets)
+    captured = CAPTURED_BLOCK.get(model, (None, None))[0] if cache.states is not None else None
+    static = decoder.take(cache, batch, width + longest - 1, longest, captured)
+    sampling = decoder.sampling(processors, do_sample, log_prob_temperature, eos_ids, captured)
+    uniforms = rng = None
+    if do_sample:  # the whole turn's draws now, in the order the host loop draws them step by step
+        rng = torch.get_rng_state()
+        uniforms = torch.rand(longest, batch)[:, torch.tensor(draw_rows)]
+    static.begin(rows=batch, width=width, mask=mask, positions=positions, budgets=budgets, uniforms=uniforms)
+    _sample(static, logits, batch, sampling)  # the first token, from the prefill's logits
+    rows, order, sampled = row_bucket(batch), list(range(batch)), 1
+    while sampled < longest:
+        done = static.done[:rows].tolist()  # the one read from the device in a window of steps
+        going = rows - sum(done)
+        if going == 0:
+            break
+        if row_bucket(going) < rows:  # the going rows fit a smaller bucket: ended rows behind them
+            holes, fillers = retire_rows([row for row in range(rows) if done[row]], rows)
+            static.compact(holes, fillers, width + sampled - 1)
+            for hole, filler in zip(holes, fillers, strict=True):
+                order[hole], order[filler] = order[filler], order[hole]
+            rows = row_bucket(going)
+        cursor = width + sampled - 1
+        length = length_bucket(cursor + 1, static.length)
+        window = min(static_cache.SYNC_EVERY, longest - sampled, length - cursor)
+        runner = decoder.runner(rows, length, sampling)
+        first = 0
+        if not runner.ready:
+            runner.prepare()
+            first = 1
+        with _no_host_reads(decoder.device):
+            for _ in range(window - first):
+                runner()
+        sampled += window
+    counts = static.count[:batch].tolist()
+    steps = max(counts)
+    tokens = [row[:count] for row, count in zip(static.tokens[:batch, :steps].tolist(), counts, strict=True)]
+    log_probs = None
+    if log_prob_temperature is not None:
+        log_probs = [row[:count] for row, count in zip(static.log_probs[:batch, :steps].tolist(), counts, strict=True)]
+    if rng is not None:  # the generator where the host loop leaves it: steps x B numbers drawn
+        torch.set_rng_state(rng)
+        torch.rand(steps, batch)
+    cache.set_active_rows(None)
+    if steps > 1:
+        cache.reserve(steps - 1)
+        if captured is not None:
+            cache.states.reserve(steps - 1)
+    return StaticOutcome(tokens=tokens, log_probs=log_probs, rows=order, steps=steps)

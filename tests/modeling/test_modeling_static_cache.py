@@ -1,0 +1,88 @@
+"""The static cache's sizes and bookkeeping (modeling/static_cache.py), and a GrowingKVCache living in its
+buffers (kv_cache.py: move_storage, own_storage)."""
+
+from __future__ import annotations
+
+import torch
+
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.static_cache import (
+    LENGTH_QUANTUM,
+    ROW_BUCKETS,
+    StaticKVCache,
+    allocation_length,
+    length_bucket,
+    row_bucket,
+)
+
+
+def test_rows_and_lengths_round_up_to_their_buckets():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 17, 65, 200, 768)] == [1, 2, 4, 8, 32, 96, 256, 768]
+    assert row_bucket(ROW_BUCKETS[-1] + 1) == 2 * ROW_BUCKETS[-1]  # past the largest: its multiples
+    assert [length_bucket(n, 4096) for n in (1, 256, 257, 700)] == [256, 256, 512, 768]
+    assert length_bucket(700, 600) == 600  # never past the allocation
+    sizes = [allocation_length(n) for n in (1, 300, 769, 1025, 1537, 2049, 3073, 4097)]
+    assert sizes == [256, 512, 1024, 1536, 2048, 3072, 4096, 6144]
+    assert all(size % LENGTH_QUANTUM == 0 for size in sizes)
+
+
+def _cache(rows=4, length=16, steps=6, states=8):
+    return StaticKVCache(layers=2, kv_heads=2, head_dim=4, rows=rows, length=length, steps=steps,
+                         kv_dtype=torch.bfloat16, device=torch.device("cpu"), states_width=states)
+
+
+def test_a_call_begins_with_its_rows_going_and_the_rest_ended():
+    cache = _cache()
+    cache.done.zero_()
+    cache.valid.fill_(True)
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    cache.begin(rows=2, width=3, mask=mask, positions=torch.tensor([3, 2]), budgets=[5, 2],
+                uniforms=torch.full((5, 2), 0.5))
+    assert cache.valid[:2, :3].long().tolist() == mask.tolist() and not cache.valid[:, 3:].any() and not cache.valid[2:].any()
+    assert cache.done.tolist() == [False, False, True, True] and cache.budget.tolist() == [5, 2, 0, 0]
+    assert cache.position.tolist() == [3, 2, 0, 0] and int(cache.cursor) == 3 and int(cache.step) == 0
+    assert cache.fits(rows=4, length=16, steps=6, states_width=8) and not cache.fits(rows=5, length=16, steps=6,
+                                                                                   states_width=None)
+    assert not cache.fits(rows=4, length=16, steps=6, states_width=16)
+
+
+def test_compaction_exchanges_rows_in_every_buffer_up_to_the_positions_written():
+    cache = _cache()
+    for number, buffer in enumerate([*cache.keys, *cache.values, cache.states]):
+        buffer.copy_(torch.arange(buffer.numel()).reshape(buffer.shape) + number)
+    for buffer in (cache.token, cache.position, cache.budget, cache.count):
+        buffer.copy_(torch.arange(4))
+    cache.tokens.copy_(torch.arange(4)[:, None].expand(-1, cache.steps))
+    cache.uniforms.copy_(torch.arange(4.0)[None].expand(cache.steps, -1))
+    before = [buffer.clone() for buffer in [*cache.keys, *cache.values, cache.states]]
+    cache.compact([0], [3], positions=5)
+    for old, new in zip(before, [*cache.keys, *cache.values, cache.states], strict=True):
+        assert torch.equal(new[0, :, :5], old[3, :, :5]) and torch.equal(new[3, :, :5], old[0, :, :5])
+        assert torch.equal(new[:, :, 5:], old[:, :, 5:]) and torch.equal(new[1:3], old[1:3])  # the rest as it was
+    assert cache.token.tolist() == cache.count.tolist() == [3, 1, 2, 0]
+    assert cache.tokens[:, 0].tolist() == [3, 1, 2, 0] and cache.uniforms[0].tolist() == [3.0, 1.0, 2.0, 0.0]
+
+
+def test_a_growing_cache_moves_into_static_buffers_once_and_out_again():
+    """The prefill's cache moves into the static buffers (its filled positions copied), later turns find it
+    there (nothing copied), its operations keep working in them, and it moves out into its own buffers."""
+    cache = GrowingKVCache(capture_states=True)
+    keys = torch.randn(3, 2, 5, 4).to(torch.bfloat16)
+    for layer in range(2):
+        cache.update(keys + layer, keys - layer, layer)
+    cache.states.append(torch.randn(3, 5, 8))
+    static = _cache(rows=4, length=16)
+    views = ([k[:3] for k in static.keys], [v[:3] for v in static.values], static.states[:3])
+    cache.move_storage(*views)
+    assert all(layer.holds(k) for layer, k in zip(cache.layers, views[0], strict=True)) and cache.states.holds(views[2])
+    assert torch.equal(cache.layers[1].keys, keys + 1) and torch.equal(static.keys[1][:3, :, :5], keys + 1)
+    static.keys[0][:3, :, 5] = 7  # a captured step writes position 5 in place
+    cache.reserve(1)
+    assert (cache.layers[0].keys[:, :, 5] == 7).all()
+    cache.batch_select_indices(torch.tensor([2, 0]))  # distinct rows: in place, still in the static buffers
+    assert cache.layers[0]._key_buffer.data_ptr() == static.keys[0].data_ptr()
+    assert torch.equal(cache.layers[0].keys[:, :, :5], keys[[2, 0]])
+    cache.own_storage(static.pointers())
+    assert cache.layers[0]._key_buffer.data_ptr() not in static.pointers()
+    static.keys[0].zero_()
+    assert torch.equal(cache.layers[0].keys[:, :, :5], keys[[2, 0]]) and cache.get_seq_length() == 6
