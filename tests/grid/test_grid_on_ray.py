@@ -54,13 +54,16 @@ def _ray_node(address: str | None, temp: Path, workers: tuple[int, int]) -> subp
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a ``ray start --block`` and the Ray processes it started (its own process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """Stop each ``ray start --block`` and the Ray processes it started (its own process group): a
+    few seconds to end, then killed (the grids have ended: nothing is left to save)."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(max(0.1, deadline - time.monotonic()))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
@@ -100,8 +103,7 @@ def two_nodes(monkeypatch):
         assert nodes.stdout.strip() == "2", nodes.stdout + nodes.stderr
         yield address
     finally:
-        for process in reversed(started):
-            _stop(process)
+        _stop(list(reversed(started)))
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -164,9 +166,10 @@ def test_a_grid_on_two_ray_nodes_survives_a_killed_worker_and_equals_an_undistur
                                                                                         tmp_path):
     conf = kedro_project / "conf/test"
     (conf / "parameters_grid.yml").write_text("grid:\n  cell: {num_cpus: 0.5, memory_gib: 1}\n")
+    (conf / "parameters_positive_control.yml").write_text("positive_control:\n  validation_questions: 2\n")
     training = conf / "parameters_training.yml"  # more steps: a window to kill the cell in
     assert "    total_steps: 2\n" in training.read_text()
-    training.write_text(training.read_text().replace("    total_steps: 2\n", "    total_steps: 4\n"))
+    training.write_text(training.read_text().replace("    total_steps: 2\n", "    total_steps: 3\n"))
     since = int(time.time() * 1000)
     data = kedro_project / "data"
     checkpoints = data / "06_models/positive_control/seed0/train_grpo/checkpoints"
