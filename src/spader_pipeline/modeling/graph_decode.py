@@ -442,12 +442,13 @@ def static_decoder(model: Any, cache: Any, processors: Any) -> _Decoder | None:
     a :class:`GrowingKVCache` holding every layer, processors of :data:`GRAPH_PROCESSORS`, no gradients, a
     supported decoder without biases or a dynamic rotary embedding, no forward hook but the boundary
     capture's, and a precision :func:`_precision` knows."""
+    first = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    if first is None or not static_cache.static_decode_selected(first.device) or torch.is_grad_enabled():
+        return None  # the CPU's default: nothing more to look at
     linears = decoder_linears(model)
     if linears is None:
         return None
     device = linears[0].weight.device
-    if not static_cache.static_decode_selected(device) or torch.is_grad_enabled():
-        return None
     if not isinstance(cache, GrowingKVCache) or not cache.layers or any(
             layer._key_buffer is None for layer in cache.layers):
         return None
@@ -483,6 +484,37 @@ def _no_host_reads(device: torch.device) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def _run_steps(decoder: _Decoder, static: StaticKVCache, logits: torch.Tensor, sampling: _Sampling, batch: int,
+               width: int, longest: int, order: list[int]) -> None:
+    """The first token from the prefill's ``logits``, then windows of steps until every row ended, the ended
+    rows moved behind the going ones (``order``: the cache row each row held before, kept along)."""
+    _sample(static, logits, batch, sampling)  # the first token, from the prefill's logits
+    rows, sampled = row_bucket(batch), 1
+    while sampled < longest:
+        done = static.done[:rows].tolist()  # the one read from the device in a window of steps
+        going = rows - sum(done)
+        if going == 0:
+            break
+        if row_bucket(going) < rows:  # the going rows fit a smaller bucket: ended rows behind them
+            holes, fillers = retire_rows([row for row in range(rows) if done[row]], rows)
+            static.compact(holes, fillers, width + sampled - 1)
+            for hole, filler in zip(holes, fillers, strict=True):
+                order[hole], order[filler] = order[filler], order[hole]
+            rows = row_bucket(going)
+        cursor = width + sampled - 1
+        length = length_bucket(cursor + 1, static.length)
+        window = min(static_cache.SYNC_EVERY, longest - sampled, length - cursor)
+        runner = decoder.runner(rows, length, sampling)
+        first = 0
+        if not runner.ready:
+            runner.prepare()
+            first = 1
+        with _no_host_reads(decoder.device):
+            for _ in range(window - first):
+                runner()
+        sampled += window
+
+
 @dataclass
 class StaticOutcome:
     """What :func:`decode_static` sampled, per cache row after the call: ``tokens`` (each ended by an end
@@ -514,35 +546,14 @@ def decode_static(model: Any, decoder: _Decoder, cache: GrowingKVCache, logits: 
     static = decoder.take(cache, batch, width + longest - 1, longest, captured)
     sampling = decoder.sampling(processors, do_sample, log_prob_temperature, eos_ids, captured)
     uniforms = rng = None
+    order = list(range(batch))
     if do_sample:  # the whole turn's draws now, in the order the host loop draws them step by step
         rng = torch.get_rng_state()
         uniforms = torch.rand(longest, batch)[:, torch.tensor(draw_rows)]
     static.begin(rows=batch, width=width, mask=mask, positions=positions, budgets=budgets, uniforms=uniforms)
-    _sample(static, logits, batch, sampling)  # the first token, from the prefill's logits
-    rows, order, sampled = row_bucket(batch), list(range(batch)), 1
-    while sampled < longest:
-        done = static.done[:rows].tolist()  # the one read from the device in a window of steps
-        going = rows - sum(done)
-        if going == 0:
-            break
-        if row_bucket(going) < rows:  # the going rows fit a smaller bucket: ended rows behind them
-            holes, fillers = retire_rows([row for row in range(rows) if done[row]], rows)
-            static.compact(holes, fillers, width + sampled - 1)
-            for hole, filler in zip(holes, fillers, strict=True):
-                order[hole], order[filler] = order[filler], order[hole]
-            rows = row_bucket(going)
-        cursor = width + sampled - 1
-        length = length_bucket(cursor + 1, static.length)
-        window = min(static_cache.SYNC_EVERY, longest - sampled, length - cursor)
-        runner = decoder.runner(rows, length, sampling)
-        first = 0
-        if not runner.ready:
-            runner.prepare()
-            first = 1
-        with _no_host_reads(decoder.device):
-            for _ in range(window - first):
-                runner()
-        sampled += window
+    # the step casts what it casts itself (autocast's casts would be the same, and a capture keeps none of them)
+    with torch.autocast(decoder.device.type, enabled=False):
+        _run_steps(decoder, static, logits, sampling, batch, width, longest, order)
     counts = static.count[:batch].tolist()
     steps = max(counts)
     tokens = [row[:count] for row, count in zip(static.tokens[:batch, :steps].tolist(), counts, strict=True)]
