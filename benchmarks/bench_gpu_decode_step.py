@@ -1,21 +1,29 @@
-"""Where a decoding step's time goes on a GPU (docs/gpu.md, "Rollout speed on one GPU").
+"""A decoding step on a GPU, by path, beside transformers' compiled static-cache ``generate`` and the floor
+(docs/gpu.md, "Rollout speed on one GPU"; issue 63).
 
 SmolLM2-135M's shape (30 blocks, 9 heads, 3 KV heads, hidden 576, vocabulary 49,152) with random
 weights: a step's cost does not depend on the weights, so this runs on a bare GPU machine with only
-torch and transformers. Every row decodes its whole budget (no end-of-sequence token in
-``eos_ids``), so each step has all rows active. Timed, per decoding step (median over steps, CUDA
-synchronised):
+torch and transformers. Every row decodes its whole budget (no end-of-sequence token in ``eos_ids``),
+so each step has all rows active; ``--width`` prompt tokens, then steps. Per decoding step (CUDA
+synchronised; ``decode_batch`` over ``steps`` and ``3 * steps`` steps, the difference over ``2 * steps``, so
+the prefill and the setup cancel, after one untimed call that captures the buckets' graphs):
 
-- ``decode_batch``: the rollout's decoder as it runs (logits processors, sampling, the host reading
-  each step's tokens to see which rows ended);
-- ``forward``: the model's forward over the same growing cache alone, the floor of the loop above;
-- ``forward_graph``: that forward in one CUDA graph replay (a static cache as long as the turn), the
-  floor without per-kernel launch gaps.
+- ``host``: ``decode_batch`` through the model's forward, step by step, the host reading each step's
+  tokens (the path before the static step: ``SPADER_STATIC_DECODE=off``);
+- ``static``: the static step (modeling/graph_decode.py) launched op by op;
+- ``graph``: the static step captured in CUDA graphs (the default on CUDA);
+- ``hf_static`` (``--hf-generate``): transformers' ``generate(cache_implementation="static")`` (its forward
+  compiled with CUDA graphs), greedy, per step with the prefill subtracted (a run of 1 new token against
+  one of ``steps + 1``), and its first call's seconds (the compilation);
+- ``floor``: the bytes a step must read (the weights once, every row's keys and values) over the
+  device's copy bandwidth, measured here (a 2 GiB copy), and the products' FLOPs at the bf16 peak the
+  device reaches on a large product, measured too; the larger of the two.
 
-Each at several batch sizes and cached widths, under bf16 autocast (as the trainer decodes) and with
-bf16 weights. The table is printed last; ``--profile`` adds torch.profiler's top operations.
+Each under bf16 autocast over fp32 weights (as the trainer decodes) and with bf16 weights. Rows per
+second = rows / step. The capture counts and seconds (modeling.graph_decode.static_decode_stats) are
+printed last; ``--profile`` adds torch.profiler's top operations of one ``graph`` call.
 
-    python benchmarks/bench_gpu_decode_step.py --rows 256 512 1024 --widths 1024 3072
+    python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768
     python benchmarks/bench_gpu_decode_step.py --smoke   (2 blocks, 2 rows, on the CPU where there is no GPU)
 """
 
@@ -23,19 +31,26 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 
 import smoke
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
-from spader_pipeline.modeling.decode import decode_batch, generation_processors
+from spader_pipeline.modeling import graph_decode, static_cache
+from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode import decode_batch
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.precision import bf16_inference
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+#: path -> (SPADER_STATIC_DECODE, SPADER_CUDA_GRAPHS)
+PATHS = {"host": ("off", True), "static": ("on", False), "graph": ("on", True)}
 
 
 def sync() -> None:
@@ -43,143 +58,154 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def prefill(model, rows: int, width: int, device: str) -> tuple[GrowingKVCache, torch.Tensor, torch.Tensor]:
+def _decode_seconds(model, rows: int, width: int, steps: int, autocast: bool) -> float:
+    device = model.device
     ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
     mask = torch.ones_like(ids)
-    cache = GrowingKVCache()
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache, ids, mask
-
-
-def _decode_seconds(model, rows, width, steps, device, autocast) -> float:
-    ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
-    mask = torch.ones_like(ids)
-    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=steps, pad_token_id=0)
-    processors, do_sample = generation_processors(model, kwargs, ids)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with bf16_inference(model, device.type, autocast):
         sync()
         started = time.perf_counter()
-        decode_batch(model, ids, mask, GrowingKVCache(), [steps] * rows, eos_ids=set(), pad_id=0,
-                     processors=processors, do_sample=do_sample)
+        result = decode_batch(model, ids, mask, GrowingKVCache(), [steps] * rows, eos_ids=set(), pad_id=0,
+                              processors=LogitsProcessorList(), do_sample=False)
         sync()
+    assert result.steps == steps
     return time.perf_counter() - started
 
 
 @torch.no_grad()
-def time_decode_batch(model, rows, width, steps, device, autocast) -> float:
-    """Seconds per step of ``decode_batch``: two runs of ``steps`` and ``3 * steps`` steps, the
-    difference over ``2 * steps`` (the prefill and the setup cancel)."""
-    short = _decode_seconds(model, rows, width, steps, device, autocast)
-    long = _decode_seconds(model, rows, width, 3 * steps, device, autocast)
+def time_path(model, path: str, rows: int, width: int, steps: int, autocast: bool) -> float:
+    """Seconds per step of ``decode_batch`` on ``path`` (:data:`PATHS`): the difference of a ``3 * steps``
+    and a ``steps`` call over ``2 * steps``, after an untimed ``3 * steps`` call (its graphs captured)."""
+    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS[path]
+    _decode_seconds(model, rows, width, 3 * steps, autocast)
+    short = _decode_seconds(model, rows, width, steps, autocast)
+    long = _decode_seconds(model, rows, width, 3 * steps, autocast)
     return (long - short) / (2 * steps)
 
 
 @torch.no_grad()
-def time_forward(model, rows, width, steps, device, autocast) -> float:
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        cache, ids, mask = prefill(model, rows, width, device)
-        token = ids[:, -1:].contiguous()
-        full_mask = torch.ones((rows, width + steps), dtype=mask.dtype, device=device)
-        times = []
-        for step in range(steps):
-            sync()
-            started = time.perf_counter()
-            logits = model(input_ids=token, attention_mask=full_mask[:, : width + step + 1],
-                           position_ids=torch.full((rows, 1), width + step, device=device),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            sync()
-            times.append(time.perf_counter() - started)
-    return statistics.median(times[2:])
+def time_hf_static(model, rows: int, width: int, steps: int) -> tuple[float, float] | None:
+    """transformers' ``generate(cache_implementation="static")``, greedy: (seconds per step, seconds of the
+    first call). Its per-step time is a ``steps + 1``-token call less a 1-token call (the prefill and the
+    setup cancel), each the median of 3 after the first."""
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), device=model.device)
+    mask = torch.ones_like(ids)
 
-
-@torch.no_grad()
-def time_forward_graph(model, rows, width, steps, device, autocast) -> float | None:
-    """One step of a static-cache decode captured in a CUDA graph (transformers' StaticCache)."""
-    from transformers import StaticCache
+    def run(new: int) -> float:
+        sync()
+        started = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        sync()
+        return time.perf_counter() - started
 
     try:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            cache = StaticCache(config=model.config, max_cache_len=width + steps + 8)
-            ids = torch.randint(0, model.config.vocab_size, (rows, width), device=device)
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                  cache_position=torch.arange(width, device=device))
-            token = ids[:, -1:].clone()
-            position = torch.tensor([width], device=device)
-            static = {"token": token, "position": position}
-
-            def step():
-                return model(input_ids=static["token"], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                             cache_position=static["position"], position_ids=static["position"][None].expand(rows, 1)).logits
-
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            times = []
-            for k in range(steps):
-                static["position"].fill_(width + 3 + k)
-                sync()
-                started = time.perf_counter()
-                graph.replay()
-                static["token"].copy_(out[:, -1].argmax(-1, keepdim=True))
-                sync()
-                times.append(time.perf_counter() - started)
-        return statistics.median(times[2:])
+        first = run(steps + 1)
+        long = statistics.median(run(steps + 1) for _ in range(3))
+        short = statistics.median(run(1) for _ in range(3))
     except Exception as err:  # noqa: BLE001 - a transformers without this path: reported, not fatal
-        print(f"forward_graph failed at rows={rows} width={width}: {type(err).__name__}: {err}")
+        print(f"hf_static failed at rows={rows}: {type(err).__name__}: {err}", flush=True)
         return None
+    return (long - short) / steps, first
+
+
+def device_rates(device: str) -> tuple[float, float]:
+    """(bytes per second of a 2 GiB device copy, read and write; bf16 FLOP/s of a 8192² product)."""
+    if device != "cuda":
+        return 50e9, 1e12  # the CPU's smoke run: nominal
+    source = torch.empty(2**30, dtype=torch.bfloat16, device=device)  # 2 GiB
+    target = torch.empty_like(source)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    copies, products = [], []
+    for _ in range(5):
+        sync()
+        started = time.perf_counter()
+        target.copy_(source)
+        sync()
+        copies.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        a @ a
+        sync()
+        products.append(time.perf_counter() - started)
+    del source, target, a
+    torch.cuda.empty_cache()
+    return 2 * 2**31 / min(copies), 2 * 8192**3 / min(products)
+
+
+def floor_seconds(config: dict, rows: int, positions: int, bandwidth: float, flops: float) -> float:
+    """The larger of a step's reads (the linear weights in bf16 once, every row's bf16 keys and values over
+    ``positions``) over ``bandwidth``, and its products' FLOPs (2 per weight per row) over ``flops``."""
+    hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * dim
+    weights = layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inner) + hidden * config["vocab_size"]
+    cache = layers * 2 * kv * positions * rows
+    return max(2 * (weights + cache) / bandwidth, 2 * weights * rows / flops)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--widths", type=int, nargs="+", default=[1024, 3072])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 768])
+    parser.add_argument("--width", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--paths", default="host,static,graph", help="of host, static, graph (comma-separated)")
+    parser.add_argument("--bf16-paths", default=None, help="the paths with bf16 weights (default: --paths)")
+    parser.add_argument("--weights", default="fp32+autocast,bf16", help="of fp32+autocast, bf16 (comma-separated)")
+    parser.add_argument("--hf-generate", type=int, nargs="*", default=[],
+                        help="rows at which to time transformers' static-cache generate too (compiles: ~40 s each)")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--profile", action="store_true")
-    args = smoke.parse_args(parser, rows=[2], widths=[16], steps=3)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (no autocast, no CUDA graph) for --smoke
+    args = smoke.parse_args(parser, rows=[2], width=16, steps=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for --smoke: no graphs there
     shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
+    on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p != "graph"]
+                 for name in (f"fp32+autocast,{args.paths}", f"bf16,{args.bf16_paths or args.paths}")}
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**shape)).to(device).eval()
-    print(torch.__version__, torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-          "attention:", base.config._attn_implementation)
+    fp32 = LlamaForCausalLM(LlamaConfig(**shape)).to(device).eval().requires_grad_(False)
+    use_gqa_attention(fp32)  # as load_model_and_tokenizer sets it: the host loop's attention reads the heads in place
+    print(torch.__version__, torch.cuda.get_device_name(0) if device == "cuda" else "cpu", flush=True)
+    bandwidth, flops = device_rates(device)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {flops / 1e12:.0f} TFLOP/s", flush=True)
     results = []
-    for weights in ("fp32+autocast", "bf16"):
-        model = base if weights == "fp32+autocast" else LlamaForCausalLM(LlamaConfig(**shape)).to(
-            device, torch.bfloat16).eval()
+    for weights in args.weights.split(","):
+        model = fp32 if weights == "fp32+autocast" else LlamaForCausalLM(LlamaConfig(**shape)).to(
+            device, torch.bfloat16).eval().requires_grad_(False)
+        use_gqa_attention(model)
         autocast = weights == "fp32+autocast"
-        time_forward(model, 8, 128, 4, device, autocast)  # warm-up
-        for width in args.widths:
-            for rows in args.rows:
-                row = {"weights": weights, "rows": rows, "width": width,
-                       "decode_batch": time_decode_batch(model, rows, width, args.steps, device, autocast),
-                       "forward": time_forward(model, rows, width, args.steps, device, autocast),
-                       # a static cache as long as the turn, in the weights' dtype (bf16 weights only)
-                       "forward_graph": time_forward_graph(model, rows, width, args.steps, device, autocast)
-                       if weights == "bf16" else None}
-                results.append(row)
-                print(row, flush=True)
-                gc.collect()
+        for rows in args.rows:
+            row = {"weights": weights, "rows": rows, "width": args.width, "steps": args.steps,
+                   "floor": floor_seconds(shape, rows, args.width + 2 * args.steps, bandwidth, flops)}
+            for path in on_device[weights]:
+                row[path] = time_path(model, path, rows, args.width, args.steps, autocast)
+            if weights == "bf16" and rows in args.hf_generate:
+                timed = time_hf_static(model, rows, args.width, args.steps)
+                row["hf_static"], row["hf_static_first_s"] = timed if timed else (None, None)
+            results.append(row)
+            print(row, flush=True)
+            gc.collect()
+            if device == "cuda":
                 torch.cuda.empty_cache()
-    if args.profile:
+    if args.profile and device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
+        static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS["graph"]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _decode_seconds(base, args.rows[0], args.widths[0], 8, device, True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+            _decode_seconds(fp32, args.rows[-1], args.width, 8, True)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
-    print("\nms per decoding step (median); rows decoded per second = rows / step")
-    print(f"{'weights':14} {'rows':>5} {'width':>6} {'decode_batch':>13} {'forward':>8} {'graph':>8} {'rows/s':>8}")
+    stats = graph_decode.static_decode_stats()
+    print(f"\nms per decoding step; tokens/s = rows / step. Graphs captured: {stats['captures']} in "
+          f"{stats['capture_seconds']:.1f} s (each bucket's first step included); static caches allocated: "
+          f"{stats['allocations']}; replays {stats['replays']}")
+    columns = [*PATHS, "hf_static", "floor"]
+    print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}")
     for r in results:
-        graph = f"{1e3 * r['forward_graph']:8.1f}" if r["forward_graph"] else "       —"
-        print(f"{r['weights']:14} {r['rows']:5d} {r['width']:6d} {1e3 * r['decode_batch']:13.1f} "
-              f"{1e3 * r['forward']:8.1f} {graph} {r['rows'] / r['decode_batch']:8.0f}")
+        cells = [f"{1e3 * r[c]:10.2f}" if r.get(c) else f"{'-':>10}" for c in columns]
+        best = min(r[p] for p in PATHS if r.get(p))
+        print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {r['rows'] / best:11.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                                               "torch": torch.__version__, "bandwidth": bandwidth, "flops": flops,
+                                               "stats": stats, "rows": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
-        [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|none] [--jobs 2]
+        [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|host|none] [--jobs 2]
         [--device cpu|cuda]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
@@ -39,7 +39,9 @@ Columns (median over ``--repeats``; the two engines alternate which goes first i
   fused step (:mod:`~spader_pipeline.modeling.decode_step`) and over an fp32 cache instead of a bf16
   one (:mod:`~spader_pipeline.modeling.decode_attention`); ``--before unpacked``, that and autocast's
   own linear layers (each bf16 weight reordered for oneDNN at every call) instead of weights packed once
-  (:mod:`~spader_pipeline.modeling.packed_linear`); ``--before none`` skips it. Absent where nothing is
+  (:mod:`~spader_pipeline.modeling.packed_linear`); ``--before host`` (on a GPU), every decoding step
+  through the model's forward with the host reading each step's tokens instead of the static step in CUDA
+  graphs (:mod:`~spader_pipeline.modeling.graph_decode`); ``--before none`` skips it. Absent where nothing is
   packed (no bf16 unit).
 
 Also printed: the CPU (model name, family/model, whether it has avx512_bf16 and AMX), what
@@ -74,9 +76,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: llama.cpp; our decoder; our decoder before the packed weights (autocast reordering each weight per call)
 ENGINES = ("llamacpp", "ours", "before")
 #: our decoder's variants: (weights packed for oneDNN, decoding steps through the fused step, bf16 KV cache
-#: with the native decoding attention, the fused step in C++)
-VARIANTS = {"ours": (True, True, True, True), "python": (True, True, True, False), "packed": (True, False, False, False),
-            "unpacked": (False, False, False, False)}
+#: with the native decoding attention, the fused step in C++, the static step's switch: auto, on a GPU)
+VARIANTS = {"ours": (True, True, True, True, "auto"), "python": (True, True, True, False, "auto"),
+            "packed": (True, False, False, False, "auto"), "unpacked": (False, False, False, False, "auto"),
+            "host": (True, True, True, True, "off")}
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -291,14 +294,25 @@ def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, b
     instead of the C++ one (:mod:`~spader_pipeline.modeling.native_step`); ``packed``: weights packed for oneDNN, but every decoding step through the model's forward (no
     :mod:`~spader_pipeline.modeling.decode_step`) over an fp32 cache (no
     :mod:`~spader_pipeline.modeling.decode_attention`); ``unpacked``: that, and autocast's own linear
-    layers (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call)."""
-    from spader_pipeline.modeling import decode_attention, decode_step, native_step, packed_linear
+    layers (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call); ``host`` (a GPU's
+    before): every decoding step through the model's forward, the host reading each step's tokens, instead of
+    the static step captured in CUDA graphs (:mod:`~spader_pipeline.modeling.graph_decode`)."""
+    from spader_pipeline.modeling import (
+        decode_attention,
+        decode_step,
+        native_step,
+        packed_linear,
+        static_cache,
+    )
 
     (packed_linear.PACK_WEIGHTS, decode_step.FUSED_DECODE_STEP, decode_attention.BF16_CACHE,
-     native_step.NATIVE_STEP) = VARIANTS[variant]
+     native_step.NATIVE_STEP, static_cache.STATIC_DECODE) = VARIANTS[variant]
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(seed)
     time_ours(model, 1, min(prompt, 32), 2, bf16, pad_id, generator)  # warm-up at this thread count
+    if model.device.type == "cuda":  # each shape's graphs captured before it is timed (once per process)
+        for n in rows:
+            time_ours(model, n, prompt, new, bf16, pad_id, generator)
     return {"rows": {n: time_ours(model, n, prompt, new, bf16, pad_id, generator) for n in rows}}
 
 
@@ -418,11 +432,12 @@ def main() -> None:
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
     only.add_argument("--build-only", action="store_true",
                       help="build llama-batched-bench (for --device) and stop (e.g. while the model folder is made)")
-    parser.add_argument("--before", choices=("python", "packed", "unpacked", "none"), default="python",
+    parser.add_argument("--before", choices=("python", "packed", "unpacked", "host", "none"), default="python",
                         help="our decoder before a change, timed in the same run: python (the Python decoding "
                              "step instead of the C++ one), packed (weights packed; decoding "
                              "steps through the model's forward over an fp32 cache), unpacked (and autocast's own "
-                             "linear layers), none")
+                             "linear layers), host (on a GPU: decoding steps through the model's forward, not the "
+                             "static step in CUDA graphs), none")
     # --smoke: our side only (llama.cpp's build takes minutes), on the tiny model of benchmarks/smoke.py
     args = smoke.parse_args(parser, rows="1,2", threads="1", prompt_tokens=16, new_tokens=4, repeats=1,
                             ours_only=True, model_dir=None)
@@ -455,7 +470,7 @@ def main() -> None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         from spader_pipeline.modeling.packed_linear import packing_available
 
-        if not (bf16 and packing_available()) and "before" in engines:
+        if not (bf16 and packing_available()) and "before" in engines and args.before != "host":
             engines.remove("before")  # nothing is packed nor fused here: "ours" is already the model's forward
 
     cpu = cpu_info()
@@ -477,14 +492,20 @@ def main() -> None:
         before = {"python": "decoding steps through the Python step (the C++ step off), the same bf16 cache",
                   "packed": "weights packed, decoding steps through the model's forward over an fp32 cache",
                   "unpacked": "decoding steps through the model's forward over an fp32 cache, autocast's own "
-                              "linear layers (each weight reordered for oneDNN at every product)"}.get(args.before)
+                              "linear layers (each weight reordered for oneDNN at every product)",
+                  "host": "decoding steps through the model's forward, the host reading each step's tokens"}.get(
+            args.before)
         from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
         from spader_pipeline.modeling.native_step import native_available
+        from spader_pipeline.modeling.static_cache import static_step_name
 
         print(f"ours: decode_batch + GrowingKVCache, bf16 autocast {'on' if bf16 else 'off'}"
               + (", weights packed for oneDNN once" if bf16 and packing_available() else "")
               + (", decoding steps fused (modeling/decode_step.py)" if fused else "")
               + (", in C++ (modeling/native_step.py)" if fused and native_available() else "")
+              + ({"graph": ", decoding steps on the static step in CUDA graphs (modeling/graph_decode.py)",
+                  "static": ", decoding steps on the static step (modeling/graph_decode.py)"}.get(
+                  static_step_name(args.device), ""))
               + (", bf16 KV cache (modeling/decode_attention.py)"
                  if args.device == "cpu" and bf16 and bf16_decode_attention_available() else "")
               + (f"; before: {before}" if "before" in engines else ""), flush=True)

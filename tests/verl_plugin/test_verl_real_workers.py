@@ -131,4 +131,5 @@ def test_fit_on_one_gpu_with_our_server(tmp_path):  # pragma: no cover - needs a
             metrics = run_fit(config, tmp_path, before_cleanup=lambda: servers.extend(server_records(1)))
     assert [u["global_steps"] for u in servers[0]["weight_updates"]] == list(range(STEPS + 1))
     for data in (m["data"] for m in metrics[1:]):
+        print({k: round(v, 2) for k, v in data.items() if k.startswith("timing_s/")})  # -s: the step's times
         assert data["training/rollout_probs_diff_max"] < 0.1
