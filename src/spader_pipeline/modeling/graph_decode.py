@@ -395,9 +395,10 @@ class _Decoder:
         if tenant is not None and tenant is not cache and current is not None:
             tenant.own_storage(current.pointers())
             _STATS["evictions"] += 1
+        moved = current is None or not cache.layers[0].holds(current.keys[0][:rows])
         if current is None or not current.fits(rows=rows, length=length, steps=steps, states_width=width):
             step = self.step
-            self.cache = self.pool = None
+            self.pool = None
             self.runners.clear()
             self.cache = StaticKVCache(
                 layers=step.layers_count, kv_heads=step.kv_heads, head_dim=step.head_dim,
@@ -405,14 +406,19 @@ class _Decoder:
                 length=max(allocation_length(length), current.length if current else 0),
                 steps=max(-(-steps // 64) * 64, current.steps if current else 0), kv_dtype=self.precision.kv,
                 device=self.device, states_width=width if width is not None else (current.states_width if current else None),
-                states_dtype=self.precision.residual)
+                states_dtype=self.precision.residual, allocate_layers=False)
+            for index in range(step.layers_count):  # a layer at a time: the old buffers go as the new come
+                self.cache.allocate_layer(index)
+                cache.layers[index].move_storage(self.cache.keys[index][:rows], self.cache.values[index][:rows])
+                if current is not None:
+                    current.keys[index] = current.values[index] = None
+            moved = True
             _STATS["allocations"] += 1
             _STATS["allocated_bytes"] = self.cache.nbytes
             logger.info("static decoding cache: %d rows x %d positions, %.2f GB", self.cache.rows, self.cache.length,
                         self.cache.nbytes / 1e9)
         static = self.cache
-        if not cache.layers[0].holds(static.keys[0][:rows]):
-            _STATS["moved_in"] += 1
+        _STATS["moved_in"] += moved
         cache.move_storage([k[:rows] for k in static.keys], [v[:rows] for v in static.values],
                            static.states[:rows] if captured is not None else None)
         self.tenant = weakref.ref(cache)

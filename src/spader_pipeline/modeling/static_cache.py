@@ -105,12 +105,14 @@ class StaticKVCache:
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, rows: int, length: int, steps: int,
                  kv_dtype: torch.dtype, device: torch.device, states_width: int | None = None,
-                 states_dtype: torch.dtype = torch.float32) -> None:
+                 states_dtype: torch.dtype = torch.float32, allocate_layers: bool = True) -> None:
         self.rows, self.length, self.steps, self.kv_dtype = rows, length, steps, kv_dtype
         self.device, self.states_width = torch.device(device), states_width
-        shape = (rows, kv_heads, length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(layers)]
+        self._shape = (rows, kv_heads, length, head_dim)
+        self.keys: list[torch.Tensor] = [None] * layers
+        self.values: list[torch.Tensor] = [None] * layers
+        for layer in range(layers) if allocate_layers else ():
+            self.allocate_layer(layer)
         self.states = (torch.zeros((rows, 1, length, states_width), dtype=states_dtype, device=device)
                        if states_width is not None else None)
 
@@ -124,6 +126,12 @@ class StaticKVCache:
         self.tokens = longs(rows, steps)
         self.log_probs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
         self.uniforms = torch.zeros((steps, rows), dtype=torch.float32, device=device)
+
+    def allocate_layer(self, layer: int) -> None:
+        """Layer ``layer``'s key and value buffers, zeros (``allocate_layers=False`` leaves them to this, so
+        that a cache moving from a smaller allocation frees its old layers one by one as the new come)."""
+        self.keys[layer] = torch.zeros(self._shape, dtype=self.kv_dtype, device=self.device)
+        self.values[layer] = torch.zeros(self._shape, dtype=self.kv_dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:
