@@ -49,6 +49,22 @@ def test_the_grid_block_is_typed_and_a_misspelt_key_names_its_path():
         GridSettings.from_mapping({"max_retries": "3"})
 
 
+def test_cells_of_another_kind_ask_for_their_own_resources_and_share_the_node_among_their_kind():
+    settings = GridSettings.from_mapping({"cell": {"memory_gib": 5},
+                                          "cells": {"*_verl_seed*": {"memory_gib": 10}, "big_*": {"num_cpus": 4}}})
+    assert settings.resources_for("fit_grpo_verl_seed0") == Resources(memory_gib=10)
+    assert settings.resources_for("fit_grpo_seed0") == settings.cell and settings.pattern_of("fit_grpo_seed0") is None
+    cells = ["fit_grpo_seed0", "fit_grpo_verl_seed0", "fit_spader_seed0", "fit_spader_verl_seed0"]
+    groups = settings.cell_groups(cells)
+    assert groups == [(Resources(memory_gib=5), ["fit_grpo_seed0", "fit_spader_seed0"]),
+                      (Resources(memory_gib=10), ["fit_grpo_verl_seed0", "fit_spader_verl_seed0"])]
+    # 2 cores, 20 GiB: the native cells a core each (2 of their kind), the verl cells a core each (2 fit at 10 GiB)
+    assert [cell_options(r, LAPTOP, len(g)).num_cpus for r, g in groups] == [1, 1]
+    assert cell_options(Resources(memory_gib=12), LAPTOP, 2).threads == 2  # one at once: the whole node
+    with pytest.raises(SettingsError, match=r"grid\.cells\.\*_verl_seed\*\.memory_gb"):
+        GridSettings.from_mapping({"cells": {"*_verl_seed*": {"memory_gb": 10}}})
+
+
 def _cell(name: str) -> Pipeline:
     template = Pipeline([node(lambda shared: shared, "shared", "trained", name="train"),
                          node(lambda trained: trained, "trained", "scored", name="score")], tags=[CELL_TAG])

@@ -156,11 +156,24 @@ class _Plan:
 def _run_jobs(plan: _Plan, outcome: GridOutcome) -> None:
     """The shared part, then every cell left, as Ray tasks on the Ray this process is connected to."""
     nodes = _nodes()
-    cell_opts = cell_options(plan.settings.cell, nodes, len(plan.cells_left))
+    # each kind of cell (a pattern of grid.cells, else grid.cell) shares the node among the cells of its kind
+    # (MLflow's parameter names take no "*": a pattern's options are logged under its position, beside it)
+    cell_opts: dict[str, JobOptions] = {}
+    kinds: dict[str, dict] = {}
+    patterns = list(plan.settings.cells)
+    for resources, group in plan.settings.cell_groups(plan.cells_left):
+        options = cell_options(resources, nodes, len(group))
+        cell_opts.update(dict.fromkeys(group, options))
+        pattern = plan.settings.pattern_of(group[0])
+        kinds["cell" if pattern is None else f"cells.{patterns.index(pattern)}"] = (
+            options.ray_options() | {"threads": options.threads} | ({} if pattern is None else {"pattern": pattern}))
+    if "cell" not in kinds:
+        options = cell_options(plan.settings.cell, nodes, len(plan.cells_left))
+        kinds["cell"] = options.ray_options() | {"threads": options.threads}
     shared_opts = shared_options(plan.settings.shared, nodes)
     tracking.log_params({"grid": {"ray_address": plan.settings.ray_address or os.environ.get("RAY_ADDRESS") or "local",
                                   "nodes": len(nodes), "max_retries": plan.settings.max_retries,
-                                  "cell": cell_opts.ray_options() | {"threads": cell_opts.threads},
+                                  **kinds,
                                   "shared": shared_opts.ray_options() | {"threads": shared_opts.threads}}})
     if plan.shared_work:
         args = kedro_args(plan.env, plan.pipeline, nodes=plan.grid.shared)
@@ -172,8 +185,8 @@ def _run_jobs(plan: _Plan, outcome: GridOutcome) -> None:
     done = [cell for cell in plan.grid.cells if cell not in plan.cells_left]
     if done:
         logger.info("grid: %s stored already", ", ".join(done))
-    _wait({_submit(cell, kedro_args(plan.env, plan.pipeline, cell=cell), cell_opts, plan.project, plan.settings): cell
-           for cell in plan.cells_left}, outcome)
+    _wait({_submit(cell, kedro_args(plan.env, plan.pipeline, cell=cell), cell_opts[cell], plan.project, plan.settings):
+           cell for cell in plan.cells_left}, outcome)
 
 
 def _plan(project: Path, env: str, pipeline_name: str) -> tuple[_Plan, Path, dict, dict]:

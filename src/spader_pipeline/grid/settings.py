@@ -6,10 +6,18 @@ on it at once (by ``memory_gib`` against the node's memory, by ``num_gpus``, and
 are cells). On 2 cores and 24 GB, 4 cells of 5 GiB each get half a CPU and run at once, one torch thread
 each, as ``make positive-control``'s four one-thread jobs did before the grid ran on Ray. The shared
 part's ``num_cpus: null`` is the whole largest node. A job's torch threads are its CPUs, at least one.
+
+Cells of another kind ask for their own resources: ``grid.cells`` maps a pattern of cell names
+(``fnmatch``: ``fit_*_verl_*``) to the resources of the cells it matches, the first match winning;
+every other cell asks for ``grid.cell``. Each kind's ``num_cpus: null`` is its share of the largest
+node among the cells of that kind (:meth:`GridSettings.cell_groups`): a verl cell of
+``make positive-control-verl`` holds an FSDP actor, a rollout server and their Ray, and asks for
+the whole machine where the native cells share it.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +57,9 @@ class GridSettings:
     """times Ray runs a job again whose worker or node died (it resumes from its last checkpoint)"""
     cell: Resources = field(default_factory=Resources)
     shared: Resources = field(default_factory=Resources)
+    cells: Mapping[str, Resources] = field(default_factory=dict)
+    """a pattern of cell names (``fnmatch``) → the resources of the cells it matches (the first match, in
+    order); a cell no pattern matches asks for ``cell``"""
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any] | None) -> GridSettings:
@@ -56,10 +67,29 @@ class GridSettings:
         for part in ("cell", "shared"):
             values[part] = typed_block(f"grid.{part}", lambda part=part: from_mapping(
                 Resources, values.get(part), where=f"grid.{part}", check_types=True))
+        values["cells"] = {str(pattern): typed_block(f"grid.cells.{pattern}", lambda p=pattern, v=block: from_mapping(
+            Resources, v, where=f"grid.cells.{p}", check_types=True)) for pattern, block in (values.get("cells") or {}).items()}
         settings = from_mapping(cls, values, where="grid", check_types=True)
         if settings.max_retries < 0:
             raise ValueError(f"grid.max_retries={settings.max_retries}: use 0 or more")
         return settings
+
+    def pattern_of(self, cell: str) -> str | None:
+        """The first pattern of ``cells`` that ``cell`` matches; ``None``: it asks for ``cell``."""
+        return next((pattern for pattern in self.cells if fnmatch.fnmatchcase(cell, pattern)), None)
+
+    def resources_for(self, cell: str) -> Resources:
+        """The resources ``cell`` asks for: its pattern's in ``cells``, else ``cell``."""
+        pattern = self.pattern_of(cell)
+        return self.cell if pattern is None else self.cells[pattern]
+
+    def cell_groups(self, cells: Sequence[str]) -> list[tuple[Resources, list[str]]]:
+        """``cells`` grouped by the resources they ask for (their pattern), each group in the order of
+        ``cells``, the groups in the order of their first cells."""
+        groups: dict[str | None, list[str]] = {}
+        for cell in cells:
+            groups.setdefault(self.pattern_of(cell), []).append(cell)
+        return [(self.cell if pattern is None else self.cells[pattern], members) for pattern, members in groups.items()]
 
 
 @dataclass(frozen=True)
