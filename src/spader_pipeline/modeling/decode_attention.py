@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from spader_pipeline.modeling.native_step import native_available, sdpa_decode_reference
+from spader_pipeline.modeling.native_step import env_choice, native_available, sdpa_decode_reference
 
-__all__ = ["BF16_CACHE", "bf16_decode_attention_available", "bf16_key_cache", "decode_attention"]
+__all__ = ["BF16_CACHE", "KV_CACHE_ENV", "bf16_decode_attention_available", "bf16_key_cache", "decode_attention"]
 
+#: the variable that picks the key cache of every process started with it: ``bf16`` (the default) or
+#: ``fp32`` (SDPA over fp32 keys: within the bound of tests/modeling/test_modeling_decode_attention.py)
+KV_CACHE_ENV = "SPADER_KV_CACHE"
 #: cache keys rounded to bf16 on the CPU and attend with the native attention where it is available, fp32
 #: SDPA over them widened elsewhere (benchmarks switch it off to time the fp32 cache in the same process)
-BF16_CACHE = True
+BF16_CACHE = env_choice(KV_CACHE_ENV, {"bf16": True, "fp32": False}, "bf16")
 
 
 def bf16_key_cache() -> bool:

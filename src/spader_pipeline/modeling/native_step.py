@@ -51,13 +51,28 @@ try:
 except ImportError:  # not POSIX (Windows): builders do not take turns (the module's docstring)
     fcntl = None
 
-__all__ = ["NATIVE_STEP", "REQUIREMENT_ENV", "build_problem", "native_available", "sdpa_decode_reference"]
+__all__ = ["NATIVE_STEP", "REQUIREMENT_ENV", "STEP_ENV", "env_choice", "build_problem", "native_available", "sdpa_decode_reference"]
 
 logger = logging.getLogger(__name__)
 
+
+
+def env_choice(name: str, choices: dict[str, bool], default: str) -> bool:
+    """The switch ``choices[os.environ[name]]`` (``default`` where unset or empty); any other value is an
+    error naming the choices, never silently the default."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r}: use one of {', '.join(choices)}")
+    return choices[value]
+
+
+#: the variable that picks the decoding step of every process started with it: ``cpp`` (the default) or
+#: ``python``, the same sums in another order (within the bound of tests/modeling/test_modeling_decoding_path.py):
+#: how a run is repeated under numerics the tests accept (``make positive-control``, docs/results.md)
+STEP_ENV = "SPADER_DECODE_STEP"
 #: run decoding steps through the C++ step where it builds (benchmarks and tests switch it off to time or
 #: check the Python step in the same process; the attention follows ``decode_attention.BF16_CACHE``)
-NATIVE_STEP = True
+NATIVE_STEP = env_choice(STEP_ENV, {"cpp": True, "python": False}, "cpp")
 SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
 #: -march=native: the build is for this machine (its name carries the CPU's flags); OpenMP as torch's
 #: (the library binds to the libgomp torch loaded)
