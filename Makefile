@@ -34,7 +34,7 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-verl run-long compare positive-control test-verl test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control positive-control-verl test-verl test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -42,6 +42,7 @@ help:
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare), on Ray"
 	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control), on Ray"
+	@echo "make positive-control-verl - the same, with a GRPO and a SPADER cell trained through verl's real loop on the CPU too, one report"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make test-verl  - verl's fit() with its real FSDP workers and our rollout server on the CPU (CI runs it after make test)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
@@ -134,6 +135,15 @@ compare: $(STAMP)
 positive-control: $(STAMP)
 	mkdir -p mlruns
 	$(GRID) --env positive_control --pipeline positive_control
+
+# The positive control through verl's real loop too (pipeline positive_control_verl; docs/results.md): a GRPO
+# and a SPADER cell trained by verl on the CPU (conf/base/parameters_positive_control_verl.yml) beside the
+# native cells, in the same environment and data root: after make positive-control only the verl cells and
+# the report of both trainers run (on a fresh root, the native positive control first). Its own target: a verl
+# cell takes the machine for longer than make positive-control's 45-minute budget allows.
+positive-control-verl: $(STAMP)
+	mkdir -p mlruns
+	$(GRID) --env positive_control --pipeline positive_control_verl
 
 # On every core (at most 4 workers: each holds torch and its models), a test module per worker at a
 # time so that module fixtures are built once; each worker gets its share of the threads (tests/conftest.py).

@@ -178,10 +178,11 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("evaluate", "warm_start"),  # evaluation (over merge's manifests); the warm start (training's nodes)
         ("compare",),  # method × seed cells over the stages
         ("positive_control",),  # the fitted cells over compare's seeding
+        ("positive_control_verl",),  # the fitted cells through verl too, beside positive_control's
     ),
     **{f"pipelines.{stage}": (("nodes",), ("pipeline",))  # thin nodes; the pipeline that wires them
        for stage in ("base_model", "compare", "data_prep", "evaluate", "index_build", "merge", "positive_control",
-                     "report", "training")},
+                     "positive_control_verl", "report", "training")},
     "pipelines.warm_start": (("pipeline",),),
     "grid": (
         ("settings", "phases", "child", "tasks"),  # resources; the pipeline's parts; a job's process; its Ray task

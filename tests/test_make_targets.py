@@ -70,6 +70,17 @@ def test_make_compare_and_positive_control_run_their_grid_on_ray(target, env):
     assert sorted(split(create_pipeline()).cells) == sorted(cell_name(m, s) for m, s in CELLS)
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_positive_control_verl_runs_its_grid_in_the_positive_controls_environment():
+    """The verl cells' grid runs in ``positive_control``'s environment (its data root, warm start and fitted
+    set), so that after ``make positive-control`` only the verl cells and the report have work left."""
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "positive-control-verl"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    (line,) = [shlex.split(line) for line in out.splitlines() if "spader_pipeline.grid" in line]
+    assert line[line.index("-m"):] == ["-m", "spader_pipeline.grid", "--env", "positive_control",
+                                       "--pipeline", "positive_control_verl"]
+
+
 def _benchmark_scripts() -> list[str]:
     """Every script of benchmarks/: the ``bench_*.py`` and ``profile_*.py`` files (not their helpers
     ``smoke.py``, ``child_start_probe.py``)."""

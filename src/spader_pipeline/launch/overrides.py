@@ -55,6 +55,8 @@ __all__ = [
     "check_one_method_key",
     "hydra_value",
     "main_ppo_argv",
+    "native_design_overrides",
+    "native_search_tool",
     "overlay_name",
 ]
 
@@ -233,6 +235,44 @@ def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
         "actor_rollout_ref.rollout.val_kwargs.n=1",
     ]
+
+
+def native_design_overrides(trainer: Any) -> list[str]:
+    """The native trainer's RL design (``trainer``: its :class:`~spader_pipeline.native.NativeTrainerConfig`)
+    as verl overrides, so that a verl run trains the same design: the questions per step and the group
+    size, the steps (an epoch of verl's loader at least a step: as many epochs as steps), the sampling
+    temperature, the PPO epochs and mini-batches of whole groups, and the trajectory limits (turns,
+    tokens per turn and in all, prompt length, observation length). What each trainer trains and at
+    which learning rate is the trainer's own (the native trainer's top blocks against verl's model or
+    LoRA adapters): not here."""
+    prompts, mini_batches = int(trainer.prompts_per_step), int(trainer.ppo_mini_batches)  # whole groups: checked
+    rollout = trainer.rollout
+    steps = int(trainer.total_steps)
+    return [
+        f"data.train_batch_size={prompts}",
+        f"actor_rollout_ref.rollout.n={int(trainer.group_size)}",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.total_epochs={steps}",
+        f"actor_rollout_ref.rollout.temperature={_value(float(trainer.temperature))}",
+        f"actor_rollout_ref.actor.ppo_epochs={int(trainer.ppo_epochs)}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // mini_batches}",
+        f"data.max_prompt_length={int(trainer.max_prompt_tokens)}",
+        f"data.max_response_length={int(rollout.max_response_tokens)}",
+        f"actor_rollout_ref.rollout.max_model_len={int(trainer.max_prompt_tokens) + int(rollout.max_response_tokens)}",
+        f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={int(rollout.max_turns)}",
+        *([f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={int(rollout.max_observation_chars)}"]
+          if rollout.max_observation_chars else []),
+        f"++actor_rollout_ref.rollout.custom.max_turn_tokens={int(trainer.max_new_tokens)}",
+    ]
+
+
+def native_search_tool(trainer: Any) -> dict[str, Any]:
+    """The search tool's settings (``training.verl.search_tool``) that give verl's agent loop the native
+    rollout's search limits: passages per query, characters per passage and per observation."""
+    rollout = trainer.rollout
+    tool = {"topk": int(rollout.topk), "max_chars": rollout.max_chars, "max_observation_chars": rollout.max_observation_chars,
+            "max_document_chars": rollout.max_document_chars, "max_queries_per_call": rollout.max_queries_per_call}
+    return {k: v for k, v in tool.items() if v is not None}
 
 
 def main_ppo_argv(params: Mapping[str, Any], config_dir: str | Path, python: str | None = None) -> list[str]:

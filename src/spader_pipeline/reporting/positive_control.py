@@ -59,10 +59,12 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
     return rows
 
 
-def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design: Mapping[str, Any]
-                 ) -> tuple[str, Any, dict[str, float]]:
+def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design: Mapping[str, Any],
+                 trainers: Mapping[str, str] | None = None) -> tuple[str, Any, dict[str, float]]:
     """Markdown, figure and metrics of the positive control. ``design``: ``questions`` (fitted-set
-    size, unless ``question_ids`` names them), ``validation_questions``, ``target_gain`` and ``cells`` ([method, seed] pairs)."""
+    size, unless ``question_ids`` names them), ``validation_questions``, ``target_gain`` and ``cells`` ([method, seed] pairs).
+    ``trainers`` (cell → ``native`` or ``verl``): a trainer column after the cell's, for one table of both
+    trainers' cells (``make positive-control-verl``)."""
     target = float(design["target_gain"])
     fitted = len(design.get("question_ids") or ()) or int(design["questions"])
     rows = cell_outcomes(histories, target)
@@ -73,7 +75,8 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
           "yes" if r["reached"] else "no",
           f"{r['validation_start']:.3f} → {r['validation_end']:.3f}" if "validation_end" in r else "—"]
          for r in rows],
-        columns=["cell", "steps", "fitted recall: warm start → last", "gain", f"≥ +{target:.2f}", held_column]))
+        columns=["cell", "steps", "fitted recall: warm start → last", "gain", f"≥ +{target:.2f}", held_column])
+        .pipe(_with_trainer_column, trainers))
     reached = sum(r["reached"] for r in rows)
     verdict = (f"**{reached} of {len(rows)} cells** gained at least +{target:.2f} greedy recall on the "
                f"{fitted} questions they trained on.")
@@ -93,6 +96,13 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
         if "validation_end" in r:
             metrics[f"{r['cell']}/validation_gain"] = r["validation_end"] - r["validation_start"]
     return text, plot_curves(histories, held, target), metrics
+
+
+def _with_trainer_column(table: pd.DataFrame, trainers: Mapping[str, str] | None) -> pd.DataFrame:
+    """``table`` with a ``trainer`` column after ``cell`` (each cell's ``trainers`` entry); as it is without ``trainers``."""
+    if trainers is not None:
+        table.insert(1, "trainer", [trainers[cell] for cell in table["cell"]])
+    return table
 
 
 def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: str | None, target: float):
