@@ -192,3 +192,17 @@ def test_validation_block_sets_verls_schedule_subset_and_greedy_decoding():
         build_overrides({"method": "spader", "validation": {"every": -1}})
     with pytest.raises(ValueError, match="one batch"):  # a native-only setting is refused, not dropped
         build_overrides({"method": "spader", "validation": {"batch_size": {"fitted": 1}}})
+
+
+def test_sampled_validation_is_verls_sampled_val_kwargs_at_the_rollouts_temperature():
+    """``trajectories: n`` is verl's ``val_kwargs.n`` with sampling, at validation's temperature, else the
+    rollout's (the last override that sets it); a per-source count, which verl cannot express, is refused."""
+    rollout_at = ["actor_rollout_ref.rollout.temperature=0.7"]
+    cfg = _compose(METHOD_CONFIG, build_overrides({"method": "grpo", "validation": {"trajectories": 5},
+                                                   "overrides": rollout_at}))
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert (val.do_sample, val.n, val.temperature) == (True, 5, 0.7)
+    own = build_overrides({"method": "grpo", "validation": {"trajectories": 5, "temperature": 0.3}, "overrides": rollout_at})
+    assert _compose(METHOD_CONFIG, own).actor_rollout_ref.rollout.val_kwargs.temperature == 0.3
+    with pytest.raises(ValueError, match="one count"):
+        build_overrides({"method": "grpo", "validation": {"trajectories": {"fitted": 5}}})

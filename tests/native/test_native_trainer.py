@@ -8,6 +8,7 @@ import torch
 from native_toy import QUESTIONS, TEMPLATE, toy_batch
 from transformers import AutoModelForCausalLM
 
+from spader_pipeline.algorithms import score_answers
 from spader_pipeline.native import NativeTrainerConfig, train_native
 from spader_pipeline.native.batch import questions_for_step
 from spader_pipeline.native.checkpoint import latest_checkpoint, load_trainer_state
@@ -253,6 +254,54 @@ def test_a_question_validated_alone_decodes_as_it_does_without_the_others(native
     assert [mixed[i] for i in embedded] == texts([samples[i] for i in embedded])
 
 
+def test_sampled_validation_settings_are_checked_and_read_per_source():
+    from spader_pipeline.algorithms.validation import ValidationSettings
+
+    settings = ValidationSettings(trajectories={"fitted": 5}, temperature=0.7)
+    assert (settings.trajectories_of("fitted"), settings.trajectories_of("embedded"), settings.sampled) == (5, 1, True)
+    assert not ValidationSettings().sampled and ValidationSettings(trajectories=3).trajectories_of("any") == 3
+    for bad in (0, True, {"fitted": 0}, 1.5):
+        with pytest.raises(ValueError, match="trajectories"):
+            ValidationSettings(trajectories=bad)
+    with pytest.raises(ValueError, match="temperature"):
+        ValidationSettings(trajectories=2, temperature=0.0)
+
+
+def test_a_sampled_question_is_scored_on_its_seeded_trajectories(native_model_dir, toy_index_dir, tiny_config):
+    """``trajectories: {fitted: n}``: each fitted question's score is the mean over ``n`` trajectories sampled
+    together from a generator its position and the validation seed fix (the same numbers again, whatever
+    the torch seed), and the other questions are decoded greedy as before."""
+    from spader_pipeline.algorithms.validation import ValidationSettings
+    from spader_pipeline.modeling import load_model_and_tokenizer
+    from spader_pipeline.native.validation import sampled_trajectories, validate_policy
+    from spader_pipeline.retrieval import load_retriever
+
+    config = tiny_config(method="grpo", total_steps=1, options={}, bf16=False)
+    model, tokenizer = load_model_and_tokenizer(native_model_dir)
+    search = LocalSearch(load_retriever(toy_index_dir))
+    samples = [{**q, "id": f"v{i}", "data_source": "fitted" if i < 2 else "embedded"} for i, q in enumerate(QUESTIONS)]
+    limits = {"max_new_tokens": config.max_new_tokens, "max_prompt_tokens": config.max_prompt_tokens}
+
+    def scores(validation, torch_seed):
+        torch.manual_seed(torch_seed)
+        return validate_policy(model.eval(), tokenizer, samples, search, config.rollout, TEMPLATE, validation=validation,
+                               temperature=1.0, **limits)
+
+    sampled = ValidationSettings(trajectories={"fitted": 3}, temperature=1.0, seed=7)
+    first = scores(sampled, 0)
+    assert first == scores(sampled, 1)
+    greedy = scores(ValidationSettings(), 0)
+    assert {k: v for k, v in first.items() if "/embedded/" in k} == {k: v for k, v in greedy.items() if "/embedded/" in k}
+    rows = sampled_trajectories(model.eval(), tokenizer, samples[1], 3, search, config.rollout, TEMPLATE,
+                                temperature=1.0, seed=8, **limits)  # the second question: seed 7 + its position
+    recalls = [score_answers(list(t.predicted or ()), samples[1]["ground_truth"]).recall for t in rows]
+    first_question = sampled_trajectories(model.eval(), tokenizer, samples[0], 3, search, config.rollout, TEMPLATE,
+                                          temperature=1.0, seed=7, **limits)
+    recalls0 = [score_answers(list(t.predicted or ()), samples[0]["ground_truth"]).recall for t in first_question]
+    assert first["val/fitted/recall"] == pytest.approx((np.mean(recalls0) + np.mean(recalls)) / 2)
+    assert len({tuple(step.text for step in t.steps) for t in rows}) > 1  # sampled: not one trajectory thrice
+
+
 def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(tmp_path, native_model_dir,
                                                                                toy_index_dir, tiny_config):
     """Both methods start from one warm start: its validation is computed once (validate_warm_start)
@@ -280,9 +329,16 @@ def test_a_shared_step_0_validation_is_used_only_when_it_scored_the_same_start(t
     assert step0(tmp_path / "shared", {"identity": identity, "metrics": planted}) == planted
     alone = validation_identity(native_model_dir, validation[:2], config.rollout, TEMPLATE,
                                 max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                bf16=False, batch_size={"embedded": 1})
+                                bf16=False, validation=ValidationSettings(batch_size={"embedded": 1}))
     assert alone != identity and alone["batch_size"] == {"embedded": 1}  # another batching: scored again
     assert "batch_size" not in identity  # one batch: as stored before the setting existed
+    sampled = validation_identity(native_model_dir, validation[:2], config.rollout, TEMPLATE,
+                                  max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
+                                  bf16=False, validation=ValidationSettings(trajectories={"embedded": 4}),
+                                  temperature=0.7)
+    assert {k: sampled[k] for k in ("trajectories", "seed", "temperature")} == {
+        "trajectories": {"embedded": 4}, "seed": 0, "temperature": 0.7}  # sampled: scored again
+    assert "trajectories" not in identity  # greedy: as stored before the setting existed
     other = {"identity": {**identity, "questions": ["v0"]}, "metrics": planted}
     assert step0(tmp_path / "other", other)["val/embedded/recall"] != 0.123  # scored by the trainer itself
 

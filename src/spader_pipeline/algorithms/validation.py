@@ -8,6 +8,8 @@ Both trainers validate on the same schedule and log the same names (docs/metrics
   a curve scores the same questions; verl's ``data.val_max_samples`` without shuffling);
 - greedy (temperature 0, one trajectory per question: verl's ``val_kwargs``), in one batch or, on the
   native trainer, in batches of ``batch_size`` questions (1: each question's score batch-invariant);
+  or ``trajectories`` sampled per question (verl's ``val_kwargs.n`` with ``do_sample``), a question's
+  score the mean over them;
 - as ``val/<data_source>/recall``, ``…/f1`` and ``…/searches`` (means over questions).
 
 The test split is never scored during training: hyperparameters and stopping steps are chosen on these
@@ -45,6 +47,19 @@ class ValidationSettings:
     floating-point sums (much more under bf16 autocast), and that can turn a near-tied greedy token.
     verl decodes its validation set as one batch and has no such setting (``launch.overrides``
     refuses it)."""
+    trajectories: int | Mapping[str, int] = 1
+    """trajectories per question. ``1``: one greedy trajectory. ``n > 1``: ``n`` sampled at
+    :attr:`temperature`, the question's recall, F1 and searches the means over them (verl:
+    ``val_kwargs.n`` with ``do_sample``), so one trajectory moves a source's mean by at most
+    ``1 / (questions × n)``. A mapping ``{data_source: n}``: that source's questions ``n`` each, every
+    other question greedy (native trainer only). On the native trainer a sampled question's ``n`` rows are
+    decoded together, drawn from a generator seeded by :attr:`seed` and the question's position in the
+    subset, whatever the training seed: every point of a curve, and every run of a grid, scores its
+    policy with the same random numbers."""
+    temperature: float | None = None
+    """the sampled trajectories' temperature; ``None``: the training's sampling temperature"""
+    seed: int = 0
+    """the sampled trajectories' seed (native trainer; verl draws with its rollout's own)"""
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -56,6 +71,25 @@ class ValidationSettings:
                for size in sizes):
             raise ValueError(f"validation.batch_size={self.batch_size!r}: use null (one batch), a count of at least "
                              "1, or {data_source: count}")
+        counts = self.trajectories.values() if isinstance(self.trajectories, Mapping) else [self.trajectories]
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"validation.trajectories={self.trajectories!r}: use a count of at least 1 (1: greedy), "
+                             "or {data_source: count}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"validation.temperature={self.temperature}: sampled trajectories need a temperature "
+                             "above 0 (null: the training's)")
+
+    def trajectories_of(self, data_source: str) -> int:
+        """Trajectories per question of ``data_source`` (1: greedy)."""
+        if isinstance(self.trajectories, Mapping):
+            return int(self.trajectories.get(data_source, 1))
+        return int(self.trajectories)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether any question is scored on sampled trajectories."""
+        counts = self.trajectories.values() if isinstance(self.trajectories, Mapping) else [self.trajectories]
+        return any(n > 1 for n in counts)
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether step ``step`` (0 = before training) is validated."""

@@ -178,12 +178,11 @@ def build_overrides(params: Mapping[str, Any]) -> list[str]:
     for key, value in options.items():
         out.append(f"++{verl_options_path(method)}.{key}={_value(value)}")
 
-    if params.get("validation") is not None:
-        out += validation_overrides(params["validation"])
-
     extra = params.get("overrides") or []
     if isinstance(extra, str) or not isinstance(extra, Sequence):
         raise ValueError("params['overrides'] must be a list of 'key=value' strings")
+    if params.get("validation") is not None:  # sampled at the rollout's temperature unless it names its own
+        out += validation_overrides(params["validation"], _rollout_temperature([*out, *map(str, extra)]))
     out += [str(x) for x in extra]
     check_one_method_key(method, out)
     return out
@@ -216,9 +215,16 @@ def check_one_method_key(method: str, overrides: Sequence[str]) -> None:
                 f"(or register one), not by {key} in training.verl.overrides")
 
 
-def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
-    """verl's validation schedule for ``training.validation``: the same steps, questions and greedy
-    decoding as the native trainer (:class:`~spader_pipeline.algorithms.validation.ValidationSettings`)."""
+def _rollout_temperature(overrides: Sequence[str]) -> float:
+    """The rollout's sampling temperature the last of ``overrides`` sets, else verl's default (1.0)."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("actor_rollout_ref.rollout.temperature=")]
+    return float(values[-1]) if values else 1.0
+
+
+def validation_overrides(validation: Mapping[str, Any], temperature: float = 1.0) -> list[str]:
+    """verl's validation schedule for ``training.validation``: the same steps, questions and decoding
+    (greedy, or ``trajectories`` sampled at its temperature, else ``temperature``: the rollout's) as the
+    native trainer (:class:`~spader_pipeline.algorithms.validation.ValidationSettings`)."""
     from spader_pipeline.algorithms.validation import ValidationSettings
     from spader_pipeline.typed_config import from_mapping
 
@@ -227,13 +233,20 @@ def validation_overrides(validation: Mapping[str, Any]) -> list[str]:
     if settings.batch_size is not None:
         raise ValueError(f"training.validation.batch_size={settings.batch_size}: verl validates its questions in "
                          "one batch; remove the setting (null) for the verl backend")
+    if isinstance(settings.trajectories, Mapping):
+        raise ValueError(f"training.validation.trajectories={dict(settings.trajectories)}: verl samples every "
+                         "validation question alike (val_kwargs.n); give one count for the verl backend")
+    decoding = ["actor_rollout_ref.rollout.val_kwargs.do_sample=false", "actor_rollout_ref.rollout.val_kwargs.n=1"]
+    if settings.sampled:  # the rollout's temperature where validation names none (verl's val_kwargs has its own)
+        decoding = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                    f"actor_rollout_ref.rollout.val_kwargs.n={settings.trajectories}",
+                    f"actor_rollout_ref.rollout.val_kwargs.temperature={_value(temperature if settings.temperature is None else settings.temperature)}"]
     return [
         f"trainer.test_freq={settings.every or -1}",
         f"trainer.val_before_train={_value(settings.before_train)}",
         f"data.val_max_samples={settings.max_questions or -1}",
         "data.validation_shuffle=false",
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
-        "actor_rollout_ref.rollout.val_kwargs.n=1",
+        *decoding,
     ]
 
 

@@ -56,13 +56,13 @@ def warm_start(model_path: str, verl_train: pd.DataFrame, verl_validation: pd.Da
 
 
 def validate_start(model_path: str, samples: Sequence[Mapping[str, Any]], search: Any, config: NativeTrainerConfig,
-                   template: str, batch_size: int | Mapping[str, int] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
-    """``(metrics, identity)`` of the model at ``model_path``, greedy on the validation ``samples``
-    with the trainer's turn limits, device and precision (``config``), ``batch_size`` questions at a
-    time (``training.validation.batch_size``)."""
+                   template: str, validation: ValidationSettings | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(metrics, identity)`` of the model at ``model_path`` on the validation ``samples`` with the
+    trainer's turn limits, device, precision and temperature (``config``), decoded as ``validation``
+    (``training.validation``: batches, sampled trajectories) says."""
     from spader_pipeline.native.validation import validate_model_at
 
-    return validate_model_at(model_path, samples, search, config, template, batch_size=batch_size)
+    return validate_model_at(model_path, samples, search, config, template, validation=validation or ValidationSettings())
 
 
 def train(config: NativeTrainerConfig, *, model_path: str, verl_train: pd.DataFrame,
@@ -105,10 +105,10 @@ def run_warm_start(model_path: str, verl_train: pd.DataFrame, verl_validation: p
 
 def validate_start_model(model_path: str, samples: Sequence[Mapping[str, Any]], *, config: NativeTrainerConfig,
                          search: RetrievalSettings, index_dir: str, template: str,
-                         batch_size: int | Mapping[str, int] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+                         validation: ValidationSettings | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """:func:`validate_start` searching ``search`` (``training.search``) over the index at ``index_dir``."""
     with search_backend(search, index_dir, where="training.search") as backend:
-        return validate_start(model_path, samples, backend, config, template, batch_size)
+        return validate_start(model_path, samples, backend, config, template, validation)
 
 
 def run_training(config: NativeTrainerConfig, *, search: RetrievalSettings, index_dir: str,

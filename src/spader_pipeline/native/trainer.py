@@ -145,13 +145,14 @@ def train_native(
 
     def validate(step: int, last: bool = False) -> dict[str, float]:
         due = val_set and (settings.due(step, config.total_steps) or (last and settings.every > 0))
-        return _validate(run, val_set, search, prompt_template, settings.batch_size) if due else {}
+        return _validate(run, val_set, search, prompt_template, settings) if due else {}
 
     step, run_started, out_of_time, longest_step = run.start_step, time.perf_counter(), False, 0.0
     if step == 0 and val_set and settings.due(0, config.total_steps):
         identity = validation_identity(model_path, val_set, config.rollout, prompt_template,
                                        max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                                       bf16=run.bf16, batch_size=settings.batch_size, engine=config.engine)
+                                       bf16=run.bf16, validation=settings, temperature=config.temperature,
+                                       engine=config.engine)
         shared = start_validation if start_validation and start_validation.get("identity") == identity else None
         record_validation(run, dict(shared["metrics"]) if shared else validate(0), log_metrics)
     while step < config.total_steps and not out_of_time:
@@ -322,13 +323,14 @@ def record_step(run: RunState, step: int, metrics: dict[str, float], rollouts: R
 
 
 def _validate(run: RunState, samples: Sequence[Mapping[str, Any]], search: Any, prompt_template: str,
-              batch_size: int | Mapping[str, int] | None) -> dict[str, float]:
-    """Greedy validation of the current policy with the run's turn limits, ``batch_size`` questions at a
-    time (timed as ``perf/validation_seconds``)."""
+              settings: ValidationSettings) -> dict[str, float]:
+    """Validation of the current policy with the run's turn limits, decoded as ``settings`` says (greedy
+    in batches, or sampled trajectories; timed as ``perf/validation_seconds``)."""
     config, started = run.config, time.perf_counter()
     metrics = validate_policy(run.model, run.tokenizer, samples, search, config.rollout, prompt_template,
                               max_new_tokens=config.max_new_tokens, max_prompt_tokens=config.max_prompt_tokens,
-                              bf16=run.bf16, batch_size=batch_size, engine=config.engine)
+                              bf16=run.bf16, validation=settings, temperature=config.temperature,
+                              engine=config.engine)
     return {**metrics, "perf/validation_seconds": time.perf_counter() - started}
 
 

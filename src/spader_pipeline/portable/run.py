@@ -110,7 +110,7 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
         with clock("validate_warm_start"):  # step 0 of every method's curve, computed once (as the node does)
             if samples := training.start_validation_samples(validation):
                 metrics, identity = stages.validate_start(model_dir, samples, search, training.start_config(device=device),
-                                                          template, training.validation.batch_size)
+                                                          template, training.validation)
                 start_validation = {"identity": identity, "metrics": metrics}
                 free_device(device)
 

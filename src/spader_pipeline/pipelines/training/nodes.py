@@ -161,7 +161,7 @@ def validate_warm_start(
     validate = in_child_process(validate_start_model, enabled=settings.subprocess, name="validate_warm_start")
     metrics, identity = validate(warm_start_manifest["path"], samples, config=settings.start_config(),
                                  search=settings.search, index_dir=index_manifest["index_dir"],
-                                 template=settings.template(prompt), batch_size=settings.validation.batch_size)
+                                 template=settings.template(prompt), validation=settings.validation)
     logger.info("warm start validation (step 0 of every method): %s",
                 ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return {"identity": identity, "metrics": metrics}
