@@ -77,9 +77,53 @@ def test_the_report_counts_the_cells_that_reach_the_target():
     exact = {"fit_grpo_seed0": _history([0.5, 0.6, 0.7], [0.1, 0.1, 0.1])}  # 0.7 - 0.5 is 0.19999999999999996
     assert build_report(exact, DESIGN)[2]["cells_reached"] == 1
     named, _, _ = build_report(histories, {**DESIGN, "question_ids": ["a", "b", "c"]})
-    assert "on the 3 questions they trained on" in named
+    assert "on the same 3 training questions" in named
     with pytest.raises(ValueError, match="not at the warm start"):
         build_report({"fit_grpo_seed0": _history([0.5, 0.6], [0.1, 0.1])[1:]}, DESIGN)
+
+
+def test_the_verdict_needs_every_cell_and_the_mean_over_cells_with_its_interval_above_zero():
+    """Every cell at ``target_gain``, and the mean over cells at ``target_mean_gain`` with the lower end of
+    the wider of its t interval over cells and its bootstrap over cells above 0; the greedy curve of the
+    same questions is shown beside, with no target; the grain one trajectory moves a score is stated."""
+    from spader_pipeline.reporting.positive_control import mean_gain_interval, verdict
+
+    design = {**DESIGN, "target_gain": 0.05, "target_mean_gain": 0.1}
+
+    def cells(gains):
+        return {f"fit_grpo_seed{k}": [{**row, "val/fitted_greedy/recall": 0.2 + row["step"] / 10}
+                                      for row in _history([0.3, 0.3 + g / 2, 0.3 + g], [0.1, 0.1, 0.1])]
+                for k, g in enumerate(gains)}
+
+    text, figure, metrics = build_report(cells([0.15, 0.2, 0.1, 0.25]), design, grain=0.05)
+    assert metrics["learns"] == 1.0 and metrics["mean_gain"] == pytest.approx(0.175)
+    assert 0 < metrics["mean_gain_low"] < 0.175 < metrics["mean_gain_high"]
+    assert "**the loop learns**" in text and "at most 0.050" in text and "0.200 → 0.600" in text
+    assert len(figure.axes) == 3 and metrics["fit_grpo_seed0/greedy_gain"] == pytest.approx(0.4)
+    one_short = build_report(cells([0.15, 0.2, 0.04, 0.25]), design)[2]
+    assert one_short["cells_reached"] == 3 and one_short["learns"] == 0.0
+    spread = build_report(cells([0.06, 0.5, 0.06, 0.06]), design)[2]  # every cell, mean 0.17, but one cell carries it
+    assert spread["cells_reached"] == 4 and spread["mean_gain_low"] < 0 and spread["learns"] == 0.0
+    interval = mean_gain_interval([0.06, 0.5, 0.06, 0.06])
+    assert interval.high - interval.low > 0.5  # the t interval over 4 cells (df 3), wider than the bootstrap's
+    assert verdict(cell_outcomes_of(cells([0.2, 0.2]), design), design)["mean"].low == pytest.approx(0.2)
+
+
+def cell_outcomes_of(histories, design):
+    from spader_pipeline.reporting.positive_control import cell_outcomes
+
+    return cell_outcomes(histories, float(design["target_gain"]))
+
+
+def test_the_fitted_questions_are_scored_greedy_beside_when_the_design_asks():
+    _, validation = fitted_set(_verl(10, "train"), _verl(5, "validation"), {**DESIGN, "greedy_beside": True})
+    assert list(validation["data_source"]) == ["fitted", "fitted", "fitted_greedy", "fitted_greedy", "embedded",
+                                               "embedded"]
+    from spader_pipeline.pipelines.positive_control.nodes import fitted_grain
+
+    training = {"validation": {"trajectories": {"fitted": 5}}}
+    assert fitted_grain(DESIGN, training) == pytest.approx(1 / 10)
+    assert fitted_grain({**DESIGN, "question_ids": ["a", "b", "c", "d"]}, {}) == pytest.approx(1 / 4)
 
 
 def test_the_cells_are_two_methods_by_two_seeds_each_in_its_namespace():
@@ -101,10 +145,10 @@ def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project
     with KedroSession.create(project_path=kedro_project, env="test") as session:
         session.run(pipeline_names=["positive_control"], node_names=["fitted_set", "positive_control_report"])
     data = kedro_project / "data"
-    # conf/base's design: 4 fitted questions, then the validation split's first 10 (of 5 here)
-    assert len(pd.read_parquet(data / "05_model_input/positive_control/fitted_validation.parquet")) == 4 + 5
+    # conf/base's design: 4 fitted questions, the same greedy beside, then the validation split's first 10 (of 5)
+    assert len(pd.read_parquet(data / "05_model_input/positive_control/fitted_validation.parquet")) == 4 + 4 + 5
     report = (data / "08_reporting/positive_control_report.md").read_text()
-    assert "**4 of 4 cells** gained at least +0.20" in report
+    assert "**4 of 4 cells** gained at least +0.10" in report and "**the loop learns**" in report
     assert (data / "08_reporting/positive_control_curves.png").stat().st_size > 0
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                 filter_string="metrics.`positive_control/cells_reached` = 4")

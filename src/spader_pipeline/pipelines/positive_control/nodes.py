@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from spader_pipeline import tracking
-from spader_pipeline.reporting.positive_control import FITTED_SOURCE
+from spader_pipeline.reporting.positive_control import FITTED_GREEDY_SOURCE, FITTED_SOURCE
 from spader_pipeline.training import TrainingSettings
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ def cell_name(method: str, seed: int) -> str:
 def fitted_set(verl_train: pd.DataFrame, verl_validation: pd.DataFrame,
                design: Mapping[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The training rows every cell trains on and the validation rows that score them: those
-    questions again with ``data_source`` ``fitted`` (``val/fitted/…``), then the first
+    questions again with ``data_source`` ``fitted`` (``val/fitted/…``), with ``design.greedy_beside``
+    once more as ``fitted_greedy`` (scored greedy, no target), then the first
     ``design.validation_questions`` of ``verl_validation`` (held out).
 
     The training rows are ``design.question_ids`` (in that order) when given, else ``design.questions``
@@ -51,7 +52,8 @@ def fitted_set(verl_train: pd.DataFrame, verl_validation: pd.DataFrame,
                                                                                           replace=False))
         train = verl_train.iloc[picked].reset_index(drop=True)
     held = verl_validation.head(int(design.get("validation_questions") or 0))
-    validation = pd.concat([train.assign(data_source=FITTED_SOURCE), held], ignore_index=True)
+    greedy = [train.assign(data_source=FITTED_GREEDY_SOURCE)] if design.get("greedy_beside") else []
+    validation = pd.concat([train.assign(data_source=FITTED_SOURCE), *greedy, held], ignore_index=True)
     logger.info("positive control: fitting %d training questions (%s), %d validation questions held out", len(train),
                 ", ".join(str((e or {}).get("id")) for e in train["extra_info"]), len(held))
     return train, validation
@@ -83,14 +85,22 @@ def start_validation_settings(training: Mapping[str, Any]) -> TrainingSettings:
     return TrainingSettings.from_mapping(training).with_changes(validation={"max_questions": None})
 
 
-def write_report(design: Mapping[str, Any], **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:
+def fitted_grain(design: Mapping[str, Any], training: Mapping[str, Any]) -> float:
+    """The most one trajectory moves a cell's fitted score: ``1 / (fitted questions × trajectories per
+    fitted question)`` (``training.validation.trajectories``)."""
+    questions = len(design.get("question_ids") or ()) or int(design["questions"])
+    return 1.0 / (questions * TrainingSettings.from_mapping(training).validation.trajectories_of(FITTED_SOURCE))
+
+
+def write_report(design: Mapping[str, Any], training: Mapping[str, Any],
+                 **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:
     """The report (markdown, figure, metrics) over every cell's history (keyword ``<cell>__history``);
     markdown and figure also go to the MLflow chain run (the project hook logs the metrics as
     ``positive_control/…``)."""
     from spader_pipeline.reporting.positive_control import build_report
 
     cells = {name.removesuffix("__history"): history for name, history in histories.items()}
-    text, figure, metrics = build_report(cells, design)
+    text, figure, metrics = build_report(cells, design, grain=fitted_grain(design, training))
     tracking.log_text(text, "positive_control/report.md")
     tracking.log_figure(figure, "positive_control/curves.png")
     return text, figure, metrics

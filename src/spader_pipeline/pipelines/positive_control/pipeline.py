@@ -67,7 +67,7 @@ def create_pipeline(**kwargs) -> Pipeline:
     )
     histories = {f"{nodes.cell_name(m, s)}__history": f"{nodes.cell_name(m, s)}__history" for m, s in CELLS}
     report = Pipeline(
-        [node(nodes.write_report, {"design": "params:positive_control", **histories},
+        [node(nodes.write_report, {"design": "params:positive_control", "training": "params:training", **histories},
               ["positive_control_report", "positive_control_curves", "positive_control_metrics"],
               name="positive_control_report")],
         tags="positive_control",

@@ -19,8 +19,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from spader_pipeline import tracking
 from spader_pipeline.launch.overrides import native_design_overrides, native_search_tool
 from spader_pipeline.launch.settings import verl_settings
@@ -55,25 +53,17 @@ def verl_cell_settings(training: Mapping[str, Any], verl_cells: Mapping[str, Any
 def write_report(design: Mapping[str, Any], trainers: Mapping[str, str],
                  **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:
     """The positive control's report over the cells of both trainers (``trainers``: cell → ``native`` or
-    ``verl``; keyword ``<cell>__history``): one table with a trainer column, each trainer's count and mean
-    gain; markdown and figure also go to the MLflow chain run (the project hook logs the metrics as
-    ``positive_control_verl/…``)."""
-    from spader_pipeline.reporting.positive_control import build_report, cell_outcomes
+    ``verl``; keyword ``<cell>__history``): one table with a trainer column, each trainer's verdict
+    (:func:`~spader_pipeline.reporting.positive_control.build_report`); markdown and figure also go to
+    the MLflow chain run (the project hook logs the metrics as ``positive_control_verl/…``)."""
+    from spader_pipeline.reporting.positive_control import build_report
 
     cells = {name.removesuffix("__history"): history for name, history in histories.items()}
     text, figure, metrics = build_report(cells, design, trainers=trainers)
-    outcomes = cell_outcomes(cells, float(design["target_gain"]))
-    lines = ["## By trainer", ""]
-    for trainer in dict.fromkeys(trainers[c] for c in cells):
-        rows = [r for r in outcomes if trainers[r["cell"]] == trainer]
-        reached, mean = sum(r["reached"] for r in rows), float(np.mean([r["gain"] for r in rows]))
-        metrics |= {f"{trainer}/cells": float(len(rows)), f"{trainer}/cells_reached": float(reached),
-                    f"{trainer}/mean_gain": mean}
-        lines.append(f"- **{trainer}**: {reached} of {len(rows)} cells at the target, mean gain {mean:+.3f}")
-    lines += ["", "Each cell's step 0 is its own trainer's validation of the warm start: the native cells share "
-              "one, each fitted question decoded alone; verl validates before training, every validation "
-              "question in one batch of its rollout server (docs/results.md, `make positive-control-verl`).", ""]
-    text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
+    text = text.rstrip("\n") + "\n\n" + (
+        "Each cell's step 0 is its own trainer's validation of the warm start: the native cells share one "
+        "(validate_warm_start); verl validates before training, every validation question in one batch of its "
+        "rollout server (docs/results.md, `make positive-control-verl`).\n")
     tracking.log_text(text, "positive_control_verl/report.md")
     tracking.log_figure(figure, "positive_control_verl/curves.png")
     return text, figure, metrics
