@@ -166,7 +166,8 @@ def test_a_grid_on_two_ray_nodes_survives_a_killed_worker_and_equals_an_undistur
                                                                                         tmp_path):
     conf = kedro_project / "conf/test"
     (conf / "parameters_grid.yml").write_text("grid:\n  cell: {num_cpus: 0.5, memory_gib: 1}\n")
-    (conf / "parameters_positive_control.yml").write_text("positive_control:\n  validation_questions: 2\n")
+    (conf / "parameters_positive_control.yml").write_text(
+        "positive_control:\n  validation_questions: 2\n  greedy_beside: false\n")
     training = conf / "parameters_training.yml"  # more steps: a window to kill the cell in
     assert "    total_steps: 2\n" in training.read_text()
     training.write_text(training.read_text().replace("    total_steps: 2\n", "    total_steps: 3\n"))

@@ -2,10 +2,11 @@
 
 Each cell (method × seed) trains from the shared warm start on a small fixed set of training
 questions (the *fitted set*) and is scored on exactly those questions from step 0
-(``val/fitted/recall``: each question's mean over the trajectories ``training.validation`` samples for
-it, or its greedy trajectory), beside the same questions greedy (``val/fitted_greedy/recall``, no
-target) and the first questions of the validation split (held out, no target). The warm start's score
-is step 0 of every curve.
+on the design's ``metric`` (``f1``, the reward's final-answer F1, or ``recall``): ``val/fitted/<metric>``,
+each question's mean over the trajectories ``training.validation`` samples for it (or its greedy
+trajectory), beside the same questions greedy (``val/fitted_greedy/<metric>``, no target) and the first
+questions of the validation split (held out, no target). The warm start's score is step 0 of every
+curve.
 
 The verdict holds two targets (docs/results.md says how they were chosen): **every cell** gains at
 least ``target_gain``, and **the mean over cells** gains at least ``target_mean_gain`` with the lower
@@ -41,23 +42,24 @@ def _series(history: Sequence[Mapping[str, float]], key: str) -> list[tuple[int,
 
 def held_out_source(histories: Mapping[str, Sequence[Mapping[str, float]]]) -> str | None:
     """The validation split's data source in the curves (the one ``val/<source>/recall`` that is not
-    the fitted set), or ``None``."""
+    the fitted set, scored greedy or sampled), or ``None``."""
     sources = {k.split("/")[1] for history in histories.values() for h in history for k in h
                if k.startswith("val/") and k.endswith("/recall")}
     others = sorted(sources - {FITTED_SOURCE, FITTED_GREEDY_SOURCE})
     return others[0] if others else None
 
 
-def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target_gain: float) -> list[dict[str, Any]]:
-    """Per cell: fitted recall at step 0 and at its last validated step, the gain, whether it reached
-    ``target_gain``, and the held-out validation recall at both ends."""
+def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target_gain: float,
+                  metric: str = "recall") -> list[dict[str, Any]]:
+    """Per cell: the fitted score (``val/fitted/<metric>``) at step 0 and at its last validated step, the
+    gain, whether it reached ``target_gain``, the greedy score beside and the held-out score at both ends."""
     held = held_out_source(histories)
     rows = []
     for cell, history in histories.items():
-        fitted = _series(history, f"val/{FITTED_SOURCE}/recall")
-        validation = _series(history, f"val/{held}/recall") if held else []
+        fitted = _series(history, f"val/{FITTED_SOURCE}/{metric}")
+        validation = _series(history, f"val/{held}/{metric}") if held else []
         if not fitted:
-            raise ValueError(f"cell {cell}: no val/{FITTED_SOURCE}/recall in its history (validation off?)")
+            raise ValueError(f"cell {cell}: no val/{FITTED_SOURCE}/{metric} in its history (validation off?)")
         (first_step, start), (last_step, end) = fitted[0], fitted[-1]
         if first_step != 0:
             raise ValueError(f"cell {cell}: its fitted curve starts at step {first_step}, not at the warm start (0)")
@@ -67,7 +69,7 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
                "reached": end - start >= target_gain - 1e-9}
         if validation:
             row.update(validation_start=validation[0][1], validation_end=validation[-1][1])
-        if greedy := _series(history, f"val/{FITTED_GREEDY_SOURCE}/recall"):
+        if greedy := _series(history, f"val/{FITTED_GREEDY_SOURCE}/{metric}"):
             row.update(greedy_start=greedy[0][1], greedy_end=greedy[-1][1])
         rows.append(row)
     return rows
@@ -98,24 +100,25 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                  trainers: Mapping[str, str] | None = None, grain: float | None = None,
                  ) -> tuple[str, Any, dict[str, float]]:
     """Markdown, figure and metrics of the positive control. ``design``: ``questions`` (fitted-set
-    size, unless ``question_ids`` names them), ``validation_questions``, ``target_gain`` (every cell),
+    size, unless ``question_ids`` names them), ``validation_questions``, ``metric`` (``val/…/<metric>``:
+    ``f1`` or ``recall``, the default), ``target_gain`` (every cell),
     ``target_mean_gain`` and ``confidence`` (the mean over cells). ``trainers`` (cell → ``native`` or
     ``verl``): a trainer column after the cell's and a verdict per trainer, for one table of both
     trainers' cells (``make positive-control-verl``); the metrics are over every cell, and with
     ``trainers`` each trainer's under ``<trainer>/``. ``grain``: the most one trajectory moves a cell's
     fitted score."""
-    target = float(design["target_gain"])
+    target, metric = float(design["target_gain"]), str(design.get("metric", "recall"))
     fitted = len(design.get("question_ids") or ()) or int(design["questions"])
-    rows = cell_outcomes(histories, target)
+    rows = cell_outcomes(histories, target, metric)
     held = held_out_source(histories)
-    held_column = f"validation recall ({held or '—'}): warm start → last"
+    held_column = f"validation {metric} ({held or '—'}, greedy): warm start → last"
     table = markdown_table(pd.DataFrame(
         [[r["cell"], r["steps"], f"{r['fitted_start']:.3f} → {r['fitted_end']:.3f}", f"{r['gain']:+.3f}",
           "yes" if r["reached"] else "no",
           f"{r['greedy_start']:.3f} → {r['greedy_end']:.3f}" if "greedy_end" in r else "—",
           f"{r['validation_start']:.3f} → {r['validation_end']:.3f}" if "validation_end" in r else "—"]
          for r in rows],
-        columns=["cell", "steps", "fitted recall: warm start → last", "gain", f"≥ +{target:.2f}",
+        columns=["cell", "steps", f"fitted {metric}: warm start → last", "gain", f"≥ +{target:.2f}",
                  "fitted, greedy alone (no target)", held_column])
         .pipe(_with_trainer_column, trainers))
     groups = {"": rows}  # every cell; then, with trainers, each trainer's cells (its own verdict, <trainer>/…)
@@ -127,7 +130,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
             continue
         found = verdict(group, design)
         if trainer or not trainers:
-            lines.append(_verdict_line(found, target, trainer or None))
+            lines.append(_verdict_line(found, target, metric, trainer or None))
         prefix = f"{trainer}/" if trainer else ""
         metrics |= {f"{prefix}cells_reached": float(found["reached"]), f"{prefix}cells": float(found["cells"]),
                     f"{prefix}mean_gain": found["mean"].mean, f"{prefix}mean_gain_low": found["mean"].low,
@@ -148,15 +151,15 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
             metrics[f"{r['cell']}/greedy_gain"] = r["greedy_end"] - r["greedy_start"]
         if "validation_end" in r:
             metrics[f"{r['cell']}/validation_gain"] = r["validation_end"] - r["validation_start"]
-    return text, plot_curves(histories, held, target), metrics
+    return text, plot_curves(histories, held, target, metric), metrics
 
 
-def _verdict_line(found: Mapping[str, Any], target: float, trainer: str | None) -> str:
+def _verdict_line(found: Mapping[str, Any], target: float, metric: str, trainer: str | None) -> str:
     interval: Interval = found["mean"]
     who = f"{trainer}: " if trainer else ""
     outcome = "**the loop learns**" if found["learns"] else "**not shown**"
     return (f"- {who}{outcome}: **{found['reached']} of {found['cells']} cells** gained at least +{target:.2f} "
-            f"fitted recall; the mean gain over cells is **{interval.mean:+.3f}** "
+            f"fitted {metric}; the mean gain over cells is **{interval.mean:+.3f}** "
             f"[{interval.low:+.3f}, {interval.high:+.3f}] ({interval.confidence:.0%}, the wider of a t interval "
             f"over cells and a bootstrap over cells; target ≥ +{found['mean_target']:.2f} with the interval above 0).")
 
@@ -168,14 +171,16 @@ def _with_trainer_column(table: pd.DataFrame, trainers: Mapping[str, str] | None
     return table
 
 
-def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: str | None, target: float):
-    """Fitted-set recall (left) and held-out validation recall (right) per RL step, one line per cell
-    (colour: method, line style: seed); the warm start's level dashed, the target dotted."""
-    panels = [(f"val/{FITTED_SOURCE}/recall", "fitted questions (trained on)")]
-    if any(_series(h, f"val/{FITTED_GREEDY_SOURCE}/recall") for h in histories.values()):
-        panels.append((f"val/{FITTED_GREEDY_SOURCE}/recall", "fitted questions, greedy alone (no target)"))
+def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: str | None, target: float,
+                metric: str = "recall"):
+    """The fitted score (left), the same questions greedy (middle, where scored) and the held-out score
+    (right) per RL step, one line per cell (colour: method, line style: seed); the warm start's level
+    dashed, the target dotted."""
+    panels = [(f"val/{FITTED_SOURCE}/{metric}", "fitted questions (trained on)")]
+    if any(_series(h, f"val/{FITTED_GREEDY_SOURCE}/{metric}") for h in histories.values()):
+        panels.append((f"val/{FITTED_GREEDY_SOURCE}/{metric}", "fitted questions, greedy alone (no target)"))
     if held:
-        panels.append((f"val/{held}/recall", f"validation split ({held}, held out)"))
+        panels.append((f"val/{held}/{metric}", f"validation split ({held}, held out)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     methods = sorted({cell.rsplit("_seed", 1)[0] for cell in histories})
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
@@ -195,7 +200,7 @@ def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: st
                 ax.axhline(start + target, color="grey", linestyle=":", linewidth=1, label=f"warm start + {target:.2f}")
         ax.set_title(title)
         ax.set_xlabel("RL step")
-        ax.set_ylabel("recall")
+        ax.set_ylabel(metric)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)
     fig.tight_layout()

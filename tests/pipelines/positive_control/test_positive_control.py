@@ -30,9 +30,9 @@ def _verl(n: int, split: str) -> pd.DataFrame:
 
 
 def _history(fitted: list[float], validation: list[float]) -> list[dict[str, float]]:
-    steps = [0, 2, 4][: len(fitted)]
-    return [{"step": s, "val/fitted/recall": f, "val/embedded/recall": v}
-            for s, f, v in zip(steps, fitted, validation, strict=True)]
+    steps = [0, 2, 4][: len(fitted)]  # F1 a tenth below recall: the report reads the design's metric
+    return [{"step": s, "val/fitted/recall": f, "val/embedded/recall": v, "val/fitted/f1": f - 0.1,
+             "val/embedded/f1": v - 0.1} for s, f, v in zip(steps, fitted, validation, strict=True)]
 
 
 def test_the_fitted_set_is_one_draw_for_every_cell_scored_under_its_own_source():
@@ -148,7 +148,8 @@ def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project
     # conf/base's design: 4 fitted questions, the same greedy beside, then the validation split's first 10 (of 5)
     assert len(pd.read_parquet(data / "05_model_input/positive_control/fitted_validation.parquet")) == 4 + 4 + 5
     report = (data / "08_reporting/positive_control_report.md").read_text()
-    assert "**4 of 4 cells** gained at least +0.10" in report and "**the loop learns**" in report
+    assert "**4 of 4 cells** gained at least +0.01 fitted f1" in report and "**the loop learns**" in report
+    assert "| fitted f1: warm start → last |" in report and "0.300 → 0.550" in report
     assert (data / "08_reporting/positive_control_curves.png").stat().st_size > 0
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                 filter_string="metrics.`positive_control/cells_reached` = 4")

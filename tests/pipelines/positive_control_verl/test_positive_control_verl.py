@@ -37,7 +37,8 @@ VERL_CELLS_BLOCK = {"output_dir": "out/verl", "verl": {"platform": "cpu", "n_gpu
 
 
 def _history(fitted: list[float], held: list[float], steps=(0, 5)) -> list[dict[str, float]]:
-    return [{"step": s, "val/fitted/recall": f, "val/embedded/recall": v} for s, f, v in zip(steps, fitted, held, strict=True)]
+    return [{"step": s, "val/fitted/recall": f, "val/embedded/recall": v, "val/fitted/f1": f, "val/embedded/f1": v}
+            for s, f, v in zip(steps, fitted, held, strict=True)]
 
 
 def test_a_verl_cell_trains_the_native_cells_design_through_verl():
@@ -154,5 +155,6 @@ def test_a_verl_cells_launch_composes_with_verls_own_cli(tmp_path, monkeypatch):
     assert rollout["temperature"] == native.temperature and rollout["seed"] == 1 and cfg["data"]["seed"] == 1
     assert rollout["multi_turn"]["max_assistant_turns"] == native.rollout.max_turns
     assert rollout["custom"]["max_turn_tokens"] == native.max_new_tokens
-    assert cfg["trainer"]["val_before_train"] is True and rollout["val_kwargs"]["do_sample"] is False
+    assert cfg["trainer"]["val_before_train"] is True and rollout["val_kwargs"]["do_sample"] is True
+    assert (rollout["val_kwargs"]["n"], rollout["val_kwargs"]["temperature"]) == (5, 0.3)  # the native cells' gauge
     assert cfg["data"]["val_max_samples"] == -1  # every fitted and held-out question

@@ -23,6 +23,7 @@ from spader_pipeline import tracking
 from spader_pipeline.launch.overrides import native_design_overrides, native_search_tool
 from spader_pipeline.launch.settings import verl_settings
 from spader_pipeline.pipelines.positive_control.nodes import RUN_LABEL, cell_settings
+from spader_pipeline.reporting.positive_control import FITTED_SOURCE
 from spader_pipeline.training import TrainingSettings
 
 #: the label of a verl cell's MLflow run (``positive control verl grpo seed0``) and its ``chain_kind`` tag
@@ -46,8 +47,10 @@ def verl_cell_settings(training: Mapping[str, Any], verl_cells: Mapping[str, Any
                  f"actor_rollout_ref.rollout.seed={seed}", *own.overrides)
     verl = dataclasses.replace(native.verl, **{k: getattr(own, k) for k in block if k not in ("overrides", "search_tool")},
                                overrides=overrides, search_tool={**native_search_tool(native.trainer), **own.search_tool})
-    # verl validates its questions in one batch: no per-source batch size
-    return native.with_changes(backend="verl", verl=verl, run_label=VERL_RUN_LABEL, validation={"batch_size": None})
+    # verl validates its questions in one batch (no per-source batch size) and samples every question alike
+    # (the fitted questions' count for all)
+    return native.with_changes(backend="verl", verl=verl, run_label=VERL_RUN_LABEL, validation={
+        "batch_size": None, "trajectories": native.validation.trajectories_of(FITTED_SOURCE)})
 
 
 def write_report(design: Mapping[str, Any], trainers: Mapping[str, str],
