@@ -24,6 +24,9 @@ def test_verl_names_gain_their_native_names():
     assert named["loss/policy"] == 0.25 and named["policy/entropy"] == 1.5 and named["perf/step_seconds"] == 30.0
     assert named["actor/pg_loss"] == 0.25  # verl's own names stay
     assert set(NATIVE_NAMES.values()).isdisjoint(NATIVE_NAMES)
+    # without recomputed old log-probs (bypass_mode) verl logs the entropy as its update's entropy term
+    assert with_native_names({"actor/entropy_loss": 1.25})["policy/entropy"] == 1.25
+    assert with_native_names({"actor/entropy_loss": 1.25, "actor/entropy": 1.5})["policy/entropy"] == 1.5
 
 
 def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):

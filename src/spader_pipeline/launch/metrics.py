@@ -43,13 +43,21 @@ NATIVE_NAMES = {
     # our plugin's search health, which verl files among its timings: failed searches / searches
     "timing_s/search/error_rate": "rollout/search_failed",
 }
+#: verl's name of a quantity it logs only on some paths → the native name, where the name of
+#: :data:`NATIVE_NAMES` is not logged: the policy's mean token entropy is ``actor/entropy`` where verl
+#: recomputes the old log-probs, and the update's ``actor/entropy_loss`` (the same mean, on the batch the
+#: update trains on) where the rollout's serve as the old ones (``bypass_mode``, the CPU configurations)
+NATIVE_FALLBACKS = {"actor/entropy_loss": "policy/entropy"}
 #: the files a launch's metrics go to, in ``run_dir``: verl's tracker's, then our plugin's
 METRICS_FILES = ("verl_metrics.jsonl", "step_metrics.jsonl")
 
 
 def with_native_names(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` plus, for each verl name of :data:`NATIVE_NAMES` among them, the native name."""
-    return {**metrics, **{NATIVE_NAMES[k]: v for k, v in metrics.items() if k in NATIVE_NAMES}}
+    """``metrics`` plus, for each verl name of :data:`NATIVE_NAMES` among them, the native name (and of
+    :data:`NATIVE_FALLBACKS`, where that native name is not given otherwise)."""
+    native = {NATIVE_NAMES[k]: v for k, v in metrics.items() if k in NATIVE_NAMES}
+    fallbacks = {NATIVE_FALLBACKS[k]: v for k, v in metrics.items() if k in NATIVE_FALLBACKS}
+    return {**metrics, **{k: v for k, v in fallbacks.items() if k not in native}, **native}
 
 
 def metrics_to_files(params: dict[str, Any], env: dict[str, str], run_dir: Path) -> list[Path]:
