@@ -61,6 +61,11 @@ def test_cells_of_another_kind_ask_for_their_own_resources_and_share_the_node_am
     # 2 cores, 20 GiB: the native cells a core each (2 of their kind), the verl cells a core each (2 fit at 10 GiB)
     assert [cell_options(r, LAPTOP, len(g)).num_cpus for r, g in groups] == [1, 1]
     assert cell_options(Resources(memory_gib=12), LAPTOP, 2).threads == 2  # one at once: the whole node
+    # more memory than the largest node has: all of it (it runs alone there), never a job Ray cannot place
+    small = [Node(cpus=2, memory=9 * GIB)]
+    assert cell_options(Resources(memory_gib=12), small, 2).ray_options() == {"num_cpus": 2, "num_gpus": 0.0,
+                                                                             "memory": 9 * GIB}
+    assert cell_options(Resources(num_cpus=1, memory_gib=12), small, 2).memory == 9 * GIB
     with pytest.raises(SettingsError, match=r"grid\.cells\.\*_verl_seed\*\.memory_gb"):
         GridSettings.from_mapping({"cells": {"*_verl_seed*": {"memory_gb": 10}}})
 

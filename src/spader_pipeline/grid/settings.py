@@ -125,16 +125,21 @@ def _largest(nodes: Sequence[Node]) -> Node:
     return max(nodes, key=lambda n: (n.cpus, n.memory))
 
 
-def _options(cpus: float, resources: Resources) -> JobOptions:
-    return JobOptions(num_cpus=cpus, num_gpus=resources.num_gpus, memory=int(resources.memory_gib * GIB),
-                      threads=max(1, math.floor(cpus + 1e-9)))
+def _options(cpus: float, resources: Resources, node: Node | None = None) -> JobOptions:
+    # never more memory than the largest node has: a job that asks for more would wait forever (Ray's
+    # memory is what was free when it started); asking for all of it, it runs there alone
+    memory = int(resources.memory_gib * GIB)
+    if node is not None and node.memory:
+        memory = min(memory, int(node.memory))
+    return JobOptions(num_cpus=cpus, num_gpus=resources.num_gpus, memory=memory, threads=max(1, math.floor(cpus + 1e-9)))
 
 
 def cell_options(resources: Resources, nodes: Sequence[Node], cells: int) -> JobOptions:
-    """A cell's options: ``resources``, with ``num_cpus: null`` made the cell's share of the largest node."""
-    if resources.num_cpus is not None:
-        return _options(resources.num_cpus, resources)
+    """A cell's options: ``resources``, with ``num_cpus: null`` made the cell's share of the largest node,
+    and its memory at most that node's."""
     node = _largest(nodes)
+    if resources.num_cpus is not None:
+        return _options(resources.num_cpus, resources, node)
     fit = max(1, cells)
     if resources.memory_gib and node.memory:
         fit = min(fit, int(node.memory // (resources.memory_gib * GIB)))
@@ -144,11 +149,12 @@ def cell_options(resources: Resources, nodes: Sequence[Node], cells: int) -> Job
     share = node.cpus / fit
     # Ray takes fractions of one CPU (to 1e-4) or whole CPUs
     cpus = math.floor(share) if share >= 1 else math.floor(share * 10_000) / 10_000
-    return _options(max(cpus, 1e-4), resources)
+    return _options(max(cpus, 1e-4), resources, node)
 
 
 def shared_options(resources: Resources, nodes: Sequence[Node]) -> JobOptions:
-    """The shared part's options: ``resources``, with ``num_cpus: null`` made every CPU of the largest node."""
-    if resources.num_cpus is not None:
-        return _options(resources.num_cpus, resources)
-    return _options(max(1.0, math.floor(_largest(nodes).cpus)), resources)
+    """The shared part's options: ``resources``, with ``num_cpus: null`` made every CPU of the largest node,
+    and its memory at most that node's."""
+    node = _largest(nodes)
+    cpus = resources.num_cpus if resources.num_cpus is not None else max(1.0, math.floor(node.cpus))
+    return _options(cpus, resources, node)
