@@ -136,11 +136,11 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                     f"{prefix}mean_gain": found["mean"].mean, f"{prefix}mean_gain_low": found["mean"].low,
                     f"{prefix}mean_gain_high": found["mean"].high, f"{prefix}learns": float(found["learns"]),
                     f"{prefix}min_gain": float(min(r["gain"] for r in group))}
-    grain_text = (f" One trajectory moves a cell's fitted score by at most {grain:.3f}." if grain else "")
+    grain_text = (f". One trajectory moves a cell's fitted score by at most {grain:.3f}" if grain else "")
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",
         f"Each cell trained from the shared warm start on the same {fitted} training questions "
-        f"and was scored on them from step 0{grain_text} The validation split's first "
+        f"and was scored on them from step 0{grain_text}. The validation split's first "
         f"{design['validation_questions']} questions are held out (no target).", "",
         *lines, "", table,
         "The fitted questions are the training questions: a gain here shows that the loop learns what it "
