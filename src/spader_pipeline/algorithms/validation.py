@@ -71,8 +71,7 @@ class ValidationSettings:
                for size in sizes):
             raise ValueError(f"validation.batch_size={self.batch_size!r}: use null (one batch), a count of at least "
                              "1, or {data_source: count}")
-        counts = self.trajectories.values() if isinstance(self.trajectories, Mapping) else [self.trajectories]
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self._counts()):
             raise ValueError(f"validation.trajectories={self.trajectories!r}: use a count of at least 1 (1: greedy), "
                              "or {data_source: count}")
         if self.temperature is not None and not self.temperature > 0:
@@ -88,8 +87,14 @@ class ValidationSettings:
     @property
     def sampled(self) -> bool:
         """Whether any question is scored on sampled trajectories."""
-        counts = self.trajectories.values() if isinstance(self.trajectories, Mapping) else [self.trajectories]
-        return any(n > 1 for n in counts)
+        return any(n > 1 for n in self._counts())
+
+    def sampling_temperature(self, training_temperature: float) -> float:
+        """The sampled trajectories' temperature: :attr:`temperature`, else the training's."""
+        return training_temperature if self.temperature is None else self.temperature
+
+    def _counts(self) -> list[Any]:
+        return list(self.trajectories.values()) if isinstance(self.trajectories, Mapping) else [self.trajectories]
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether step ``step`` (0 = before training) is validated."""

@@ -240,7 +240,7 @@ def validation_overrides(validation: Mapping[str, Any], temperature: float = 1.0
     if settings.sampled:  # the rollout's temperature where validation names none (verl's val_kwargs has its own)
         decoding = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
                     f"actor_rollout_ref.rollout.val_kwargs.n={settings.trajectories}",
-                    f"actor_rollout_ref.rollout.val_kwargs.temperature={_value(temperature if settings.temperature is None else settings.temperature)}"]
+                    f"actor_rollout_ref.rollout.val_kwargs.temperature={_value(settings.sampling_temperature(temperature))}"]
     return [
         f"trainer.test_freq={settings.every or -1}",
         f"trainer.val_before_train={_value(settings.before_train)}",

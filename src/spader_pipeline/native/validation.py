@@ -73,7 +73,7 @@ def validate_policy(
                                                          prompt_template, batch_size=validation.batch_size, **limits),
                              strict=True):
         per_question[i] = [trajectory]
-    sampling_temperature = temperature if validation.temperature is None else validation.temperature
+    sampling_temperature = validation.sampling_temperature(temperature)
     for i, n in enumerate(counts):
         if n > 1:
             per_question[i] = sampled_trajectories(model, tokenizer, samples[i], n, search, rollout, prompt_template,
@@ -110,11 +110,10 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
                         prompt_template: str, *, max_new_tokens: int, max_prompt_tokens: int,
                         bf16: bool | str, validation: ValidationSettings = GREEDY, temperature: float = 1.0,
                         engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
-    """What determines a greedy validation of the model at ``model_path``: its weights (name, size,
+    """What determines a validation of the model at ``model_path``: its weights (name, size,
     mtime), the questions, the turn limits, the prompt, the precision, the batching, the sampled trajectories
     (their count, temperature and seed) and the rollout engine.
     Two methods starting from the same warm start share their step-0 validation when these are equal."""
-    batch_size = validation.batch_size
     return json.loads(json.dumps({  # as stored in the catalog's JSON (tuples become lists)
         "model": str(Path(model_path).resolve()),
         "weights": weights_stamp(model_path),
@@ -125,11 +124,9 @@ def validation_identity(model_path: str | Path, samples: Sequence[Mapping[str, A
         "max_prompt_tokens": int(max_prompt_tokens),
         "bf16": bool(bf16),
         # only when set: an identity stored before the setting existed (one batch) still matches
-        **({} if batch_size is None else {"batch_size": dict(batch_size) if isinstance(batch_size, Mapping)
-                                          else int(batch_size)}),
+        **({} if validation.batch_size is None else {"batch_size": _plain(validation.batch_size)}),
         **({"trajectories": _plain(validation.trajectories), "seed": validation.seed,
-            "temperature": temperature if validation.temperature is None else validation.temperature}
-           if validation.sampled else {}),
+            "temperature": validation.sampling_temperature(temperature)} if validation.sampled else {}),
         **({} if engine == DEFAULT_ENGINE else {"engine": engine}),  # the default: as before the setting
     }, default=str))
 
