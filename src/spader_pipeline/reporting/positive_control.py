@@ -75,6 +75,11 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
     return rows
 
 
+def fitted_count(design: Mapping[str, Any]) -> int:
+    """The fitted set's size: ``question_ids``' length where it names them, else ``questions``."""
+    return len(design.get("question_ids") or ()) or int(design["questions"])
+
+
 def mean_gain_interval(gains: Sequence[float], confidence: float = 0.95) -> Interval:
     """The mean of the cells' ``gains`` (``[cells]``) with the wider of its t interval over cells (``df =
     cells − 1``) and its percentile bootstrap over cells (rule 11: with few cells the t interval is the
@@ -108,7 +113,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
     ``trainers`` each trainer's under ``<trainer>/``. ``grain``: the most one trajectory moves a cell's
     fitted score."""
     target, metric = float(design["target_gain"]), str(design.get("metric", "recall"))
-    fitted = len(design.get("question_ids") or ()) or int(design["questions"])
+    fitted = fitted_count(design)
     rows = cell_outcomes(histories, target, metric)
     held = held_out_source(histories)
     held_column = f"validation {metric} ({held or '—'}, greedy): warm start → last"

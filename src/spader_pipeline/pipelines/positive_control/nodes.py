@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from spader_pipeline import tracking
-from spader_pipeline.reporting.positive_control import FITTED_GREEDY_SOURCE, FITTED_SOURCE
+from spader_pipeline.reporting.positive_control import FITTED_GREEDY_SOURCE, FITTED_SOURCE, fitted_count
 from spader_pipeline.training import TrainingSettings
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ def start_validation_settings(training: Mapping[str, Any]) -> TrainingSettings:
 def fitted_grain(design: Mapping[str, Any], training: Mapping[str, Any]) -> float:
     """The most one trajectory moves a cell's fitted score: ``1 / (fitted questions × trajectories per
     fitted question)`` (``training.validation.trajectories``)."""
-    questions = len(design.get("question_ids") or ()) or int(design["questions"])
-    return 1.0 / (questions * TrainingSettings.from_mapping(training).validation.trajectories_of(FITTED_SOURCE))
+    return 1.0 / (fitted_count(design) * TrainingSettings.from_mapping(training).validation.trajectories_of(FITTED_SOURCE))
 
 
 def write_report(design: Mapping[str, Any], training: Mapping[str, Any],
