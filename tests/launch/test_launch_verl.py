@@ -148,6 +148,7 @@ def test_launch_command_carries_method_model_reward_and_cluster(launch, tmp_path
     assert "++reward.reward_kwargs.beta=4.0" in argv and "++algorithm.spa.gamma=0.9" in argv
     assert "++reward.reward_kwargs.cost_free_steps=100" in argv  # shared training.reward reaches VERL
     assert "++ray_kwargs.ray_init.address=10.0.0.1:6379" in argv
+    assert argv[-1] == f"hydra.run.dir={(tmp_path / 'run' / 'hydra').resolve()}"  # Hydra writes into the run
     tool_cfg = next(a.split("=", 1)[1] for a in argv if a.startswith("actor_rollout_ref.rollout.multi_turn.tool_config_path="))
     tools = yaml.safe_load(Path(tool_cfg).read_text())["tools"]
     assert tools[0]["config"]["retrieval_service_url"] == "http://127.0.0.1:8123"
@@ -191,11 +192,12 @@ def test_environment_keeps_other_external_modules():
 def test_generated_command_composes_with_cfg_job(launch, tmp_path):
     """verl's real CLI (``python -m verl.trainer.main_ppo ... --cfg job``) composes the launcher's
     command: the spader overlay with the llama3_8b schedule group and the Kedro overrides on top."""
-    proc = subprocess.run([*launch.argv, "--cfg", "job"], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([*launch.argv, "--cfg", "all"], capture_output=True, text=True, timeout=300,
                           env=launch.env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["algorithm"]["adv_estimator"] == "spa"
+    assert cfg["hydra"]["run"]["dir"] == str((tmp_path / "run" / "hydra").resolve())  # not ./outputs/<date>
     assert cfg["actor_rollout_ref"]["model"]["path"] == str(tmp_path / "warm")
     assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1.0e-5  # the llama3_8b schedule group
     assert cfg["reward"]["reward_kwargs"]["cost_free_steps"] == 100  # Kedro's shared value wins over the group's

@@ -229,6 +229,7 @@ def build_launch(
         params["overrides"] = [*params["overrides"], f"++ray_kwargs.ray_init.address={ray_address}"]
     env = verl_environment(tracking_uri=tracking_uri, run_id=run_id, ray_address=ray_address, platform=verl.platform)
     metrics_files = metrics_to_files(params, env, run_dir) if run_id else []
-    params["overrides"] = [*params["overrides"], *ray_env_overrides(env)]
+    # Hydra's own output folder (.hydra/, main_ppo.log) in the run, not in whichever directory launched it
+    params["overrides"] = [*params["overrides"], *ray_env_overrides(env), f"hydra.run.dir={run_dir.resolve() / 'hydra'}"]
     argv = main_ppo_argv(params, config_dir, python=python)
     return Launch(argv, env, run_dir / "verl.log", run_dir, extra={"params": params, "metrics_files": metrics_files})
