@@ -103,7 +103,7 @@ def verdict(rows: Sequence[Mapping[str, Any]], design: Mapping[str, Any]) -> dic
 
 def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design: Mapping[str, Any],
                  trainers: Mapping[str, str] | None = None, grain: float | None = None,
-                 ) -> tuple[str, Any, dict[str, float]]:
+                 gauge: str | None = None) -> tuple[str, Any, dict[str, float]]:
     """Markdown, figure and metrics of the positive control. ``design``: ``questions`` (fitted-set
     size, unless ``question_ids`` names them), ``validation_questions``, ``metric`` (``val/…/<metric>``:
     ``f1`` or ``recall``, the default), ``target_gain`` (every cell),
@@ -111,7 +111,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
     ``verl``): a trainer column after the cell's and a verdict per trainer, for one table of both
     trainers' cells (``make positive-control-verl``); the metrics are over every cell, and with
     ``trainers`` each trainer's under ``<trainer>/``. ``grain``: the most one trajectory moves a cell's
-    fitted score."""
+    fitted score; ``gauge``: what that score is, in words (e.g. the trajectories it is a mean over)."""
     target, metric = float(design["target_gain"]), str(design.get("metric", "recall"))
     fitted = fitted_count(design)
     rows = cell_outcomes(histories, target, metric)
@@ -145,7 +145,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",
         f"Each cell trained from the shared warm start on the same {fitted} training questions "
-        f"and was scored on them from step 0{grain_text}. The validation split's first "
+        f"and was scored on them from step 0{f' ({gauge})' if gauge else ''}{grain_text}. The validation split's first "
         f"{design['validation_questions']} questions are held out (no target).", "",
         *lines, "", table,
         "The fitted questions are the training questions: a gain here shows that the loop learns what it "

@@ -150,6 +150,7 @@ def test_the_fitted_set_and_the_report_run_through_a_kedro_session(kedro_project
     report = (data / "08_reporting/positive_control_report.md").read_text()
     assert "**4 of 4 cells** gained at least +0.01 fitted f1" in report and "**the loop learns**" in report
     assert "| fitted f1: warm start → last |" in report and "0.300 → 0.550" in report
+    assert "scored on them from step 0 (each question's greedy trajectory)" in report  # conf/test's gauge, named
     assert (data / "08_reporting/positive_control_curves.png").stat().st_size > 0
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                 filter_string="metrics.`positive_control/cells_reached` = 4")
@@ -169,3 +170,14 @@ def test_the_selection_script_ranks_by_the_spread_of_sampled_recall_not_by_greed
             {"id": "less", "sampled": [0.2, 0.4] * 4, "greedy": 0.0},
             {"id": "less_higher", "sampled": [0.4, 0.6] * 4, "greedy": 1.0}]
     assert [r["id"] for r in script.rank_by_spread(rows)] == ["spread", "less_higher", "less", "tied"]
+
+
+def test_the_report_names_the_gauge_its_scores_come_from():
+    from spader_pipeline.pipelines.positive_control.nodes import fitted_gauge
+
+    sampled = {"validation": {"trajectories": {"fitted": 12}, "seed": 3}, "native": {"temperature": 0.7}}
+    assert fitted_gauge(sampled) == ("each question's mean over 12 trajectories sampled at T = 0.7, the same draws "
+                                     "(validation seed 3) for every cell")
+    colder = {**sampled, "validation": {**sampled["validation"], "temperature": 0.3}}
+    assert "sampled at T = 0.3" in fitted_gauge(colder)  # the validation's own temperature, where it names one
+    assert fitted_gauge({}) == "each question's greedy trajectory"

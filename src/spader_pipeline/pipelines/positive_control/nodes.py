@@ -91,6 +91,18 @@ def fitted_grain(design: Mapping[str, Any], training: Mapping[str, Any]) -> floa
     return 1.0 / (fitted_count(design) * TrainingSettings.from_mapping(training).validation.trajectories_of(FITTED_SOURCE))
 
 
+def fitted_gauge(training: Mapping[str, Any]) -> str:
+    """What a cell's fitted score is, in words: ``training.validation``'s trajectories per fitted
+    question, their temperature and draws, or the greedy trajectory."""
+    settings = TrainingSettings.from_mapping(training)
+    validation, count = settings.validation, settings.validation.trajectories_of(FITTED_SOURCE)
+    if count == 1:
+        return "each question's greedy trajectory"
+    temperature = validation.sampling_temperature(settings.trainer.temperature)
+    return (f"each question's mean over {count} trajectories sampled at T = {temperature:g}, "
+            f"the same draws (validation seed {validation.seed}) for every cell")
+
+
 def write_report(design: Mapping[str, Any], training: Mapping[str, Any],
                  **histories: list[dict[str, float]]) -> tuple[str, Any, dict[str, float]]:
     """The report (markdown, figure, metrics) over every cell's history (keyword ``<cell>__history``);
@@ -99,7 +111,8 @@ def write_report(design: Mapping[str, Any], training: Mapping[str, Any],
     from spader_pipeline.reporting.positive_control import build_report
 
     cells = {name.removesuffix("__history"): history for name, history in histories.items()}
-    text, figure, metrics = build_report(cells, design, grain=fitted_grain(design, training))
+    text, figure, metrics = build_report(cells, design, grain=fitted_grain(design, training),
+                                         gauge=fitted_gauge(training))
     tracking.log_text(text, "positive_control/report.md")
     tracking.log_figure(figure, "positive_control/curves.png")
     return text, figure, metrics
