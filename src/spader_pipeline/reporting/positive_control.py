@@ -116,7 +116,9 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
     fitted = fitted_count(design)
     rows = cell_outcomes(histories, target, metric)
     held = held_out_source(histories)
-    held_column = f"validation {metric} ({held or '—'}, greedy): warm start → last"
+    # verl samples every validation question as it samples the fitted ones (one val_kwargs for all)
+    decoded = "greedy; verl cells: sampled as the fitted" if "verl" in (trainers or {}).values() else "greedy"
+    held_column = f"validation {metric} ({held or '—'}, {decoded}): warm start → last"
     table = markdown_table(pd.DataFrame(
         [[r["cell"], r["steps"], f"{r['fitted_start']:.3f} → {r['fitted_end']:.3f}", f"{r['gain']:+.3f}",
           "yes" if r["reached"] else "no",

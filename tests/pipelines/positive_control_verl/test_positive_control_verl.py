@@ -93,6 +93,7 @@ def test_the_report_shows_both_trainers_cells_in_one_table_under_the_same_names(
     assert [line.split(" | ")[:2] for line in table] == [["| fit_grpo_seed0", "native"], ["| fit_grpo_verl_seed0", "verl"],
                                                          ["| fit_spader_verl_seed0", "verl"]]
     assert "| cell | trainer | steps |" in text and "- native: **not shown**: **1 of 1 cells** gained at least +0.20" in text
+    assert "(embedded, greedy; verl cells: sampled as the fitted): warm start → last" in text  # verl samples them
     assert "- verl: **not shown**: **1 of 2 cells** gained at least +0.20 fitted recall; the mean gain over cells is **+0.150**" in text
     assert metrics["verl/cells_reached"] == 1 and metrics["native/mean_gain"] == pytest.approx(0.25)
     assert metrics["fit_spader_verl_seed0/gain"] == pytest.approx(0.25) and metrics["cells"] == 3
