@@ -4,9 +4,10 @@ Each cell (method × seed) trains from the shared warm start on a small fixed se
 questions (the *fitted set*) and is scored on exactly those questions from step 0
 on the design's ``metric`` (``f1``, the reward's final-answer F1, or ``recall``): ``val/fitted/<metric>``,
 each question's mean over the trajectories ``training.validation`` samples for it (or its greedy
-trajectory), beside the same questions greedy (``val/fitted_greedy/<metric>``, no target) and the first
-questions of the validation split (held out, no target). The warm start's score is step 0 of every
-curve.
+trajectory), beside the training batches' own ``answer/<metric>`` (the same questions as the loop samples
+them, first third of the steps against the last: the learning curve), the same questions greedy
+(``val/fitted_greedy/<metric>``) and the first questions of the validation split (held out); none of
+these three has a target. The warm start's score is step 0 of every curve.
 
 The verdict holds two targets (docs/results.md says how they were chosen): **every cell** gains at
 least ``target_gain``, and **the mean over cells** gains at least ``target_mean_gain`` with the lower
@@ -71,8 +72,21 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
             row.update(validation_start=validation[0][1], validation_end=validation[-1][1])
         if greedy := _series(history, f"val/{FITTED_GREEDY_SOURCE}/{metric}"):
             row.update(greedy_start=greedy[0][1], greedy_end=greedy[-1][1])
+        row.update(training_thirds(history, metric))
         rows.append(row)
     return rows
+
+
+def training_thirds(history: Sequence[Mapping[str, float]], metric: str) -> dict[str, float]:
+    """The training batches' own ``answer/<metric>`` (the fitted questions sampled at the training
+    temperature, ``prompts_per_step × group_size`` trajectories a step) averaged over the first and the
+    last third of the steps (``training_start``, ``training_end``; empty with fewer than 2 steps): the
+    loop's learning curve, beside the gauge, without a target."""
+    values = [float(h[f"answer/{metric}"]) for h in history if h.get("step", 0) >= 1 and f"answer/{metric}" in h]
+    if len(values) < 2:
+        return {}
+    third = max(1, len(values) // 3)
+    return {"training_start": float(np.mean(values[:third])), "training_end": float(np.mean(values[-third:]))}
 
 
 def fitted_count(design: Mapping[str, Any]) -> int:
@@ -122,10 +136,12 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
     table = markdown_table(pd.DataFrame(
         [[r["cell"], r["steps"], f"{r['fitted_start']:.3f} → {r['fitted_end']:.3f}", f"{r['gain']:+.3f}",
           "yes" if r["reached"] else "no",
+          f"{r['training_start']:.3f} → {r['training_end']:.3f}" if "training_end" in r else "—",
           f"{r['greedy_start']:.3f} → {r['greedy_end']:.3f}" if "greedy_end" in r else "—",
           f"{r['validation_start']:.3f} → {r['validation_end']:.3f}" if "validation_end" in r else "—"]
          for r in rows],
         columns=["cell", "steps", f"fitted {metric}: warm start → last", "gain", f"≥ +{target:.2f}",
+                 "training batches: first third of the steps → last (no target)",
                  "fitted, greedy alone (no target)", held_column])
         .pipe(_with_trainer_column, trainers))
     groups = {"": rows}  # every cell; then, with trainers, each trainer's cells (its own verdict, <trainer>/…)
@@ -144,12 +160,21 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                     f"{prefix}mean_gain_high": found["mean"].high, f"{prefix}learns": float(found["learns"]),
                     f"{prefix}min_gain": float(min(r["gain"] for r in group))}
     grain_text = (f". One trajectory moves a cell's fitted score by at most {grain:.3f}" if grain else "")
+    rises = [r["training_end"] - r["training_start"] for r in rows if "training_end" in r]
+    training_text = []
+    if len(rises) == len(rows) and len(rows) > 1:
+        rise = mean_gain_interval(rises, float(design.get("confidence", 0.95)))
+        metrics |= {"training_rise": rise.mean, "training_rise_low": rise.low, "training_rise_high": rise.high}
+        training_text = [f"- The training batches' own {metric} (the fitted questions sampled as the loop samples "
+                         f"them), from the first third of the steps to the last: **{rise.mean:+.3f}** "
+                         f"[{rise.low:+.3f}, {rise.high:+.3f}] over cells, {sum(x > 0 for x in rises)} of "
+                         f"{len(rises)} cells rising (the loop's learning curve; no target)."]
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",
         f"Each cell trained from the shared warm start on the same {fitted} training questions "
         f"and was scored on them from step 0{f' ({gauge})' if gauge else ''}{grain_text}. The validation split's first "
         f"{design['validation_questions']} questions are held out (no target).", "",
-        *lines, "", table,
+        *lines, *training_text, "", table,
         "The fitted questions are the training questions: a gain here shows that the loop learns what it "
         "is rewarded for, not that it generalises (held-out gains: docs/gpu.md).", ""])
     for r in rows:
@@ -158,6 +183,8 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
             metrics[f"{r['cell']}/greedy_gain"] = r["greedy_end"] - r["greedy_start"]
         if "validation_end" in r:
             metrics[f"{r['cell']}/validation_gain"] = r["validation_end"] - r["validation_start"]
+        if "training_end" in r:
+            metrics[f"{r['cell']}/training_rise"] = r["training_end"] - r["training_start"]
     return text, plot_curves(histories, held, target, metric), metrics
 
 
@@ -180,10 +207,12 @@ def _with_trainer_column(table: pd.DataFrame, trainers: Mapping[str, str] | None
 
 def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: str | None, target: float,
                 metric: str = "recall"):
-    """The fitted score (left), the same questions greedy (middle, where scored) and the held-out score
-    (right) per RL step, one line per cell (colour: method, line style: seed); the warm start's level
-    dashed, the target dotted."""
+    """The fitted score (left), the training batches' own score (where logged), the same questions greedy
+    (where scored) and the held-out score (right) per RL step, one line per cell (colour: method, line
+    style: seed); the warm start's level dashed, the target dotted."""
     panels = [(f"val/{FITTED_SOURCE}/{metric}", "fitted questions (trained on)")]
+    if any(_series(h, f"answer/{metric}") for h in histories.values()):
+        panels.append((f"answer/{metric}", "training batches: the same questions as sampled in training (no target)"))
     if any(_series(h, f"val/{FITTED_GREEDY_SOURCE}/{metric}") for h in histories.values()):
         panels.append((f"val/{FITTED_GREEDY_SOURCE}/{metric}", "fitted questions, greedy alone (no target)"))
     if held:

@@ -176,8 +176,29 @@ def test_the_report_names_the_gauge_its_scores_come_from():
     from spader_pipeline.pipelines.positive_control.nodes import fitted_gauge
 
     sampled = {"validation": {"trajectories": {"fitted": 12}, "seed": 3}, "native": {"temperature": 0.7}}
-    assert fitted_gauge(sampled) == ("each question's mean over 12 trajectories sampled at T = 0.7, the same draws "
-                                     "(validation seed 3) for every cell")
+    assert fitted_gauge(sampled) == ("each question's mean over 12 trajectories sampled at T = 0.7 from validation "
+                                     "seed 3's draws, the same for every cell")
     colder = {**sampled, "validation": {**sampled["validation"], "temperature": 0.3}}
     assert "sampled at T = 0.3" in fitted_gauge(colder)  # the validation's own temperature, where it names one
     assert fitted_gauge({}) == "each question's greedy trajectory"
+
+
+def test_the_training_batches_curve_is_reported_beside_the_gauge_without_a_target():
+    from spader_pipeline.reporting.positive_control import training_thirds
+
+    def history(train_f1):
+        steps = [{"step": k + 1, "answer/f1": v} for k, v in enumerate(train_f1)]
+        steps[-1]["val/fitted/f1"] = 0.5  # the gauge, flat
+        return [{"step": 0, "val/fitted/f1": 0.5}, *steps]
+
+    # six steps: the first two (0.4, 0.5) against the last two (0.6, 0.8)
+    assert training_thirds(history([0.4, 0.5, 0.1, 0.9, 0.6, 0.8]), "f1") == pytest.approx(
+        {"training_start": 0.45, "training_end": 0.7})
+    cells = {f"fit_grpo_seed{k}": history([0.4, 0.4, 0.5, 0.5, 0.6, 0.6 + 0.1 * k]) for k in range(3)}
+    text, figure, metrics = build_report(cells, {**DESIGN, "metric": "f1", "target_gain": 0.01})
+    assert "**not shown**" in text  # the gauge did not move: the training curve carries no verdict
+    assert metrics["fit_grpo_seed2/training_rise"] == pytest.approx((0.6 + 0.8) / 2 - 0.4)
+    assert metrics["training_rise"] == pytest.approx((0.2 + 0.25 + 0.3) / 3)
+    assert "3 of 3 cells rising (the loop's learning curve; no target)" in text
+    assert "| 0.400 → 0.600 |" in text
+    assert [ax.get_title().split(":")[0] for ax in figure.axes] == ["fitted questions (trained on)", "training batches"]

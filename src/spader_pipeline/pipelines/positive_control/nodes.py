@@ -99,8 +99,8 @@ def fitted_gauge(training: Mapping[str, Any]) -> str:
     if count == 1:
         return "each question's greedy trajectory"
     temperature = validation.sampling_temperature(settings.trainer.temperature)
-    return (f"each question's mean over {count} trajectories sampled at T = {temperature:g}, "
-            f"the same draws (validation seed {validation.seed}) for every cell")
+    return (f"each question's mean over {count} trajectories sampled at T = {temperature:g} from validation "
+            f"seed {validation.seed}'s draws, the same for every cell")
 
 
 def write_report(design: Mapping[str, Any], training: Mapping[str, Any],
