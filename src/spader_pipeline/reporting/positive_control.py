@@ -212,15 +212,19 @@ def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: st
     style: seed); the warm start's level dashed, the target dotted."""
     panels = [(f"val/{FITTED_SOURCE}/{metric}", "fitted questions (trained on)")]
     if any(_series(h, f"answer/{metric}") for h in histories.values()):
-        panels.append((f"answer/{metric}", "training batches: the same questions as sampled in training (no target)"))
+        panels.append((f"answer/{metric}", "training batches: the same questions, sampled (no target)"))
     if any(_series(h, f"val/{FITTED_GREEDY_SOURCE}/{metric}") for h in histories.values()):
         panels.append((f"val/{FITTED_GREEDY_SOURCE}/{metric}", "fitted questions, greedy alone (no target)"))
     if held:
         panels.append((f"val/{held}/{metric}", f"validation split ({held}, held out)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    columns = min(len(panels), 2)  # two panels a row: four side by side are too narrow to read
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for spare in axes.flat[len(panels):]:
+        spare.remove()
     methods = sorted({cell.rsplit("_seed", 1)[0] for cell in histories})
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
-    for ax, (key, title) in zip(axes[0], panels, strict=True):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         start = None
         for cell, history in sorted(histories.items()):
             points = _series(history, key)
