@@ -137,7 +137,8 @@ def test_a_verl_cells_launch_composes_with_verls_own_cli(tmp_path, monkeypatch):
     params = OmegaConfigLoader(str(root / "conf"), base_env="base", default_run_env="positive_control",
                                merge_strategy={"parameters": "soft"})["parameters"]
     settings = verl_cell_settings(params["training"], params["positive_control_verl"], seed=1)
-    native = cell_settings(params["training"], "out", seed=1).trainer
+    native_cell = cell_settings(params["training"], "out", seed=1)
+    native, gauge = native_cell.trainer, native_cell.validation
     warm = tmp_path / "warm"
     warm.mkdir()
     (warm / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -157,5 +158,7 @@ def test_a_verl_cells_launch_composes_with_verls_own_cli(tmp_path, monkeypatch):
     assert rollout["multi_turn"]["max_assistant_turns"] == native.rollout.max_turns
     assert rollout["custom"]["max_turn_tokens"] == native.max_new_tokens
     assert cfg["trainer"]["val_before_train"] is True and rollout["val_kwargs"]["do_sample"] is True
-    assert (rollout["val_kwargs"]["n"], rollout["val_kwargs"]["temperature"]) == (5, 0.3)  # the native cells' gauge
+    # the native cells' gauge (conf/positive_control): their fitted questions' draws and temperature
+    assert rollout["val_kwargs"]["n"] == gauge.trajectories_of("fitted")
+    assert rollout["val_kwargs"]["temperature"] == gauge.sampling_temperature(native.temperature)
     assert cfg["data"]["val_max_samples"] == -1  # every fitted and held-out question
