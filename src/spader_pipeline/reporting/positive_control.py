@@ -72,7 +72,8 @@ def cell_outcomes(histories: Mapping[str, Sequence[Mapping[str, float]]], target
             row.update(validation_start=validation[0][1], validation_end=validation[-1][1])
         if greedy := _series(history, f"val/{FITTED_GREEDY_SOURCE}/{metric}"):
             row.update(greedy_start=greedy[0][1], greedy_end=greedy[-1][1])
-        row.update(training_thirds(history, metric))
+        if thirds := training_thirds(history, metric):
+            row.update(thirds, training_rise=thirds["training_end"] - thirds["training_start"])
         rows.append(row)
     return rows
 
@@ -160,7 +161,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                     f"{prefix}mean_gain_high": found["mean"].high, f"{prefix}learns": float(found["learns"]),
                     f"{prefix}min_gain": float(min(r["gain"] for r in group))}
     grain_text = (f". One trajectory moves a cell's fitted score by at most {grain:.3f}" if grain else "")
-    rises = [r["training_end"] - r["training_start"] for r in rows if "training_end" in r]
+    rises = [r["training_rise"] for r in rows if "training_rise" in r]
     training_text = []
     if len(rises) == len(rows) and len(rows) > 1:
         rise = mean_gain_interval(rises, float(design.get("confidence", 0.95)))
@@ -183,8 +184,8 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
             metrics[f"{r['cell']}/greedy_gain"] = r["greedy_end"] - r["greedy_start"]
         if "validation_end" in r:
             metrics[f"{r['cell']}/validation_gain"] = r["validation_end"] - r["validation_start"]
-        if "training_end" in r:
-            metrics[f"{r['cell']}/training_rise"] = r["training_end"] - r["training_start"]
+        if "training_rise" in r:
+            metrics[f"{r['cell']}/training_rise"] = r["training_rise"]
     return text, plot_curves(histories, held, target, metric), metrics
 
 
@@ -224,7 +225,7 @@ def plot_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], held: st
         spare.remove()
     methods = sorted({cell.rsplit("_seed", 1)[0] for cell in histories})
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
-    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+    for ax, (key, title) in zip(axes.flat[: len(panels)], panels, strict=True):
         start = None
         for cell, history in sorted(histories.items()):
             points = _series(history, key)
