@@ -83,11 +83,48 @@ def training_thirds(history: Sequence[Mapping[str, float]], metric: str) -> dict
     temperature, ``prompts_per_step × group_size`` trajectories a step) averaged over the first and the
     last third of the steps (``training_start``, ``training_end``; empty with fewer than 2 steps): the
     loop's learning curve, beside the gauge, without a target."""
-    values = [float(h[f"answer/{metric}"]) for h in history if h.get("step", 0) >= 1 and f"answer/{metric}" in h]
+    ends = _first_and_last_third(history, f"answer/{metric}")
+    return {"training_start": ends[0], "training_end": ends[1]} if ends else {}
+
+
+def _first_and_last_third(history: Sequence[Mapping[str, float]], key: str) -> tuple[float, float] | None:
+    """``key``'s mean over the first and over the last third of the RL steps (step ≥ 1) that log it;
+    ``None`` with fewer than 2 such steps."""
+    values = [float(h[key]) for h in history if h.get("step", 0) >= 1 and key in h]
     if len(values) < 2:
-        return {}
+        return None
     third = max(1, len(values) // 3)
-    return {"training_start": float(np.mean(values[:third])), "training_end": float(np.mean(values[-third:]))}
+    return float(np.mean(values[:third])), float(np.mean(values[-third:]))
+
+
+#: what a cell's training batches say about its mechanism (key, column): the method's own reward (F1 for
+#: GRPO; F1 plus the exploration term for SPADER, docs/algorithms.md), its exploration part, the gold
+#: answers found in the retrieved text, and how sharp the policy is (docs/metrics.md)
+MECHANISM_COLUMNS = (
+    ("method_reward/mean", "own reward (what it optimises)"),
+    ("method_reward/discovery_mean", "of which exploration"),
+    ("retrieval/recall", "gold answers retrieved"),
+    ("policy/entropy", "token entropy"),
+)
+
+
+def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]]) -> tuple[str, dict[str, float]]:
+    """Per cell, each of :data:`MECHANISM_COLUMNS` over its training batches, first third of the steps →
+    last (``—`` where the cell does not log it): markdown and ``<cell>/reward_rise`` (its own reward's
+    rise). Empty where no cell logs its own reward."""
+    if not any(_first_and_last_third(h, MECHANISM_COLUMNS[0][0]) for h in histories.values()):
+        return "", {}
+    rows, metrics = [], {}
+    for cell, history in histories.items():
+        row = [cell]
+        for key, _ in MECHANISM_COLUMNS:
+            ends = _first_and_last_third(history, key)
+            row.append(f"{ends[0]:.3f} → {ends[1]:.3f}" if ends else "—")
+            if ends and key == MECHANISM_COLUMNS[0][0]:
+                metrics[f"{cell}/reward_rise"] = ends[1] - ends[0]
+        rows.append(row)
+    table = markdown_table(pd.DataFrame(rows, columns=["cell", *(name for _, name in MECHANISM_COLUMNS)]))
+    return table, metrics
 
 
 def fitted_count(design: Mapping[str, Any]) -> int:
@@ -170,6 +207,8 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                          f"them), from the first third of the steps to the last: **{rise.mean:+.3f}** "
                          f"[{rise.low:+.3f}, {rise.high:+.3f}] over cells, {sum(x > 0 for x in rises)} of "
                          f"{len(rises)} cells rising (the loop's learning curve; no target)."]
+    mechanism, mechanism_metrics = mechanism_table(histories)
+    metrics |= mechanism_metrics
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",
         f"Each cell trained from the shared warm start on the same {fitted} training questions "
@@ -177,7 +216,9 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
         f"{design['validation_questions']} questions are held out (no target).", "",
         *lines, *training_text, "", table,
         "The fitted questions are the training questions: a gain here shows that the loop learns what it "
-        "is rewarded for, not that it generalises (held-out gains: docs/gpu.md).", ""])
+        "is rewarded for, not that it generalises (held-out gains: docs/gpu.md).", "",
+        *(["What each cell was rewarded for, and what moved (its training batches, first third of the steps "
+           "→ last; no target):", "", mechanism, ""] if mechanism else [])])
     for r in rows:
         metrics[f"{r['cell']}/gain"] = r["gain"]
         if "greedy_end" in r:

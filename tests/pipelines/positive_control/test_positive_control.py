@@ -202,3 +202,26 @@ def test_the_training_batches_curve_is_reported_beside_the_gauge_without_a_targe
     assert "3 of 3 cells rising (the loop's learning curve; no target)" in text
     assert "| 0.400 → 0.600 |" in text
     assert [ax.get_title().split(":")[0] for ax in figure.axes] == ["fitted questions (trained on)", "training batches"]
+
+
+def test_the_report_shows_what_each_cell_was_rewarded_for_beside_its_f1():
+    """SPADER optimises F1 plus its exploration term: the mechanism table puts each cell's own reward, its
+    exploration part and the retrieved gold answers beside the gauge (no target), a column left ``—`` for a
+    cell that does not log it."""
+    def history(reward, discovery=None):
+        steps = [{"step": k + 1, "method_reward/mean": r, "retrieval/recall": 0.7, "policy/entropy": 0.1}
+                 for k, r in enumerate(reward)]
+        if discovery is not None:
+            for step, d in zip(steps, discovery, strict=True):
+                step["method_reward/discovery_mean"] = d
+        return [{"step": 0, "val/fitted/f1": 0.5}, *steps, {"step": len(reward), "val/fitted/f1": 0.5}]
+
+    cells = {"fit_grpo_seed0": history([0.4, 0.5, 0.6]), "fit_spader_seed0": history([1.5, 1.6, 1.2], [1.1, 1.2, 0.8])}
+    text, _, metrics = build_report(cells, {**DESIGN, "metric": "f1", "target_gain": 0.01})
+    assert "What each cell was rewarded for" in text
+    assert "| fit_grpo_seed0 | 0.400 → 0.600 | — | 0.700 → 0.700 | 0.100 → 0.100 |" in text
+    assert "| fit_spader_seed0 | 1.500 → 1.200 | 1.100 → 0.800 |" in text
+    assert metrics["fit_grpo_seed0/reward_rise"] == pytest.approx(0.2)
+    assert metrics["fit_spader_seed0/reward_rise"] == pytest.approx(-0.3)
+    bare = {"fit_grpo_seed0": [{"step": 0, "val/fitted/f1": 0.5}, {"step": 2, "val/fitted/f1": 0.6}]}
+    assert "What each cell was rewarded for" not in build_report(bare, {**DESIGN, "metric": "f1"})[0]
