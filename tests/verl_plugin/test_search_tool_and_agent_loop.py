@@ -247,11 +247,14 @@ class ScriptedServer:
         )
 
 
-def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_url):
+@pytest.mark.parametrize("tool_config", [{}, {"max_document_chars": 30}], ids=["whole passages", "passages cut"])
+def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_url, tool_config):
+    """Every search setting of the tool reaches the loop: with each passage cut (the native trainer's
+    ``rollout.max_document_chars``) verl's observation is still the native rollout's, token for token."""
     from spader_pipeline.agent.types import GeneratedTurn, Generator
 
     _, tokenizer = lm
-    loop = _loop(lm, search_url)
+    loop = _loop(lm, search_url, **tool_config)
     loop.server_manager = ScriptedServer(tokenizer)
     output = asyncio.run(loop.run({}, raw_prompt=PROMPT, extra_info={}))
     assert output.extra_fields["finish_reason"] == "answer"
@@ -264,11 +267,13 @@ def test_search_observation_in_verl_equals_the_rollout_observation(lm, search_ur
 
     async def ours():
         async with RetrievalClient(search_url) as client:
-            return await run_rollouts([{"messages": PROMPT}], Replay(), client, RolloutConfig(topk=2), None)
+            return await run_rollouts([{"messages": PROMPT}], Replay(), client, RolloutConfig(topk=2, **tool_config),
+                                      None)
 
     [t] = asyncio.run(ours())
     observation = t.messages[2]["content"]
     assert observation.startswith("<tool_response>\nResults for query 1:\nDoc 1 (Title: ")
+    assert ("…" in observation) == bool(tool_config)  # the passages were cut where the tool says so
     expected = tokenizer.encode("\n", add_special_tokens=False) + list(
         tokenizer.apply_chat_template(
             [t.messages[2]], add_generation_prompt=True, tokenize=True, return_dict=False

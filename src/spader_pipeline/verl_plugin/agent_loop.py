@@ -20,6 +20,7 @@ observation, head kept), ``rollout.prompt_length`` (prompt tokens, left-truncate
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 
 from spader_pipeline.agent.rollout import run_rollouts
 from spader_pipeline.agent.tokens import TokenLayout
-from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutConfig, RolloutState
+from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutState
 from spader_pipeline.verl_plugin.search_tool import SearchTool
 from spader_pipeline.verl_plugin.trajectory import MASK_FIELD, SEARCH_CALLS_FIELD, SEARCH_ERRORS_FIELD
 
@@ -111,14 +112,14 @@ class SearchAgentLoop(AgentLoopBase):
             )
         multi_turn = self.rollout_config.multi_turn
         tool = self.search_tool.rollout_config
-        self.limits = RolloutConfig(
+        # every search setting is the tool's (passages per query, characters per passage and per call, queries
+        # per call); verl's multi_turn block sets the turns, the response budget and the observation's cap
+        self.limits = dataclasses.replace(
+            tool,
             max_turns=int(multi_turn.max_assistant_turns or 8),
             max_response_tokens=int(self.rollout_config.response_length),
-            topk=tool.topk,
-            max_chars=tool.max_chars,
             max_observation_chars=int(multi_turn.max_tool_response_length or tool.max_observation_chars or 0)
             or None,
-            max_queries_per_call=tool.max_queries_per_call,
         )
         custom = dict(getattr(self.rollout_config, "custom", None) or {})
         self.max_turn_tokens = int(custom.get(MAX_TURN_TOKENS_KEY) or 0) or None
