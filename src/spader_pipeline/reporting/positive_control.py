@@ -108,10 +108,12 @@ MECHANISM_COLUMNS = (
 )
 
 
-def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]]) -> tuple[str, dict[str, float]]:
+def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]],
+                    trainers: Mapping[str, str] | None = None) -> tuple[str, dict[str, float]]:
     """Per cell, each of :data:`MECHANISM_COLUMNS` over its training batches, first third of the steps →
-    last (``—`` where the cell does not log it): markdown and ``<cell>/reward_rise`` (its own reward's
-    rise). Empty where no cell logs its own reward."""
+    last (``—`` where the cell does not log it; with ``trainers`` a trainer column after the cell's, as in
+    the verdict's table): markdown and ``<cell>/reward_rise`` (its own reward's rise). Empty where no cell
+    logs its own reward."""
     if not any(_first_and_last_third(h, MECHANISM_COLUMNS[0][0]) for h in histories.values()):
         return "", {}
     rows, metrics = [], {}
@@ -123,7 +125,8 @@ def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]]) -> t
             if ends and key == MECHANISM_COLUMNS[0][0]:
                 metrics[f"{cell}/reward_rise"] = ends[1] - ends[0]
         rows.append(row)
-    table = markdown_table(pd.DataFrame(rows, columns=["cell", *(name for _, name in MECHANISM_COLUMNS)]))
+    table = markdown_table(pd.DataFrame(rows, columns=["cell", *(name for _, name in MECHANISM_COLUMNS)])
+                           .pipe(_with_trainer_column, trainers))
     return table, metrics
 
 
@@ -207,7 +210,7 @@ def build_report(histories: Mapping[str, Sequence[Mapping[str, float]]], design:
                          f"them), from the first third of the steps to the last: **{rise.mean:+.3f}** "
                          f"[{rise.low:+.3f}, {rise.high:+.3f}] over cells, {sum(x > 0 for x in rises)} of "
                          f"{len(rises)} cells rising (the loop's learning curve; no target)."]
-    mechanism, mechanism_metrics = mechanism_table(histories)
+    mechanism, mechanism_metrics = mechanism_table(histories, trainers)
     metrics |= mechanism_metrics
     text = "\n".join([
         "# Positive control: does the loop learn what it is rewarded for?", "",

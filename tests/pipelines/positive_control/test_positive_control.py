@@ -223,5 +223,8 @@ def test_the_report_shows_what_each_cell_was_rewarded_for_beside_its_f1():
     assert "| fit_spader_seed0 | 1.500 → 1.200 | 1.100 → 0.800 |" in text
     assert metrics["fit_grpo_seed0/reward_rise"] == pytest.approx(0.2)
     assert metrics["fit_spader_seed0/reward_rise"] == pytest.approx(-0.3)
+    both = build_report(cells, {**DESIGN, "metric": "f1", "target_gain": 0.01},
+                        trainers={"fit_grpo_seed0": "native", "fit_spader_seed0": "verl"})[0]
+    assert "| fit_spader_seed0 | verl | 1.500 → 1.200 |" in both  # a trainer column, as in the verdict's table
     bare = {"fit_grpo_seed0": [{"step": 0, "val/fitted/f1": 0.5}, {"step": 2, "val/fitted/f1": 0.6}]}
     assert "What each cell was rewarded for" not in build_report(bare, {**DESIGN, "metric": "f1"})[0]
