@@ -114,8 +114,6 @@ def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]],
     last (``—`` where the cell does not log it; with ``trainers`` a trainer column after the cell's, as in
     the verdict's table): markdown and ``<cell>/reward_rise`` (its own reward's rise). Empty where no cell
     logs its own reward."""
-    if not any(_first_and_last_third(h, MECHANISM_COLUMNS[0][0]) for h in histories.values()):
-        return "", {}
     rows, metrics = [], {}
     for cell, history in histories.items():
         row = [cell]
@@ -125,6 +123,8 @@ def mechanism_table(histories: Mapping[str, Sequence[Mapping[str, float]]],
             if ends and key == MECHANISM_COLUMNS[0][0]:
                 metrics[f"{cell}/reward_rise"] = ends[1] - ends[0]
         rows.append(row)
+    if not metrics:  # no cell logs its own reward
+        return "", {}
     table = markdown_table(pd.DataFrame(rows, columns=["cell", *(name for _, name in MECHANISM_COLUMNS)])
                            .pipe(_with_trainer_column, trainers))
     return table, metrics
