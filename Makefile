@@ -42,7 +42,7 @@ help:
 	@echo "make run-long   - the same chain with longer warm start and RL budgets (conf/long, ~1 h on 2 idle cores)"
 	@echo "make compare    - GRPO vs SPADER on the multi-search task, 3 seeds each, with confidence intervals (conf/compare), on Ray"
 	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control), on Ray"
-	@echo "make positive-control-verl - the same, with a GRPO and a SPADER cell trained through verl's real loop on the CPU too, one report"
+	@echo "make positive-control-verl - the same, its four cells trained through verl's real loop on the CPU too, one report"
 	@echo "make test       - install, then run the test suite (what CI runs)"
 	@echo "make test-verl  - verl's fit() with its real FSDP workers and our rollout server on the CPU (CI runs it after make test)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"

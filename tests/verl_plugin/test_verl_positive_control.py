@@ -14,7 +14,7 @@ What it shows:
 * MLflow folds the verl cells' training runs under the grid run beside the native cells', each with its
   backend tag, the same metric keys for one comparison.
 
-Marked ``verl_workers``: ``make test-verl`` runs it (minutes: two verl launches).
+Marked ``verl_workers``: ``make test-verl`` runs it (minutes: a verl launch per verl cell).
 """
 
 from __future__ import annotations
@@ -29,13 +29,17 @@ import mlflow
 import pytest
 
 from spader_pipeline import tracking
+from spader_pipeline.pipelines.positive_control.nodes import cell_name
+from spader_pipeline.pipelines.positive_control.pipeline import CELLS
+from spader_pipeline.pipelines.positive_control_verl.nodes import verl_cell_name
+from spader_pipeline.pipelines.positive_control_verl.pipeline import VERL_CELLS as VERL_METHOD_SEEDS
 
 pytest.importorskip("verl")
 
 pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
 
-VERL_CELLS = ["fit_grpo_verl_seed0", "fit_spader_verl_seed0"]
-NATIVE_CELLS = ["fit_grpo_seed0", "fit_spader_seed0", "fit_grpo_seed1", "fit_spader_seed1"]
+VERL_CELLS = [verl_cell_name(method, seed) for method, seed in VERL_METHOD_SEEDS]
+NATIVE_CELLS = [cell_name(method, seed) for method, seed in CELLS]
 #: step metrics the native cells report that a verl cell reports under the same names
 SHARED_STEP_METRICS = {"answer/recall", "answer/f1", "rollout/tool_calls", "retrieval/recall", "adv/zero_frac",
                        "group/diverse_frac", "method_reward/mean", "loss/policy", "optim/grad_norm", "policy/entropy",
@@ -75,7 +79,8 @@ def test_the_positive_control_through_verl_beside_the_native_cells_in_one_report
         trained = {k for h in history if h["step"] > 0 for k in h}
         assert SHARED_STEP_METRICS <= trained, SHARED_STEP_METRICS - trained
         manifest = json.loads((data / f"06_models/{cell}/policy_manifest.json").read_text())
-        assert manifest["backend"] == "verl" and "/positive_control/verl/seed0/" in manifest["run_dir"]
+        seed = cell.rsplit("_seed", 1)[1]
+        assert manifest["backend"] == "verl" and f"/positive_control/verl/seed{seed}/" in manifest["run_dir"]
 
     report = (data / "08_reporting/positive_control_verl_report.md").read_text()
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in report.splitlines()

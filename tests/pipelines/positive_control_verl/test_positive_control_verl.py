@@ -113,7 +113,7 @@ def test_the_report_of_both_trainers_runs_through_a_kedro_session(kedro_project)
     assert rows == trainers()
     assert (data / "08_reporting/positive_control_verl_curves.png").stat().st_size > 0
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
-                                filter_string="metrics.`positive_control_verl/verl/cells` = 2")
+                                filter_string=f"metrics.`positive_control_verl/verl/cells` = {len(VERL_CELLS)}")
     assert run.data.metrics["positive_control_verl/cells"] == len(trainers())
 
 

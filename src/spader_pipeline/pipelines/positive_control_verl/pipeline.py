@@ -23,8 +23,9 @@ from spader_pipeline.tracking import METHOD_RUN_TAG
 
 from . import nodes
 
-#: (method, seed) of every verl cell: one seed per method (a verl cell holds the machine; docs/results.md)
-VERL_CELLS = [("grpo", 0), ("spader", 0)]
+#: (method, seed) of every verl cell: the native cells' methods and seeds, so that each trainer's verdict reads
+#: the same number of cells (its interval over cells has their degrees of freedom)
+VERL_CELLS = list(CELLS)
 #: the native pipeline's report node, left out here (this pipeline's report has every cell)
 NATIVE_REPORT = "positive_control_report"
 
