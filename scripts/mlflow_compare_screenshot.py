@@ -16,6 +16,11 @@ seed training run ticked and compared (held-out scores side by side), and the pe
 whether the methods' updates differ (``adv/corr_vs_grpo``) for all of them
 (docs/images/mlflow_seeds_*.png).
 
+After ``make positive-control`` (or ``make positive-control-verl``), ``--positive-control`` shoots the
+latest grid run's page with its metrics searched for ``gain`` (the verdict: each cell's gain, the mean over
+cells with its interval) and for ``rise`` (the training batches' own reward, first third of the steps to the
+last), then every cell's per-step training F1 and own reward on one chart (docs/images/mlflow_pc_*.png).
+
 After ``make compare`` or ``make positive-control``, ``--grid`` shoots the experiment page as it opens:
 the latest grid run folded, its jobs under it, then expanded (docs/images/mlflow_grid_*.png).
 
@@ -191,6 +196,62 @@ def grid_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
     return paths
 
 
+POSITIVE_CONTROL_SHOTS = ("mlflow_pc_verdict.png", "mlflow_pc_rise.png", "mlflow_pc_curves.png")
+#: what each cell optimised, step by step: the training batches' F1 (every method's task reward) and the
+#: method's own reward (SPADER's with its exploration term), every cell of both trainers on one chart
+POSITIVE_CONTROL_CURVES = ["answer/f1", "method_reward/mean"]
+
+
+def positive_control_runs(url: str, experiment: str) -> tuple[str, dict, list[dict]]:
+    """The experiment id, its latest finished grid run (``make positive-control`` or
+    ``make positive-control-verl``: the report's metrics are on it) and the latest finished training run
+    of every cell (``positive control <method> seed<k>``, ``positive control verl …``), sorted by name. A
+    resumed grid runs only the missing cells, so a cell's latest run may sit under an earlier grid."""
+    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
+    experiment_id = exp["experiment"]["experiment_id"]
+    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1000,
+                                                     "order_by": ["attributes.start_time DESC"]})["runs"]
+    finished = [r for r in runs if r["info"]["status"] == "FINISHED"]
+    tags = {r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in finished}
+    grid = next((r for r in finished if tags[r["info"]["run_id"]].get("spader.grid") == "true"), None)
+    if grid is None:
+        raise SystemExit(f"no finished grid run in experiment {experiment!r}: run `make positive-control` first")
+    cells: dict[str, dict] = {}
+    for r in finished:
+        if "backend" in tags[r["info"]["run_id"]]:  # training runs only
+            cells.setdefault(r["info"]["run_name"], {"id": r["info"]["run_id"], "name": r["info"]["run_name"]})
+    return experiment_id, {"id": grid["info"]["run_id"], "name": grid["info"]["run_name"]}, \
+        sorted(cells.values(), key=lambda r: r["name"])
+
+
+def positive_control_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    experiment_id, grid, cells = positive_control_runs(url, experiment)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in POSITIVE_CONTROL_SHOTS]
+    with sync_playwright() as p:
+        browser, page = _browser_page(p, chromium)
+        # 1–2. the grid run's page, its metrics searched as a user types: the verdict (every `gain`: the
+        # mean over cells with its interval, each cell's), then what the training batches did (`rise`)
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{grid['id']}?workflowType=machine_learning",
+                  timeout=180_000)
+        page.wait_for_selector("text=About this run", timeout=180_000)
+        page.wait_for_timeout(3000)
+        _close_side_panel(page)
+        for search, path in zip(("gain", "rise"), paths[:2], strict=True):
+            page.get_by_placeholder("Search metrics").fill(search)
+            page.wait_for_timeout(1500)
+            page.get_by_text("Metrics (").first.evaluate("e => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(path))
+        # 3. every cell's per-step curves on one chart
+        _open_metric_chart(page, url, experiment_id, [cell["id"] for cell in cells], POSITIVE_CONTROL_CURVES)
+        page.screenshot(path=str(paths[2]))
+        browser.close()
+    return paths
+
+
 def _widen_run_names(page, pixels: int) -> None:
     """Drag the right edge of the runs table's Run Name column ``pixels`` to the right."""
     handle = page.locator('[role="columnheader"][col-id*="Run Name"] .ag-header-cell-resize').first
@@ -324,11 +385,16 @@ def main() -> None:
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--seeds", action="store_true", help="the latest `make compare` chain instead of `make run`")
     parser.add_argument("--grid", action="store_true", help="the latest grid run, folded then expanded")
+    parser.add_argument("--positive-control", action="store_true",
+                        help="the latest positive-control grid run's verdict and every cell's curves")
     args = parser.parse_args()
-    args.experiment = args.experiment or ("spader-pipeline-compare" if args.seeds or args.grid else "spader-pipeline")
+    args.experiment = args.experiment or ("spader-pipeline-positive-control" if args.positive_control else
+                                          "spader-pipeline-compare" if args.seeds or args.grid else "spader-pipeline")
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(mlflow_ui(args.store, args.artifacts, args.mlflow))
-        if args.grid:
+        if args.positive_control:
+            paths = positive_control_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
+        elif args.grid:
             paths = grid_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
         elif args.seeds:
             paths = seed_screenshots(url.rstrip("/"), args.experiment, args.out, args.chromium)
