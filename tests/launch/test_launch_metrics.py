@@ -45,6 +45,25 @@ def test_the_history_merges_both_files_by_step_under_native_names(tmp_path):
     assert training_history(tmp_path / "nothing") == []
 
 
+def test_a_resumed_runs_history_spans_its_launches(tmp_path):
+    # launch 1: validated at step 0, trained steps 1-3, checkpointed at step 2, killed during step 4's validation
+    verl, plugin = (tmp_path / name for name in METRICS_FILES)
+    append_metrics_line(plugin, {"val/fitted/f1": 0.4}, 0)
+    for step in (1, 2, 3):
+        append_metrics_line(verl, {"actor/pg_loss": float(step)}, step)
+        append_metrics_line(plugin, {"answer/f1": 0.5}, step)
+    with following([verl, plugin]):  # launch 2 keeps launch 1's files aside (no MLflow run: nothing sent)
+        # it resumes from step 2's checkpoint: validates it, then redoes step 3
+        append_metrics_line(plugin, {"val/fitted/f1": 0.6}, 2)
+        append_metrics_line(verl, {"actor/pg_loss": 30.0}, 3)
+    assert len(list(tmp_path.glob("*.jsonl"))) == 4  # two launches, kept aside under one time
+    history = training_history(tmp_path)
+    assert [row["step"] for row in history] == [0, 1, 2, 3]
+    assert history[0]["val/fitted/f1"] == 0.4  # the first launch's validation of the start
+    assert history[2] == {"step": 2, "loss/policy": 2.0, "actor/pg_loss": 2.0, "answer/f1": 0.5, "val/fitted/f1": 0.6}
+    assert history[3] == {"step": 3, "loss/policy": 30.0, "actor/pg_loss": 30.0}  # the redone step, not the killed one's
+
+
 @pytest.mark.slow
 def test_the_follower_logs_the_native_names_into_the_run(tmp_path):
     # The tracking URI and the active experiment are process state: a Kedro run earlier in this worker

@@ -77,12 +77,14 @@ def metrics_to_files(params: dict[str, Any], env: dict[str, str], run_dir: Path)
 def following(files: Sequence[Path]) -> Iterator[None]:
     """While the body runs (the launch), send the lines appended to ``files`` to the active MLflow run.
 
-    A previous launch's files are first kept aside (``<name>.<time>.jsonl``, for a backfill), not
-    sent again. Without an active run nothing is followed.
+    A previous launch's files are first kept aside under one time (``<name>.<time>.jsonl``: what
+    :func:`training_history` reads as that launch's), not sent again. Without an active run nothing is
+    followed.
     """
+    stamp = time.strftime(KEPT_ASIDE_TIME)
     for path in files:
         if path.exists():
-            path.replace(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
+            path.replace(path.with_name(f"{path.stem}.{stamp}.jsonl"))
     with active_run_writer() as writer, follow_jsonl(files, writer, transform=with_native_names):
         yield
 
@@ -91,18 +93,57 @@ def training_history(run_dir: str | Path) -> list[dict[str, float]]:
     """A finished verl run's per-step history under the native trainer's names (as the native trainer
     returns it, ``step`` in each row): its metrics files (:data:`METRICS_FILES`, or verl's
     ``metrics.jsonl`` where no MLflow run took them) merged by step: finite numbers, under the keys
-    MLflow takes (verl's ``…/mean@1`` → ``…/mean_at_1``, as the run's own metrics)."""
+    MLflow takes (verl's ``…/mean@1`` → ``…/mean_at_1``, as the run's own metrics).
+
+    A run resumed from a checkpoint (verl's ``resume_mode: auto``) spans launches: the earlier launches'
+    files, kept aside by :func:`following`, come first, and each later launch replaces the steps after
+    its first logged one (the steps redone from the checkpoint) and adds to that step's row (a resumed
+    launch validates the checkpoint it starts from under that step), as the native trainer keeps the
+    history up to the step it resumes from."""
     run_dir = Path(run_dir)
-    names = METRICS_FILES if (run_dir / METRICS_FILES[0]).is_file() else ("metrics.jsonl", METRICS_FILES[1])
+    history: dict[int, dict[str, float]] = {}
+    for files in _launches(run_dir):
+        steps = _steps(files)
+        if steps:
+            first = min(steps)
+            history = {step: row for step, row in history.items() if step <= first}
+        for step, row in steps.items():
+            history.setdefault(step, {}).update(row)
+    return [{"step": step, **history[step]} for step in sorted(history)]
+
+
+#: the time in the names of an earlier launch's metrics files (``verl_metrics.20261129-083012.jsonl``)
+KEPT_ASIDE_TIME = "%Y%m%d-%H%M%S"
+
+
+def _launches(run_dir: Path) -> list[list[Path]]:
+    """The metrics files of each launch of ``run_dir``, earliest first: those kept aside, by their time
+    (names sort as times), then the current ones."""
+    stems = [Path(name).stem for name in METRICS_FILES]
+    stamps = sorted({stamp for stem in stems for path in run_dir.glob(f"{stem}.*.jsonl")
+                     if _is_stamp(stamp := path.name[len(stem) + 1:-len(".jsonl")])})
+    current = METRICS_FILES if (run_dir / METRICS_FILES[0]).is_file() else ("metrics.jsonl", METRICS_FILES[1])
+    return [*([run_dir / f"{stem}.{stamp}.jsonl" for stem in stems] for stamp in stamps),
+            [run_dir / name for name in current]]
+
+
+def _is_stamp(text: str) -> bool:
+    try:
+        time.strptime(text, KEPT_ASIDE_TIME)
+    except ValueError:
+        return False
+    return True
+
+
+def _steps(files: Sequence[Path]) -> dict[int, dict[str, float]]:
+    """One launch's ``files`` merged by step (finite numbers under the native names)."""
     steps: dict[int, dict[str, float]] = {}
-    for name in names:
-        path = run_dir / name
+    for path in files:
         if not path.is_file():
             continue
         for line in path.read_text().splitlines():
             parsed = parse_metrics_line(line)
             if parsed:
                 metrics, step = parsed
-                row = steps.setdefault(step, {})
-                row.update(finite_numbers(with_native_names(metrics)))
-    return [{"step": step, **steps[step]} for step in sorted(steps)]
+                steps.setdefault(step, {}).update(finite_numbers(with_native_names(metrics)))
+    return steps
