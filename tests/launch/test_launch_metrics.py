@@ -9,6 +9,7 @@ import pytest
 from spader_pipeline.launch.metrics import (
     METRICS_FILES,
     NATIVE_NAMES,
+    earlier_launches_part,
     following,
     training_history,
     with_native_names,
@@ -62,6 +63,10 @@ def test_a_resumed_runs_history_spans_its_launches(tmp_path):
     assert history[0]["val/fitted/f1"] == 0.4  # the first launch's validation of the start
     assert history[2] == {"step": 2, "loss/policy": 2.0, "actor/pg_loss": 2.0, "answer/f1": 0.5, "val/fitted/f1": 0.6}
     assert history[3] == {"step": 3, "loss/policy": 30.0, "actor/pg_loss": 30.0}  # the redone step, not the killed one's
+    # what the second launch's MLflow run is sent at its end: the first launch's part of that history
+    assert earlier_launches_part(tmp_path) == {0: {"val/fitted/f1": 0.4},
+                                               1: {"loss/policy": 1.0, "actor/pg_loss": 1.0, "answer/f1": 0.5},
+                                               2: {"loss/policy": 2.0, "actor/pg_loss": 2.0, "answer/f1": 0.5}}
 
 
 @pytest.mark.slow
@@ -81,3 +86,24 @@ def test_the_follower_logs_the_native_names_into_the_run(tmp_path):
         mlflow.set_tracking_uri(previous)
     logged = mlflow.MlflowClient(uri).get_run(run.info.run_id).data.metrics
     assert logged["loss/policy"] == 0.25 and logged["actor/pg_loss"] == 0.25 and logged["perf/step_seconds"] == 30.0
+
+
+@pytest.mark.slow
+def test_a_resumed_launchs_run_holds_the_whole_history(tmp_path):
+    uri, previous = f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow.get_tracking_uri()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    files = [run_dir / name for name in METRICS_FILES]
+    append_metrics_line(files[1], {"val/fitted/f1": 0.4}, 0)  # the killed launch: step 0's validation, step 1
+    append_metrics_line(files[0], {"actor/pg_loss": 1.0}, 1)
+    experiment = mlflow.MlflowClient(uri).create_experiment("resumed")
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(experiment_id=experiment) as run, following(files):
+            append_metrics_line(files[1], {"val/fitted/f1": 0.6}, 1)  # resumed from step 1's checkpoint
+    finally:
+        mlflow.set_tracking_uri(previous)
+    client = mlflow.MlflowClient(uri)
+    fitted = client.get_metric_history(run.info.run_id, "val/fitted/f1")
+    assert sorted((m.step, m.value) for m in fitted) == [(0, 0.4), (1, 0.6)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss/policy")] == [(1, 1.0)]

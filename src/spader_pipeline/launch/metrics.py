@@ -78,15 +78,34 @@ def following(files: Sequence[Path]) -> Iterator[None]:
     """While the body runs (the launch), send the lines appended to ``files`` to the active MLflow run.
 
     A previous launch's files are first kept aside under one time (``<name>.<time>.jsonl``: what
-    :func:`training_history` reads as that launch's), not sent again. Without an active run nothing is
-    followed.
+    :func:`training_history` reads as that launch's). When the launch ends, what the run's history keeps
+    of the earlier launches (a resumed run's steps before the checkpoint it resumed from) goes to this
+    run too, so that its MLflow run holds the whole history as the report reads it. Without an active
+    run nothing is sent.
     """
     stamp = time.strftime(KEPT_ASIDE_TIME)
     for path in files:
         if path.exists():
             path.replace(path.with_name(f"{path.stem}.{stamp}.jsonl"))
-    with active_run_writer() as writer, follow_jsonl(files, writer, transform=with_native_names):
-        yield
+    with active_run_writer() as writer:
+        with follow_jsonl(files, writer, transform=with_native_names):
+            yield
+        if writer is not None and files:
+            for step, row in earlier_launches_part(Path(files[0]).parent).items():
+                writer.log_metrics(row, step)
+
+
+def earlier_launches_part(run_dir: str | Path) -> dict[int, dict[str, float]]:
+    """Per step, the metrics of :func:`training_history` that the latest launch did not log (those
+    of the earlier launches it keeps); empty for a run of one launch."""
+    latest = _steps(_launches(Path(run_dir))[-1])
+    part = {}
+    for row in training_history(run_dir):
+        step = int(row.pop("step"))
+        earlier = {k: v for k, v in row.items() if k not in latest.get(step, {})}
+        if earlier:
+            part[step] = earlier
+    return part
 
 
 def training_history(run_dir: str | Path) -> list[dict[str, float]]:
