@@ -45,8 +45,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 #: The comparable per-step curves (same meaning for every method, docs/metrics.md): validation first
 #: (greedy, fixed validation questions, step 0 = the warm start), then the training questions.
@@ -64,13 +65,18 @@ def _api(url: str, path: str, body: dict | None = None) -> dict:
 
 @contextlib.contextmanager
 def mlflow_ui(store: Path, artifacts: Path, mlflow_bin: str) -> Iterator[str]:
-    """``mlflow ui`` on ``store`` (what ``make mlflow-ui`` runs) on a free loopback port; yields its URL."""
+    """``mlflow ui`` on ``store`` as ``make mlflow-ui`` runs it (MLflow's GenAI job runner off, one worker:
+    ~0.5 GB where the defaults take ~2 GB, which a verl cell beside it cannot spare) on a free loopback
+    port; yields its URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     argv = [mlflow_bin, "ui", "--backend-store-uri", f"sqlite:///{store.resolve()}",
-            "--default-artifact-root", str(artifacts.resolve()), "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            "--default-artifact-root", str(artifacts.resolve()), "--host", "127.0.0.1", "--port", str(port),
+            "--workers", "1"]
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -137,13 +143,9 @@ def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]
 
 
 def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
-    from playwright.sync_api import sync_playwright
-
     experiment_id, chain_id, runs = compare_chain_runs(url, experiment)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in SEED_SHOTS]
-    with sync_playwright() as p:
-        browser, page = _browser_page(p, chromium)
+    paths = _shot_paths(out, SEED_SHOTS)
+    with _browser(chromium) as page:
         # 1. the runs table narrowed to the comparison's chain, as the README tells a user to type it
         _open_runs_table(page, url, experiment_id, "tags.chain_kind = 'compare'")
         _tick_runs(page, [run["name"] for run in runs])
@@ -155,7 +157,6 @@ def seed_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
         # 3. the per-step mechanism curve of every run on one chart
         _open_metric_chart(page, url, experiment_id, [run["id"] for run in runs], SEED_CURVES)
         page.screenshot(path=str(paths[2]))
-        browser.close()
     return paths
 
 
@@ -175,13 +176,9 @@ def latest_grid_run(url: str, experiment: str) -> tuple[str, dict]:
 
 
 def grid_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
-    from playwright.sync_api import sync_playwright
-
     experiment_id, grid = latest_grid_run(url, experiment)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in GRID_SHOTS]
-    with sync_playwright() as p:
-        browser, page = _browser_page(p, chromium)
+    paths = _shot_paths(out, GRID_SHOTS)
+    with _browser(chromium) as page:
         # 1. the experiment page as it opens: the grid's row, its jobs folded under it (the names
         # column widened, as a user drags it, so that whole names show)
         _open_runs_table(page, url, experiment_id)
@@ -192,7 +189,6 @@ def grid_screenshots(url: str, experiment: str, out: Path, chromium: str) -> lis
         row.get_by_role("button").first.click()
         page.wait_for_timeout(2000)
         page.screenshot(path=str(paths[1]))
-        browser.close()
     return paths
 
 
@@ -225,13 +221,9 @@ def positive_control_runs(url: str, experiment: str) -> tuple[str, dict, list[di
 
 
 def positive_control_screenshots(url: str, experiment: str, out: Path, chromium: str) -> list[Path]:
-    from playwright.sync_api import sync_playwright
-
     experiment_id, grid, cells = positive_control_runs(url, experiment)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in POSITIVE_CONTROL_SHOTS]
-    with sync_playwright() as p:
-        browser, page = _browser_page(p, chromium)
+    paths = _shot_paths(out, POSITIVE_CONTROL_SHOTS)
+    with _browser(chromium) as page:
         # 1–2. the grid run's page, its metrics searched as a user types: the verdict (every `gain`: the
         # mean over cells with its interval, each cell's), then what the training batches did (`rise`)
         page.goto(f"{url}/#/experiments/{experiment_id}/runs/{grid['id']}?workflowType=machine_learning",
@@ -248,7 +240,6 @@ def positive_control_screenshots(url: str, experiment: str, out: Path, chromium:
         # 3. every cell's per-step curves on one chart
         _open_metric_chart(page, url, experiment_id, [cell["id"] for cell in cells], POSITIVE_CONTROL_CURVES)
         page.screenshot(path=str(paths[2]))
-        browser.close()
     return paths
 
 
@@ -265,11 +256,24 @@ def _widen_run_names(page, pixels: int) -> None:
     page.wait_for_timeout(1000)
 
 
-def _browser_page(p, chromium: str):
-    browser = p.chromium.launch(executable_path=chromium, args=[
-        "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"])
-    return browser, browser.new_page(viewport={"width": 1500, "height": 1000})
+def _shot_paths(out: Path, names: Sequence[str]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return [out / name for name in names]
+
+
+@contextlib.contextmanager
+def _browser(chromium: str) -> Iterator[Any]:
+    """A page of a headless ``chromium`` (Playwright), closed on exit."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            yield browser.new_page(viewport={"width": 1500, "height": 1000})
+        finally:
+            browser.close()
 
 
 def _open_runs_table(page, url: str, experiment_id: str, search: str = "") -> None:
@@ -346,13 +350,9 @@ def _scroll_metrics_to(page, label: re.Pattern) -> None:
 
 
 def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromium: str) -> list[Path]:
-    from playwright.sync_api import sync_playwright
-
     experiment_id, runs = latest_method_runs(url, experiment, methods)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in SHOTS]
-    with sync_playwright() as p:
-        browser, page = _browser_page(p, chromium)
+    paths = _shot_paths(out, SHOTS)
+    with _browser(chromium) as page:
         # 1. the runs table at the URL `make mlflow-ui` prints, untouched
         _open_runs_table(page, url, experiment_id)
         page.screenshot(path=str(paths[0]))
@@ -369,7 +369,6 @@ def screenshots(url: str, experiment: str, methods: list[str], out: Path, chromi
         # 4. the overlaid per-step curves of both runs (a metric link of the Compare view)
         _open_metric_chart(page, url, experiment_id, [runs[m]["id"] for m in methods], CURVES)
         page.screenshot(path=str(paths[4]))
-        browser.close()
     return paths
 
 
