@@ -66,7 +66,7 @@ def _api(url: str, path: str, body: dict | None = None) -> dict:
 @contextlib.contextmanager
 def mlflow_ui(store: Path, artifacts: Path, mlflow_bin: str) -> Iterator[str]:
     """``mlflow ui`` on ``store`` as ``make mlflow-ui`` runs it (MLflow's GenAI job runner off, one worker:
-    ~0.5 GB where the defaults take ~2 GB, which a verl cell beside it cannot spare) on a free loopback
+    0.58 GB where the defaults took ~1.5 GB, which a verl cell beside it cannot spare) on a free loopback
     port; yields its URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
