@@ -98,10 +98,9 @@ def following(files: Sequence[Path]) -> Iterator[None]:
 def earlier_launches_part(run_dir: str | Path) -> dict[int, dict[str, float]]:
     """Per step, the metrics of :func:`training_history` that the latest launch did not log (those
     of the earlier launches it keeps); empty for a run of one launch."""
-    latest = _steps(_launches(Path(run_dir))[-1])
+    history, latest = _merged_launches(Path(run_dir))
     part = {}
-    for row in training_history(run_dir):
-        step = int(row.pop("step"))
+    for step, row in sorted(history.items()):
         earlier = {k: v for k, v in row.items() if k not in latest.get(step, {})}
         if earlier:
             part[step] = earlier
@@ -119,8 +118,15 @@ def training_history(run_dir: str | Path) -> list[dict[str, float]]:
     its first logged one (the steps redone from the checkpoint) and adds to that step's row (a resumed
     launch validates the checkpoint it starts from under that step), as the native trainer keeps the
     history up to the step it resumes from."""
-    run_dir = Path(run_dir)
+    history, _ = _merged_launches(Path(run_dir))
+    return [{"step": step, **history[step]} for step in sorted(history)]
+
+
+def _merged_launches(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
+    """Per step, the run's history merged over its launches (:func:`training_history`'s rule), and the
+    latest launch's own rows; each file read once."""
     history: dict[int, dict[str, float]] = {}
+    steps: dict[int, dict[str, float]] = {}
     for files in _launches(run_dir):
         steps = _steps(files)
         if steps:
@@ -128,7 +134,7 @@ def training_history(run_dir: str | Path) -> list[dict[str, float]]:
             history = {step: row for step, row in history.items() if step <= first}
         for step, row in steps.items():
             history.setdefault(step, {}).update(row)
-    return [{"step": step, **history[step]} for step in sorted(history)]
+    return history, steps
 
 
 #: the time in the names of an earlier launch's metrics files (``verl_metrics.20261129-083012.jsonl``)
