@@ -95,12 +95,19 @@ def mlflow_ui(store: Path, artifacts: Path, mlflow_bin: str) -> Iterator[str]:
         process.wait(timeout=30)
 
 
-def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[str, dict[str, dict]]:
-    """The experiment id and, per method, its most recent finished training run (REST API)."""
+def _experiment_runs(url: str, experiment: str, max_results: int, search: str | None = None) -> tuple[str, list[dict]]:
+    """The id of ``experiment`` and its runs (at most ``max_results``, those matching ``search`` if
+    given), newest first (REST API)."""
     exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
     experiment_id = exp["experiment"]["experiment_id"]
-    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 500,
-                                                     "order_by": ["attributes.start_time DESC"]})["runs"]
+    body = {"experiment_ids": [experiment_id], "max_results": max_results, "order_by": ["attributes.start_time DESC"],
+            **({"filter": search} if search else {})}
+    return experiment_id, _api(url, "/api/2.0/mlflow/runs/search", body).get("runs", [])
+
+
+def latest_method_runs(url: str, experiment: str, methods: list[str]) -> tuple[str, dict[str, dict]]:
+    """The experiment id and, per method, its most recent finished training run (REST API)."""
+    experiment_id, runs = _experiment_runs(url, experiment, 500)
     found: dict[str, dict] = {}
     for run in runs:
         tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
@@ -124,10 +131,7 @@ SEED_CURVES = ["val/embedded/recall", "adv/corr_vs_grpo"]
 def compare_chain_runs(url: str, experiment: str) -> tuple[str, str, list[dict]]:
     """The experiment id, the latest finished ``compare`` chain run's id and the latest finished run
     of every cell (``compare <method> seed<k>``, sorted by name)."""
-    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
-    experiment_id = exp["experiment"]["experiment_id"]
-    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1000,
-                                                     "order_by": ["attributes.start_time DESC"]})["runs"]
+    experiment_id, runs = _experiment_runs(url, experiment, 1000)
     tags = {r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs}
     chain = next((r for r in runs if tags[r["info"]["run_id"]].get("kedro.pipeline") == "compare"
                   and r["info"]["status"] == "FINISHED"), None)
@@ -165,11 +169,7 @@ GRID_SHOTS = ("mlflow_grid_folded.png", "mlflow_grid_expanded.png")
 
 def latest_grid_run(url: str, experiment: str) -> tuple[str, dict]:
     """The experiment id and its latest grid run (tag ``spader.grid``: one per ``make compare``)."""
-    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
-    experiment_id = exp["experiment"]["experiment_id"]
-    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1,
-                                                     "filter": "tags.`spader.grid` = 'true'",
-                                                     "order_by": ["attributes.start_time DESC"]}).get("runs")
+    experiment_id, runs = _experiment_runs(url, experiment, 1, "tags.`spader.grid` = 'true'")
     if not runs:
         raise SystemExit(f"no grid run in experiment {experiment!r}: run `make compare` or `make positive-control`")
     return experiment_id, {"id": runs[0]["info"]["run_id"], "name": runs[0]["info"]["run_name"]}
@@ -203,10 +203,7 @@ def positive_control_runs(url: str, experiment: str) -> tuple[str, dict, list[di
     ``make positive-control-verl``: the report's metrics are on it) and the latest finished training run
     of every cell (``positive control <method> seed<k>``, ``positive control verl …``), sorted by name. A
     resumed grid runs only the missing cells, so a cell's latest run may sit under an earlier grid."""
-    exp = _api(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + urllib.parse.quote(experiment))
-    experiment_id = exp["experiment"]["experiment_id"]
-    runs = _api(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id], "max_results": 1000,
-                                                     "order_by": ["attributes.start_time DESC"]})["runs"]
+    experiment_id, runs = _experiment_runs(url, experiment, 1000)
     finished = [r for r in runs if r["info"]["status"] == "FINISHED"]
     tags = {r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in finished}
     grid = next((r for r in finished if tags[r["info"]["run_id"]].get("spader.grid") == "true"), None)
