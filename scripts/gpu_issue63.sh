@@ -15,7 +15,8 @@
 #     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions (~7 min)
-#     verl         installed: verl's fit() with our server on the GPU, 2 GRPO steps (~2.5 min)
+#     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
+#                  session (~3.5 min; VERL_K="fit_on_one_gpu and grpo" for GRPO alone)
 #     llamacpp     installed, llama.cpp built: its step beside ours at 1, 8, 256, 768 rows (~1.5 min)
 #
 # STAGE (/tmp/stage), SITE (/tmp/site), OUT (the device tool's $OUT) as in gpu_check.sh; RL_SECONDS (240) and
@@ -130,7 +131,7 @@ verl() {
   environment
   mkdir -p "$OUT"
   python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/verl_plugin/test_verl_real_workers.py \
-    -k fit_on_one_gpu 2>&1 | tee "$OUT"/verl_fit.log
+    -k "${VERL_K:-fit_on_one_gpu}" 2>&1 | tee "$OUT"/verl_fit.log
   return "${PIPESTATUS[0]}"
 }
 

@@ -72,7 +72,9 @@ def test_concurrent_requests_share_a_batch_and_return_their_log_probs(model_dir)
         return server, outs
 
     server, outs = asyncio.run(run())
-    assert server.stats()["batch_sizes"] == [6]
+    stats = server.stats()
+    assert stats["batch_sizes"] == [6]
+    assert {"captures", "replays", "eager_steps"} <= set(stats["decoding"])  # the static step's counters
     for i, out in enumerate(outs):
         assert 1 <= len(out.token_ids) <= 6 + i and len(out.log_probs) == len(out.token_ids)
         assert out.stop_reason == "completed" and all(lp <= 0 for lp in out.log_probs)

@@ -112,24 +112,56 @@ def test_the_servers_log_probs_are_the_actors(runs, name):
         assert data["training/rollout_probs_diff_max"] < PROBS_DIFF_BOUND, data["training/rollout_probs_diff_max"]
 
 
-@pytest.mark.gpu
-def test_fit_on_one_gpu_with_our_server(tmp_path):  # pragma: no cover - needs a CUDA GPU
-    """The same ``fit()`` on one GPU (verl's CUDA platform, detected), SmolLM2 from the wheel, 2 steps,
-    our server on CUDA as the rollout engine (no vLLM or SGLang installed): new weights at every step
-    and the server's log-probs the actor's (bf16 on both sides: a looser bound)."""
+#: the methods the GPU run trains, one after the other in one Ray session (issue 63: GRPO and SPADER)
+GPU_METHODS = ("grpo", "spader")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):  # pragma: no cover - needs a CUDA GPU
+    """The same ``fit()`` on one GPU (verl's CUDA platform, detected), SmolLM2 from the wheel, 2 steps per
+    method, our server on CUDA as the rollout engine (no vLLM or SGLang installed)."""
     from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
 
-    with trainer_loop_workspace(tmp_path / "ws") as ws:
-        model = tmp_path / "smollm2"
+    root = tmp_path_factory.mktemp("gpu")
+    out = {}
+    with trainer_loop_workspace(root / "ws") as ws:
+        model = root / "smollm2"
         convert_packaged_model(PackagedModel(), model)
         ws = {**ws, "model": model}
         overrides = [o for o in REAL_WORKER_OVERRIDES if o not in ("trainer.device=cpu",)
                      and "fsdp_config.mixed_precision" not in o and "rollout.dtype" not in o]
-        config = compose_config(method_block("grpo"), ws, tmp_path, steps=STEPS, overrides=[*overrides, "trainer.device=cuda"])
         with local_ray(gpus=1):
-            servers: list[dict] = []
-            metrics = run_fit(config, tmp_path, before_cleanup=lambda: servers.extend(server_records(1)))
-    assert [u["global_steps"] for u in servers[0]["weight_updates"]] == list(range(STEPS + 1))
-    for data in (m["data"] for m in metrics[1:]):
-        print({k: round(v, 2) for k, v in data.items() if k.startswith("timing_s/")})  # -s: the step's times
+            for method in GPU_METHODS:
+                run_dir = root / method
+                run_dir.mkdir()
+                config = compose_config(method_block(method), ws, run_dir, steps=STEPS,
+                                        overrides=[*overrides, "trainer.device=cuda"])
+                servers: list[dict] = []
+                start = time.perf_counter()
+                metrics = run_fit(config, run_dir, before_cleanup=lambda s=servers: s.extend(server_records(1)))
+                print_timing(f"{method}: fit() on one GPU", time.perf_counter() - start)
+                out[method] = {"metrics": metrics, "servers": servers}
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", GPU_METHODS)
+def test_fit_on_one_gpu_with_our_server(gpu_runs, method):  # pragma: no cover - needs a CUDA GPU
+    """New weights reach the server at every step, the server's log-probs are the actor's (bf16 on both
+    sides: a looser bound), and the server decodes in CUDA graphs (unless ``SPADER_CUDA_GRAPHS=off`` or
+    ``SPADER_STATIC_DECODE=off`` chose otherwise). Prints each step's times and the server's throughput
+    (docs/gpu.md: generation ≤ 5 s a step is issue 63's target at this shape)."""
+    from spader_pipeline.modeling import static_cache
+
+    run = gpu_runs[method]
+    server = run["servers"][0]
+    assert [u["global_steps"] for u in server["weight_updates"]] == list(range(STEPS + 1))
+    for step, data in ((m["step"], m["data"]) for m in run["metrics"][1:]):
+        print(method, step, {k: round(v, 2) for k, v in data.items() if k.startswith("timing_s/")})
         assert data["training/rollout_probs_diff_max"] < 0.1
+    sizes, seconds = server["batch_sizes"], server["decode_seconds"]
+    print(f"{method}: the server decoded {server['generated_tokens']} tokens in {seconds:.1f} s "
+          f"({server['generated_tokens'] / max(seconds, 1e-9):.0f} tokens/s) in {len(sizes)} batches of "
+          f"{min(sizes, default=0)}-{max(sizes, default=0)} requests; static step: {server['decoding']}")
+    if static_cache.STATIC_DECODE != "off" and static_cache.CUDA_GRAPHS:
+        assert server["decoding"]["replays"] > 0, server["decoding"]

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from spader_pipeline.modeling.graph_decode import static_decode_stats
 from spader_pipeline.verl_plugin.decoder_rollout.batching import (
     BATCH_WINDOW_S,
     MAX_WAIT_S,
@@ -350,7 +351,11 @@ class DecoderServer:
         self.stats_["weight_updates"].append({"global_steps": global_steps, "checksum": checksum, "at": time.time()})
 
     def stats(self) -> dict[str, Any]:
-        return {**self.stats_, "global_steps": self.global_steps, "checksum": weights_checksum(self.model)}
+        """What the server did: requests, batches and their sizes, tokens, decoding seconds, cache reuses,
+        stragglers, weight updates; ``decoding``: this process's static-step counters (CUDA graphs captured
+        and replayed, steps launched op by op: :func:`~spader_pipeline.modeling.graph_decode.static_decode_stats`)."""
+        return {**self.stats_, "global_steps": self.global_steps, "checksum": weights_checksum(self.model),
+                "decoding": static_decode_stats()}
 
     def ready(self) -> bool:
         return True
