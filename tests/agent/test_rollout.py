@@ -14,6 +14,7 @@ from spader_pipeline.agent.prompts import resolve_template
 from spader_pipeline.agent.protocol import FORMAT_HINT, format_error_observation
 from spader_pipeline.agent.rollout import run_rollouts, run_rollouts_sync
 from spader_pipeline.agent.scripted import ScriptedPolicy, evidence_line, question_query
+from spader_pipeline.agent.search_step import observe_search
 from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutConfig, SamplingParams
 from spader_pipeline.retrieval import RetrievalClient
 
@@ -109,6 +110,17 @@ def test_search_failure_becomes_an_error_observation():
     assert t.finish_reason == "answer" and t.predicted == ("Ghana",)
     assert t.steps[0].error_kind == "search_failed" and t.num_searches == 0
     assert t.steps[0].observation.startswith("<tool_response>\nError: the search service failed")
+
+
+class _Uninstalled:
+    async def search(self, queries, topk=5, max_chars=None):
+        raise ModuleNotFoundError("No module named 'scipy'")  # what bm25s' import raised on a bare GPU machine
+
+
+def test_a_search_that_cannot_run_raises_where_a_failed_one_is_an_observation():
+    """A missing module is a broken installation: every search would fail alike, so it stops the run."""
+    with pytest.raises(ModuleNotFoundError, match="scipy"):
+        asyncio.run(observe_search(_Uninstalled(), ["Ghana"], RolloutConfig()))
 
 
 def test_a_refused_query_is_the_agents_error_not_an_outage(retrieval_url):

@@ -134,6 +134,17 @@ def test_search_outages_are_failed_attempts_not_scores(search):
     assert {r["status"] for r in lenient} == {"ok"} and all(r["f1"] == 0.0 for r in lenient)
 
 
+class UninstalledSearch:
+    async def search(self, queries, topk=5, max_chars=None):
+        raise ModuleNotFoundError("No module named 'scipy'")
+
+
+def test_a_search_that_cannot_run_stops_the_evaluation():
+    """A missing module fails every attempt alike: the evaluation stops on it, not on a table of failures."""
+    with pytest.raises(ModuleNotFoundError, match="scipy"):
+        _run(UninstalledSearch(), ScriptedPolicy(), max_attempts=2)
+
+
 def test_model_specs_and_availability(tmp_path):
     spec = ModelSpec.from_mapping({"name": "s", "kind": "scripted", "follow_up": False})
     assert spec.options == {"follow_up": False} and spec.unavailable_reason() is None

@@ -127,3 +127,17 @@ def test_summary_pairs_each_model_with_the_reference_question_by_question():
     broken = summary["models"]["broken"]
     assert broken["failed"] == 3 and broken["recall"]["mean"] == 0.0  # a failed question scores 0
     assert "recall_minus_warm_start" not in summary["models"]["warm_start"]
+
+
+def test_a_model_whose_every_question_failed_scores_zero():
+    """Failed records carry the question and the error, no metrics (evaluation.runner.failure_record)."""
+    ok = [{"model": "warm_start", "id": f"q{i}", "status": "ok", "recall": 0.5, "f1": 0.5, "num_searches": 1}
+          for i in range(3)]
+    failed = [{"model": "grpo", "id": f"q{i}", "status": "failed", "error": "search failed", "attempts": 2}
+              for i in range(3)]
+    for records in (ok + failed, failed):
+        summary = summarise(records, {"resamples": 50}, reference="warm_start")
+        grpo = summary["models"]["grpo"]
+        assert grpo["failed"] == 3 and grpo["recall"]["mean"] == 0.0 and np.isnan(grpo["searches"])
+    assert summarise(ok + failed, {"resamples": 50}, reference="warm_start")["models"]["grpo"][
+        "recall_minus_warm_start"]["mean"] == pytest.approx(-0.5)

@@ -45,7 +45,9 @@ class SearchOutcome:
 async def observe_search(
     search: SearchBackend, queries: Sequence[str], config: RolloutConfig
 ) -> SearchOutcome:
-    """Run one tool call and render its observation. Never raises: a failed search is an observation.
+    """Run one tool call and render its observation. A failed search is an observation, not a crash,
+    except where the search cannot run at all: a module the local index needs is missing (``ImportError``
+    propagates), and every later search would fail alike, leaving a run of error observations.
 
     Shared by the rollout loop and the VERL search tool, so both show the model the same text.
     """
@@ -59,6 +61,8 @@ async def observe_search(
         return SearchOutcome(format_error_observation(message), (), error=message, error_kind="no_query")
     try:
         response = await search.search(queries, topk=config.topk, max_chars=config.max_chars)
+    except ImportError:  # a broken installation, not a failed search
+        raise
     except Exception as exc:  # noqa: BLE001 - a failed search is an observation, not a crash
         status = getattr(exc, "status", None)
         if isinstance(status, int) and 400 <= status < 500:  # the request itself was refused

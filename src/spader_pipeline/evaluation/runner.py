@@ -161,6 +161,8 @@ async def evaluate_dataset(
                 try:
                     trajectories = await run_rollouts(pending, generator, search, config, template)
                     errors = [_attempt_error(t, retry_on_search_error) for t in trajectories]
+                except ImportError:  # a broken installation: every attempt would fail alike
+                    raise
                 except Exception as exc:  # noqa: BLE001 - counted and retried, never lost
                     logger.warning("%s: rollout of %d samples raised %r", description, len(pending), exc)
                     trajectories = [None] * len(pending)

@@ -34,8 +34,9 @@ def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any]
     for model, rows in frame.groupby("model", sort=False):
         rows = rows.sort_values("id")
         ok = rows["status"].eq("ok").to_numpy()
-        scores[str(model)] = {m: np.where(ok, rows[m].fillna(0.0).to_numpy(float), 0.0)[None, :]
-                              for m in ("recall", "f1")}
+        # a model whose every record failed has no metric columns: its questions score 0 all the same
+        scores[str(model)] = {m: np.where(ok, rows.get(m, pd.Series(0.0, index=rows.index)).fillna(0.0).to_numpy(float),
+                                          0.0)[None, :] for m in ("recall", "f1")}
         scores[str(model)]["failed"] = int((~ok).sum())
         scores[str(model)]["searches"] = float(rows.loc[ok, "num_searches"].mean()) if ok.any() else float("nan")
     models: dict[str, Any] = {}
