@@ -7,9 +7,10 @@
 #
 #   here:   scripts/gpu_issue63.sh stage       # .gpu/g1 .. .gpu/g3, PART_MB (56) MiB each: the payload (wheels,
 #                                              # the base-model wheel, ray whole, the one_gpu bundle); .gpu/llama
-#   here:   scripts/gpu_issue63.sh rehearse    # the bare machine's steps (decode, graphtests) on this CPU, in a venv
-#                                              # of what that machine has (transformers 5.17, not our pin): small
-#                                              # shapes, the static step op by op; ~2 min once the venv exists
+#   here:   scripts/gpu_issue63.sh rehearse    # after stage: the steps on this CPU in a venv of what the machine
+#                                              # has (Python 3.12, torch 2.11, transformers 5.17): the bare steps at
+#                                              # small shapes, the payload installed as there, the bundle's run at
+#                                              # a tiny size (~5 min; ~1 more to make the venv, 4.6 GB)
 #   there (bash scripts/gpu_issue63.sh STEP...):
 #     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
@@ -30,7 +31,9 @@ source scripts/gpu_wheels.sh
 PART_MB=${PART_MB:-56}
 #: what the one-GPU run, verl's fit() test and the GGUF conversion import that the bare machine lacks (it has torch,
 #: transformers 5.17, numpy, pandas, pyarrow, safetensors, tokenizers, peft, accelerate, pytest and their own
-#: dependencies): the closure of their imports here, less those; transformers and tokenizers at our pins
+#: dependencies): the closure of their imports here, less those; transformers and tokenizers at our pins; requests
+#: and its four (ray imports it; the machine had it, but a venv of only the packages above does not); not scipy
+#: (35 MB; the machine's JAX brings it, and without it the search goes query by query)
 WHEELS="verl tensordict torchdata codetiming datasets dill multiprocess xxhash fsspec aiohttp aiohappyeyeballs aiosignal
         frozenlist multidict propcache yarl attrs omegaconf hydra-core pydantic pydantic_core annotated-types
         typing-inspection orjson bm25s PyStemmer pyahocorasick gguf transformers tokenizers huggingface_hub jsonschema
@@ -39,7 +42,8 @@ WHEELS="verl tensordict torchdata codetiming datasets dill multiprocess xxhash f
         uvloop watchfiles protobuf googleapis-common-protos google-api-core google-auth opentelemetry-api
         opentelemetry-sdk opentelemetry-proto opentelemetry-semantic-conventions opentelemetry-exporter-prometheus
         opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-http wcwidth mlflow-skinny
-        mlflow-tracing sqlparse databricks-sdk gitpython gitdb smmap python-dotenv"
+        mlflow-tracing sqlparse databricks-sdk gitpython gitdb smmap python-dotenv requests urllib3 idna
+        charset-normalizer certifi"
 
 stage() {
   local py=${PYTHON:-.venv/bin/python} g=.gpu
@@ -154,22 +158,58 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
   return "${PIPESTATUS[0]}"
 }
 
-# rehearse: the bare machine's steps here, before a lease is spent on them. The bare machine runs our modeling
-# code on its own transformers (5.17), whose private interfaces (modeling/kv_cache.py, decode.py, boundary.py)
-# may differ from our pin's; the venv has that machine's packages (torch is this disk's CPU wheel) and no more.
+# rehearse: the steps of a lease, here, before one is spent on them, in a venv of what the bare machine has
+# (Python 3.12, torch 2.11.0 as there: the CUDA build, run on this CPU; transformers 5.17; no more than its
+# listed packages, plus scipy, which its JAX brings):
+# 1. the bare steps: our modeling code on that transformers, not our pin (it reaches into transformers' private
+#    interfaces: modeling/kv_cache.py, decode.py, boundary.py): decode at small shapes, the static step's tests;
+# 2. the payload (.gpu/g1 .. g3, as `stage` left them): received, put together and installed as there, then
+#    what each step imports, and the one-GPU run's bundle on this CPU at a tiny size (every stage, both methods
+#    side by side, the summary), which shows a wheel missing from the payload before the GPU run does.
+# BARE_PYTHON: a Python 3.12 (default: python3.12, else pyenv's); BARE_VENV and REHEARSAL (the staging dirs).
 rehearse() {
-  local venv=${BARE_VENV:-/tmp/gpu-bare-venv}
+  local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py=${BARE_PYTHON:-}
   if [ ! -x "$venv"/bin/python ]; then
-    python3 -m venv "$venv" && "$venv"/bin/pip install -q "$(pin torch)" &&
-      "$venv"/bin/pip install -q -c <(pin torch) "transformers==${BARE_TRANSFORMERS:-5.17.*}" numpy pandas pyarrow \
-        safetensors tokenizers peft accelerate pytest || return 1
+    [ -n "$py" ] || py=$(command -v python3.12 || ls "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+    [ -n "$py" ] || { echo "no Python 3.12 here (BARE_PYTHON=...): the payload's wheels are cp312" >&2; return 1; }
+    "$py" -m venv "$venv" && "$venv"/bin/pip install -q torch==2.11.0 &&
+      "$venv"/bin/pip install -q -c <(echo torch==2.11.0) "transformers==${BARE_TRANSFORMERS:-5.17.*}" numpy pandas \
+        pyarrow safetensors tokenizers peft accelerate pytest scipy || return 1
   fi
-  "$venv"/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  PYTHONPATH="$PWD/src" "$venv"/bin/python benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
+  local bare=("$venv"/bin/python)
+  "${bare[@]}" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  echo "-- 1. the bare steps"
+  PYTHONPATH="$PWD/src" "${bare[@]}" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
-  PYTHONPATH="$PWD/src" "$venv"/bin/python -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+  PYTHONPATH="$PWD/src" "${bare[@]}" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
-    tests/modeling/test_modeling_graph_decode_cuda.py
+    tests/modeling/test_modeling_graph_decode_cuda.py || return 1
+  echo "-- 2. the payload"
+  rm -rf "$dir" && mkdir -p "$dir"
+  mkdir -p "$dir"/stage && cp .gpu/g[0-9]*/payload.tar.part-* "$dir"/stage/ && cp .gpu/g1/parts "$dir"/stage/ || return 1
+  (PATH="$venv/bin:$PATH" STAGE=$dir/stage SITE=$dir/site && assemble) || return 1
+  (
+    export PATH="$venv/bin:$PATH" PYTHONPATH="$dir/site:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+      TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+    python3 -c "import torch, transformers, tokenizers, verl, ray, kedro, mlflow, omegaconf, fastapi, gguf, bm25s
+print('installed: transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'verl', verl.__version__,
+      'ray', ray.__version__)" || exit 1
+    local collected
+    collected=$(python3 -m pytest -q -p no:cacheprovider -m gpu --collect-only tests/verl_plugin/test_verl_real_workers.py \
+      tests/native/test_native_portable.py 2>&1)
+    echo "$collected" | tail -n 5
+    grep -q "fit_on_one_gpu_with_our_server\[spader\]" <<< "$collected" || { echo "verl's gpu test not collected" >&2; exit 1; }
+    timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
+      --device cpu --rl-seconds 20 --parallel-methods --max-heldout 4 --set warm_start.sft.max_steps=3 \
+      --set warm_start.sft.schedule_steps=3 --set training.native.prompts_per_step=2 --set training.native.group_size=2 \
+      --set training.native.micro_batch_size=4 --set training.native.ppo_mini_batches=1 \
+      --set training.native.total_steps=1 --set training.validation.before_train=false \
+      --set training.validation.every=0 --set evaluation.batch_size=4 > "$dir"/one_gpu.log 2>&1
+    rc=$?
+    grep -E "stage |held-out|step 1/1|Traceback|Error:" "$dir"/one_gpu.log | grep -v "Loading weights" | tail -n 30
+    [ $rc = 0 ] && [ -f "$dir"/one_gpu/summary.json ] || { echo "the bundle's run failed ($rc): $dir/one_gpu.log" >&2; exit 1; }
+    cat "$dir"/one_gpu/summary.md
+  )
 }
 
 [ $# -gt 0 ] || { echo "usage: $0 stage | rehearse | STEP... (receive decode graphtests onegpu verl llamacpp)" >&2; exit 2; }

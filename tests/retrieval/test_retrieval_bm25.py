@@ -192,6 +192,20 @@ def test_batched_search_equals_query_by_query(bm25_index):
         retriever.batch_max_docs = 2_000_000
 
 
+def test_without_scipy_a_batch_is_searched_query_by_query(bm25_index, monkeypatch):
+    """scipy gives the batch its one sparse product; a machine without it (the bare GPU check machine a
+    bundle runs on) gets the same scores query by query."""
+    from spader_pipeline.retrieval import bm25
+
+    retriever = BM25Retriever(bm25_index / "bm25")
+    queries = [*EXPECTED, "the river and the country"]
+    batched = retriever.search(queries, 5)
+    monkeypatch.setattr(bm25, "_has_scipy", lambda: False)
+    monkeypatch.setattr(retriever, "_term_matrix", None)  # the sparse path is not taken
+    for (_, scores), (_, ref) in zip(retriever.search(queries, 5), batched, strict=True):
+        np.testing.assert_array_equal(scores, ref)
+
+
 def test_doc_store_get_many_equals_get(bm25_index):
     from spader_pipeline.retrieval.corpus import DocStore
 

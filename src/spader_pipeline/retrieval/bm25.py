@@ -12,6 +12,7 @@ Default parameters ``k1=0.9, b=0.4`` are Pyserini's, which the SPADER reference 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -200,8 +201,8 @@ class BM25Retriever:
         query ``b``: the same scores, with one pass of C loops for the whole batch instead of a
         dozen numpy calls per query.
         """
-        if len(queries) <= 1 or self.num_docs > self.batch_max_docs:
-            return [self.top(q, k) for q in queries]
+        if len(queries) <= 1 or self.num_docs > self.batch_max_docs or not _has_scipy():
+            return [self.top(q, k) for q in queries]  # the same scores, query by query
         import scipy.sparse as sp
 
         index = self._term_matrix()
@@ -225,3 +226,14 @@ def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.
         rows, scores = rows[part], scores[part]
     order = np.lexsort((rows, -scores))
     return rows[order], scores[order]
+
+
+@functools.cache
+def _has_scipy() -> bool:
+    """Whether scipy's sparse products are at hand (a project dependency; a bundle run on a machine of only
+    torch and numpy searches query by query instead)."""
+    try:
+        import scipy.sparse  # noqa: F401
+    except ImportError:
+        return False
+    return True
