@@ -10,7 +10,7 @@
 #   here:   scripts/gpu_issue63.sh rehearse    # after stage: the steps on this CPU in a venv of what the machine
 #                                              # has (Python 3.12, torch 2.11, transformers 5.17): the bare steps at
 #                                              # small shapes, the payload installed as there, the bundle's run at
-#                                              # a tiny size (~5 min; ~1 more to make the venv, 4.6 GB)
+#                                              # a tiny size, verl's CPU fit() (~6 min with its venv made)
 #   there (bash scripts/gpu_issue63.sh STEP...):
 #     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
@@ -160,21 +160,29 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
 
 # rehearse: the steps of a lease, here, before one is spent on them, in a venv of what the bare machine has
 # (Python 3.12, torch 2.11.0 as there: the CUDA build, run on this CPU; transformers 5.17; no more than its
-# listed packages, plus scipy, which its JAX brings):
+# listed packages, plus what runs there showed it has: scipy, which its JAX brings, and Pillow, which verl's
+# agent loop imported in fit() on 2026-11-28):
 # 1. the bare steps: our modeling code on that transformers, not our pin (it reaches into transformers' private
 #    interfaces: modeling/kv_cache.py, decode.py, boundary.py): decode at small shapes, the static step's tests;
 # 2. the payload (.gpu/g1 .. g3, as `stage` left them): received, put together and installed as there, then
 #    what each step imports, and the one-GPU run's bundle on this CPU at a tiny size (every stage, both methods
-#    side by side, the summary), which shows a wheel missing from the payload before the GPU run does.
+#    side by side, the summary) and verl's fit() through its real workers on verl's CPU platform (2 GRPO steps,
+#    `make test-verl`'s first run: the imports of Ray's actors too), which show a wheel missing from the
+#    payload before a lease does.
 # BARE_PYTHON: a Python 3.12 (default: python3.12, else pyenv's); BARE_VENV and REHEARSAL (the staging dirs).
 rehearse() {
   local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py=${BARE_PYTHON:-}
   if [ ! -x "$venv"/bin/python ]; then
-    [ -n "$py" ] || py=$(command -v python3.12 || ls "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
-    [ -n "$py" ] || { echo "no Python 3.12 here (BARE_PYTHON=...): the payload's wheels are cp312" >&2; return 1; }
+    local candidate
+    for candidate in "$py" "$(ls "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)" python3.12; do
+      [ -n "$candidate" ] && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null &&
+        { py=$candidate; break; }
+    done
+    "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null ||
+      { echo "no Python 3.12 here (BARE_PYTHON=...): the payload's wheels are cp312" >&2; return 1; }
     "$py" -m venv "$venv" && "$venv"/bin/pip install -q torch==2.11.0 &&
       "$venv"/bin/pip install -q -c <(echo torch==2.11.0) "transformers==${BARE_TRANSFORMERS:-5.17.*}" numpy pandas \
-        pyarrow safetensors tokenizers peft accelerate pytest scipy || return 1
+        pyarrow safetensors tokenizers peft accelerate pytest scipy pillow || return 1
   fi
   local bare=("$venv"/bin/python)
   "${bare[@]}" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -209,6 +217,9 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
     grep -E "stage |held-out|step 1/1|Traceback|Error:" "$dir"/one_gpu.log | grep -v "Loading weights" | tail -n 30
     [ $rc = 0 ] && [ -f "$dir"/one_gpu/summary.json ] || { echo "the bundle's run failed ($rc): $dir/one_gpu.log" >&2; exit 1; }
     cat "$dir"/one_gpu/summary.md
+    timeout 900 python3 -m pytest -q -p no:cacheprovider -m verl_workers tests/verl_plugin/test_verl_real_workers.py \
+      -k "grpo-1 and trains" 2>&1 | tail -n 3
+    exit "${PIPESTATUS[0]}"
   )
 }
 
