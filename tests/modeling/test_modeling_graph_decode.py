@@ -162,6 +162,7 @@ def test_the_capture_path_captures_each_bucket_once_and_replays_it(tiny_model, m
     after = static_decode_stats()
     runners = next(iter(graph_decode._DECODERS[tiny_model].values())).runners
     assert len(captured) == after["captures"] - before["captures"] == len(runners)
+    assert after["buckets"] - before["buckets"] == len(runners)  # each bucket's step built once, and captured
     assert {(4, 256), (2, 256)} <= {key[:2] for key in runners}  # rows of the going rows' bucket, positions'
     assert after["replays"] > before["replays"]
     _decode(tiny_model, sample=False, bf16=True)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
@@ -145,6 +146,7 @@ def gpu_runs(tmp_path_factory):  # pragma: no cover - needs a CUDA GPU
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", GPU_METHODS)
 def test_fit_on_one_gpu_with_our_server(gpu_runs, method):  # pragma: no cover - needs a CUDA GPU
     """New weights reach the server at every step, the server's log-probs are the actor's (bf16 on both

@@ -90,7 +90,7 @@ SYNC_CHECK = False
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
 #: this process's counters (:func:`static_decode_stats`)
-_STATS = {"captures": 0, "capture_seconds": 0.0, "replays": 0, "eager_steps": 0, "allocations": 0,
+_STATS = {"buckets": 0, "captures": 0, "capture_seconds": 0.0, "replays": 0, "eager_steps": 0, "allocations": 0,
           "allocated_bytes": 0, "moved_in": 0, "evictions": 0}
 #: per model: per precision, its decoder
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Decoder]] = weakref.WeakKeyDictionary()
@@ -98,7 +98,9 @@ _graphs_failed = False
 
 
 def static_decode_stats() -> dict[str, float]:
-    """This process's counters: ``captures`` (CUDA graphs captured) and ``capture_seconds`` (their time,
+    """This process's counters: ``buckets`` (steps built for a new bucket of rows, positions and sampling:
+    each is captured once where graphs are on, so a CPU run tells how many captures a GPU run pays),
+    ``captures`` (CUDA graphs captured) and ``capture_seconds`` (their time,
     each bucket's first eager step included), ``replays``, ``eager_steps`` (steps launched op by op:
     without graphs, or a bucket's first step), ``allocations`` and ``allocated_bytes`` (static caches
     allocated, and the bytes of the latest), ``moved_in`` (caches copied into a static cache) and
@@ -428,6 +430,7 @@ class _Decoder:
         """The step at ``rows`` x ``length`` for ``sampling``, captured once where graphs are on."""
         key = (rows, length, sampling.key)
         if key not in self.runners:
+            _STATS["buckets"] += 1
             cache, step = self.cache, self.step
 
             def one_step() -> None:
