@@ -216,6 +216,47 @@ def test_a_turn_split_in_two_batches_goes_on_as_two_cohorts_each_continuing_its_
     _same_as_fresh(model_dir, contexts, second)
 
 
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "logprobs": True}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_on_the_static_step_the_server_gives_the_host_loops_turns(model_dir, params, monkeypatch):
+    """The static step (modeling/graph_decode.py: what the server decodes with on CUDA, captured in graphs)
+    serves two cohorts that each continue their cache, one moving out of the static cache for the other,
+    and returns the host loop's tokens and log-probabilities (fp32 weights: within 1e-5), sampled too (the
+    same draws from the server's seeded generator)."""
+    from spader_pipeline.modeling import static_cache
+    from spader_pipeline.modeling.graph_decode import static_decode_stats
+
+    first = prompts(4)
+
+    def serve(static: bool):
+        monkeypatch.setattr(static_cache, "STATIC_DECODE", "on" if static else "off")
+
+        async def run():
+            server = make_server(model_dir)
+            early = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(params))
+                                           for i, p in enumerate(first[:2])])
+            late = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=p, sampling_params=dict(params))
+                                          for i, p in enumerate(first[2:])])
+            contexts = _continue(first, early + late)
+            second = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=c, sampling_params=dict(params))
+                                            for i, c in enumerate(contexts)])
+            return server.stats(), [*early, *late, *second]
+
+        return asyncio.run(run())
+
+    host_stats, host = serve(False)
+    before = static_decode_stats()
+    stats, static = serve(True)
+    after = static_decode_stats()
+    assert after["eager_steps"] > before["eager_steps"] and after["evictions"] > before["evictions"]
+    assert stats["batch_sizes"] == host_stats["batch_sizes"] and stats["kv_reuses"] == host_stats["kv_reuses"] == 2
+    assert [o.token_ids for o in static] == [o.token_ids for o in host]
+    for got, want in zip(static, host, strict=True):
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-5, rtol=1e-5)
+
+
 def test_a_straggler_is_prefilled_afresh_and_the_rest_continue_their_cache(model_dir):
     """A cohort whose sequences do not all come back decodes those that did once its wait is over; the
     straggler, arriving after, starts a cohort of its own; at the next turn both continue their caches."""
