@@ -154,8 +154,10 @@ def test_the_capture_path_captures_each_bucket_once_and_replays_it(tiny_model, m
             self.step()
 
     monkeypatch.setattr(graph_decode, "_use_graphs", lambda device: True)
-    monkeypatch.setattr(graph_decode, "_cuda_graph", lambda step, pool: captured.append(step) or Recorded(step))
+    monkeypatch.setattr(graph_decode, "_cuda_graph",
+                        lambda step, pool, stream: captured.append((step, stream)) or Recorded(step))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
     _static(True, monkeypatch)
     before = static_decode_stats()
     replayed = [_decode(tiny_model, sample=sample, bf16=True)[0] for sample in (False, True)]
@@ -167,9 +169,14 @@ def test_the_capture_path_captures_each_bucket_once_and_replays_it(tiny_model, m
     assert after["replays"] > before["replays"]
     _decode(tiny_model, sample=False, bf16=True)
     assert static_decode_stats()["captures"] == after["captures"]  # the same buckets: nothing captured again
+    _decode(tiny_model, sample=False, bf16=False)  # another precision: another decoder, capturing on its own stream
+    decoders = list(graph_decode._DECODERS[tiny_model].values())
+    streams = {id(stream) for _, stream in captured}
+    assert len(decoders) == 2 and streams == {id(d.capture_stream) for d in decoders} and len(streams) == 2
     monkeypatch.setattr(graph_decode, "_use_graphs", lambda device: False)
-    graph_decode._DECODERS.pop(tiny_model)
+    replays = static_decode_stats()["replays"]
     assert [_decode(tiny_model, sample=sample, bf16=True)[0] for sample in (False, True)] == replayed
+    assert static_decode_stats()["replays"] == replays  # graphs off: the step op by op, not the captured buckets
 
 
 def test_a_step_reads_nothing_from_the_device(tiny_model, monkeypatch):

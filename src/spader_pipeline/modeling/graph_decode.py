@@ -76,7 +76,8 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
 from spader_pipeline.modeling.static_cache import StaticKVCache, allocation_length, length_bucket, row_bucket
 
-__all__ = ["GRAPH_PROCESSORS", "SYNC_CHECK", "StaticOutcome", "decode_static", "static_decode_stats", "static_decoder"]
+__all__ = ["GRAPH_PROCESSORS", "SYNC_CHECK", "StaticOutcome", "decode_static", "release_static_decoders",
+           "static_decode_stats", "static_decoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -292,12 +293,22 @@ def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sa
     cache.step += 1
 
 
-def _cuda_graph(step: Callable[[], None], pool: Any) -> Any:
-    """``step`` captured in a CUDA graph (its intermediates in ``pool``, which every graph of a static cache
-    shares: they replay one at a time, and nothing they leave in it is read after)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        step()
+def _cuda_graph(step: Callable[[], None], pool: Any, stream: Any) -> Any:
+    """``step`` captured in a CUDA graph on ``stream`` (its intermediates in ``pool``, which every graph of a
+    static cache shares: they replay one at a time, and nothing they leave in it is read after).
+
+    Each decoder captures on a stream of its own: cuBLAS keeps one workspace per stream, allocated in the
+    first capture's pool and read by every later graph captured on that stream, and a graph's destruction
+    may free it (torch's ``clearCublasWorkspacesForStream``, pytorch#193402). On one shared stream, one
+    decoder dropping its graphs (a larger cache, moved weights) would pull the workspace from under another
+    decoder's graphs; on its own stream a decoder's graphs go together."""
+    graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            step()
+    except BaseException:
+        torch.cuda.set_stream(current)  # a failed capture leaves torch.cuda.graph's stream current
+        raise
     return graph
 
 
@@ -309,8 +320,8 @@ class _CapturedStep:
     """A bucket's step: launched op by op the first time (the step of that window, which also loads its
     kernels), captured then, replayed after. Where the capture fails, op by op from then on."""
 
-    def __init__(self, step: Callable[[], None], pool: Any, label: str) -> None:
-        self.step, self.pool, self.label, self.graph = step, pool, label, None
+    def __init__(self, step: Callable[[], None], pool: Any, stream: Any, label: str) -> None:
+        self.step, self.pool, self.stream, self.label, self.graph = step, pool, stream, label, None
 
     @property
     def ready(self) -> bool:
@@ -323,7 +334,7 @@ class _CapturedStep:
         self.step()
         _STATS["eager_steps"] += 1
         try:
-            self.graph = _cuda_graph(self.step, self.pool)
+            self.graph = _cuda_graph(self.step, self.pool, self.stream)
         except Exception:  # noqa: BLE001 - a step that does not capture: op by op, said once
             _graphs_failed = True
             self.graph = False
@@ -369,12 +380,14 @@ class _Decoder:
         self.runners: dict[tuple, Any] = {}
         self.samplings: dict[tuple, _Sampling] = {}
         self.pool: Any = None
+        self.capture_stream: Any = None  # made with the first capture (:func:`_cuda_graph` says why its own)
 
     def renew(self, model: torch.nn.Module) -> None:
         """A new step where the model's tensors moved (the graphs read the old ones), else fresh weights."""
         if _signature(model) != self.step.signature:
             self.step = _Step(model, self.precision, self.device)
             self.runners.clear()
+            self.pool = None  # the graphs went: a fresh pool for the next ones, as a new cache has
         else:
             self.step.weights.refresh()
 
@@ -428,7 +441,8 @@ class _Decoder:
 
     def runner(self, rows: int, length: int, sampling: _Sampling) -> Any:
         """The step at ``rows`` x ``length`` for ``sampling``, captured once where graphs are on."""
-        key = (rows, length, sampling.key)
+        graphs = _use_graphs(self.device)
+        key = (rows, length, sampling.key, graphs)
         if key not in self.runners:
             _STATS["buckets"] += 1
             cache, step = self.cache, self.step
@@ -436,10 +450,13 @@ class _Decoder:
             def one_step() -> None:
                 _sample(cache, step.forward(cache, rows, length, sampling.captured), rows, sampling)
 
-            if _use_graphs(self.device):
+            if graphs:
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                self.runners[key] = _CapturedStep(one_step, self.pool, f"{rows} rows x {length} positions")
+                if self.capture_stream is None:
+                    self.capture_stream = torch.cuda.Stream(self.device)
+                self.runners[key] = _CapturedStep(one_step, self.pool, self.capture_stream,
+                                                  f"{rows} rows x {length} positions")
             else:
                 self.runners[key] = _EagerStep(one_step)
         return self.runners[key]
@@ -477,6 +494,13 @@ def static_decoder(model: Any, cache: Any, processors: Any) -> _Decoder | None:
     else:
         decoder.renew(model)
     return decoder
+
+
+def release_static_decoders(model: torch.nn.Module) -> bool:
+    """Let go of ``model``'s static decoders: their static caches, captured graphs and weight copies (a
+    rollout server going to sleep frees what the trainer needs; moving the model's weights off the device
+    would make them stale anyway). The next decoding call builds them again. Whether there were any."""
+    return _DECODERS.pop(model, None) is not None
 
 
 @contextlib.contextmanager
