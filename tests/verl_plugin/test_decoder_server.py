@@ -257,6 +257,28 @@ def test_on_the_static_step_the_server_gives_the_host_loops_turns(model_dir, par
         torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-5, rtol=1e-5)
 
 
+def test_sleep_lets_go_of_the_static_step_and_the_next_turn_builds_it_again(model_dir, monkeypatch):
+    """Going to sleep frees what the trainer needs, the static step's cache, graphs and weight copies among
+    it; after the wake-up the same request decodes the same turn."""
+    from spader_pipeline.modeling import graph_decode, static_cache
+
+    monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
+
+    async def run():
+        server = make_server(model_dir)
+        before = await server.generate("a", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        held = server.model in graph_decode._DECODERS
+        await server.sleep()
+        released = server.model not in graph_decode._DECODERS
+        await server.wake_up()
+        after = await server.generate("b", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
+        return before, after, held, released, server.model in graph_decode._DECODERS
+
+    before, after, held, released, rebuilt = asyncio.run(run())
+    assert held and released and rebuilt
+    assert after.token_ids == before.token_ids and after.log_probs == before.log_probs
+
+
 def test_a_straggler_is_prefilled_afresh_and_the_rest_continue_their_cache(model_dir):
     """A cohort whose sequences do not all come back decodes those that did once its wait is over; the
     straggler, arriving after, starts a cohort of its own; at the next turn both continue their caches."""

@@ -34,6 +34,10 @@ trainer runs; the KV cache is dropped on every device), ``clear_kv_cache``, ``se
 ``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
 ``aborted`` when the replica leaves), and ``load_weights``, through which the in-worker adapter
 (:class:`~.replica.DecoderServerAdapter`) hands over the actor's weights that verl's checkpoint engine yields.
+A batch decoding, a weight update, a cache clear, sleep and wake-up change the model's device state one at
+a time (a batch decodes in a worker thread: a CUDA graph being captured or replayed there must not see
+weights copied or moved by the event loop's thread). Sleep also lets go of the static decoding step's
+cache, graphs and weight copies (:func:`~spader_pipeline.modeling.graph_decode.release_static_decoders`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any
 
 import torch
 
-from spader_pipeline.modeling.graph_decode import static_decode_stats
+from spader_pipeline.modeling.graph_decode import release_static_decoders, static_decode_stats
 from spader_pipeline.verl_plugin.decoder_rollout.batching import (
     BATCH_WINDOW_S,
     MAX_WAIT_S,
@@ -105,6 +109,10 @@ class DecoderServer:
         self._reject = False
         self._worker: asyncio.Task | None = None
         self._loaded: set[str] = set()  # the weights of the update in progress
+        # the model's device state is changed by one of these at a time: a batch decoding (in a worker thread),
+        # a weight update, sleep or wake-up (a CUDA graph being captured must not see another thread's
+        # copies, and a replay must not read weights moved away under it)
+        self._device = asyncio.Lock()
         self.stats_: dict[str, Any] = {"requests": 0, "batches": 0, "batch_sizes": [], "generated_tokens": 0,
                                        "decode_seconds": 0.0, "kv_reuses": 0, "stragglers": 0, "weight_updates": [],
                                        "aborted": 0}
@@ -248,7 +256,8 @@ class DecoderServer:
         reuses = getattr(decoder, "kv_reuses", 0)  # an engine's counter, where it keeps one
         started = time.perf_counter()
         try:
-            turns = await decoder.generate([states[i] for i in order])
+            async with self._device:
+                turns = await decoder.generate([states[i] for i in order])
         except Exception:
             if cohort in self._cohorts:  # its cache is in no known state
                 await self._drop(cohort)
@@ -281,6 +290,10 @@ class DecoderServer:
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def clear_kv_cache(self) -> None:
+        async with self._device:  # not under a batch decoding from it
+            await self._clear_kv_cache()
+
+    async def _clear_kv_cache(self) -> None:
         for cohort in list(self._cohorts):
             await self._drop(cohort)
 
@@ -291,15 +304,19 @@ class DecoderServer:
         return None
 
     async def sleep(self) -> None:
-        """Free what the trainer needs: the KV caches, and on CUDA the weights' device memory."""
-        await self.clear_kv_cache()
-        if self.device.type == "cuda" and getattr(self.config, "free_cache_engine", True):
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+        """Free what the trainer needs: the KV caches, the static decoding step's cache, graphs and weight
+        copies, and on CUDA the weights' device memory."""
+        async with self._device:
+            await self._clear_kv_cache()
+            release_static_decoders(self.model)
+            if self.device.type == "cuda" and getattr(self.config, "free_cache_engine", True):
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        if self.device.type == "cuda" and next(self.model.parameters()).device.type != "cuda":
-            self.model.to(self.device)
+        async with self._device:
+            if self.device.type == "cuda" and next(self.model.parameters()).device.type != "cuda":
+                self.model.to(self.device)
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -334,18 +351,19 @@ class DecoderServer:
         unknown = [name for name, _ in named_tensors if name not in state]
         if unknown:
             raise KeyError(f"weights the served model does not have: {unknown[:5]}")
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                state[name].copy_(tensor.to(state[name].device, dtype=state[name].dtype))
-                self._loaded.add(name)
-        if not last:
-            return
-        missing = [name for name in state if name not in self._loaded and not tied_to_embeddings(self.model, name)]
-        checksum = weights_checksum(self.model)
-        self._loaded = set()
-        if missing:
-            raise KeyError(f"a weight update left {len(missing)} weights unchanged: {missing[:5]}")
-        await self.clear_kv_cache()
+        async with self._device:
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    state[name].copy_(tensor.to(state[name].device, dtype=state[name].dtype))
+                    self._loaded.add(name)
+            if not last:
+                return
+            missing = [name for name in state if name not in self._loaded and not tied_to_embeddings(self.model, name)]
+            checksum = weights_checksum(self.model)
+            self._loaded = set()
+            if missing:
+                raise KeyError(f"a weight update left {len(missing)} weights unchanged: {missing[:5]}")
+            await self._clear_kv_cache()
         if global_steps is not None:
             self.global_steps = global_steps
         self.stats_["weight_updates"].append({"global_steps": global_steps, "checksum": checksum, "at": time.time()})
