@@ -192,23 +192,27 @@ def _same_as_fresh(model_dir, contexts, outputs):
         torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-4, rtol=1e-4)
 
 
+async def _two_cohorts(server, first, params, order=(0, 1, 2, 3)):
+    """Turn 1 of four prompts in two batches (two cohorts), then turn 2 of all four arriving in ``order``:
+    turn 1's outputs, turn 2's contexts and its outputs, in input order."""
+    early = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(params))
+                                   for i, p in enumerate(first[:2])])
+    late = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=p, sampling_params=dict(params))
+                                  for i, p in enumerate(first[2:])])
+    contexts = _continue(first, early + late)
+    second = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=contexts[i], sampling_params=dict(params))
+                                    for i in order])
+    return [*early, *late], contexts, [second[list(order).index(i)] for i in range(len(first))]
+
+
 def test_a_turn_split_in_two_batches_goes_on_as_two_cohorts_each_continuing_its_cache(model_dir):
     """Trajectories whose turns were decoded in two batches (one arrived late) come back together: each
     batch's sequences continue that batch's cache, instead of the later batch's cache alone surviving and
     every other context being encoded again."""
-    first = prompts(4)
-
     async def run():
         server = make_server(model_dir)
-        early = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(GREEDY))
-                                       for i, p in enumerate(first[:2])])
-        late = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=p, sampling_params=dict(GREEDY))
-                                      for i, p in enumerate(first[2:])])
-        contexts = _continue(first, early + late)
-        order = [0, 2, 3, 1]  # arrivals mixed
-        second = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=contexts[i], sampling_params=dict(GREEDY))
-                                        for i in order])
-        return server, contexts, [second[order.index(i)] for i in range(4)]
+        _, contexts, second = await _two_cohorts(server, prompts(4), GREEDY, order=[0, 2, 3, 1])  # arrivals mixed
+        return server, contexts, second
 
     server, contexts, second = asyncio.run(run())
     stats = server.stats()
@@ -228,21 +232,13 @@ def test_on_the_static_step_the_server_gives_the_host_loops_turns(model_dir, par
     from spader_pipeline.modeling import static_cache
     from spader_pipeline.modeling.graph_decode import static_decode_stats
 
-    first = prompts(4)
-
     def serve(static: bool):
         monkeypatch.setattr(static_cache, "STATIC_DECODE", "on" if static else "off")
 
         async def run():
             server = make_server(model_dir)
-            early = await asyncio.gather(*[server.generate(f"a{i}", prompt_ids=p, sampling_params=dict(params))
-                                           for i, p in enumerate(first[:2])])
-            late = await asyncio.gather(*[server.generate(f"b{i}", prompt_ids=p, sampling_params=dict(params))
-                                          for i, p in enumerate(first[2:])])
-            contexts = _continue(first, early + late)
-            second = await asyncio.gather(*[server.generate(f"c{i}", prompt_ids=c, sampling_params=dict(params))
-                                            for i, c in enumerate(contexts)])
-            return server.stats(), [*early, *late, *second]
+            first, _, second = await _two_cohorts(server, prompts(4), params)
+            return server.stats(), [*first, *second]
 
         return asyncio.run(run())
 
