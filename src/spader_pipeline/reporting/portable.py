@@ -29,14 +29,16 @@ def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any]
     difference from ``reference`` (one seed: ``[1, Q]`` grids of :mod:`spader_pipeline.evaluation.bootstrap`).
     A failed record scores 0, as in the compare report."""
     frame = pd.DataFrame.from_records(list(records))
+    for column in ("recall", "f1", "num_searches"):  # failed records carry none: a model of only those lacks them
+        if column not in frame:
+            frame[column] = np.nan
     options = {k: bootstrap[k] for k in ("resamples", "confidence", "seed") if k in bootstrap}
     scores: dict[str, dict[str, np.ndarray]] = {}
     for model, rows in frame.groupby("model", sort=False):
         rows = rows.sort_values("id")
         ok = rows["status"].eq("ok").to_numpy()
-        # a model whose every record failed has no metric columns: its questions score 0 all the same
-        scores[str(model)] = {m: np.where(ok, rows.get(m, pd.Series(0.0, index=rows.index)).fillna(0.0).to_numpy(float),
-                                          0.0)[None, :] for m in ("recall", "f1")}
+        scores[str(model)] = {m: np.where(ok, rows[m].fillna(0.0).to_numpy(float), 0.0)[None, :]
+                              for m in ("recall", "f1")}
         scores[str(model)]["failed"] = int((~ok).sum())
         scores[str(model)]["searches"] = float(rows.loc[ok, "num_searches"].mean()) if ok.any() else float("nan")
     models: dict[str, Any] = {}
