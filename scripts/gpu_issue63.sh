@@ -171,30 +171,27 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
 #    payload before a lease does.
 # BARE_PYTHON: a Python 3.12 (default: python3.12, else pyenv's); BARE_VENV and REHEARSAL (the staging dirs).
 rehearse() {
-  local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py=${BARE_PYTHON:-}
+  local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py="" candidate
   if [ ! -x "$venv"/bin/python ]; then
-    local candidate
-    for candidate in "$py" "$(ls "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)" python3.12; do
+    for candidate in "${BARE_PYTHON:-}" "$(ls "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)" python3.12; do
       [ -n "$candidate" ] && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null &&
         { py=$candidate; break; }
     done
-    "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null ||
-      { echo "no Python 3.12 here (BARE_PYTHON=...): the payload's wheels are cp312" >&2; return 1; }
+    [ -n "$py" ] || { echo "no Python 3.12 here (BARE_PYTHON=...): the payload's wheels are cp312" >&2; return 1; }
     "$py" -m venv "$venv" && "$venv"/bin/pip install -q torch==2.11.0 &&
       "$venv"/bin/pip install -q -c <(echo torch==2.11.0) "transformers==${BARE_TRANSFORMERS:-5.17.*}" numpy pandas \
         pyarrow safetensors tokenizers peft accelerate pytest scipy pillow || return 1
   fi
-  local bare=("$venv"/bin/python)
-  "${bare[@]}" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  local bare=$venv/bin/python
+  "$bare" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   echo "-- 1. the bare steps"
-  PYTHONPATH="$PWD/src" "${bare[@]}" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
-  PYTHONPATH="$PWD/src" "${bare[@]}" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+  PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || return 1
   echo "-- 2. the payload"
-  rm -rf "$dir" && mkdir -p "$dir"
-  mkdir -p "$dir"/stage && cp .gpu/g[0-9]*/payload.tar.part-* "$dir"/stage/ && cp .gpu/g1/parts "$dir"/stage/ || return 1
+  rm -rf "$dir" && mkdir -p "$dir"/stage && cp .gpu/g[0-9]*/payload.tar.part-* "$dir"/stage/ && cp .gpu/g1/parts "$dir"/stage/ || return 1
   (PATH="$venv/bin:$PATH" STAGE=$dir/stage SITE=$dir/site && assemble) || return 1
   (
     export PATH="$venv/bin:$PATH" PYTHONPATH="$dir/site:$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
