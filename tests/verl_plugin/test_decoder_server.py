@@ -217,6 +217,9 @@ def test_a_turn_split_in_two_batches_goes_on_as_two_cohorts_each_continuing_its_
     server, contexts, second = asyncio.run(run())
     stats = server.stats()
     assert stats["batch_sizes"] == [2, 2, 2, 2] and stats["kv_reuses"] == 2
+    # the engine's counters, added up over the batches: each token one sampled row of a decoding step
+    assert stats["sampled_rows"] == stats["generated_tokens"] > 0 and 4 <= stats["decode_steps"] < stats["sampled_rows"]
+    assert 0 < stats["model_seconds"] <= stats["decode_seconds"]
     _same_as_fresh(model_dir, contexts, second)
 
 

@@ -162,8 +162,11 @@ def test_fit_on_one_gpu_with_our_server(gpu_runs, method):  # pragma: no cover -
         print(method, step, {k: round(v, 2) for k, v in data.items() if k.startswith("timing_s/")})
         assert data["training/rollout_probs_diff_max"] < 0.1
     sizes, seconds = server["batch_sizes"], server["decode_seconds"]
+    steps = max(server["decode_steps"], 1)
     print(f"{method}: the server decoded {server['generated_tokens']} tokens in {seconds:.1f} s "
           f"({server['generated_tokens'] / max(seconds, 1e-9):.0f} tokens/s) in {len(sizes)} batches of "
-          f"{min(sizes, default=0)}-{max(sizes, default=0)} requests; static step: {server['decoding']}")
+          f"{min(sizes, default=0)}-{max(sizes, default=0)} requests: {server['decode_steps']} decoding steps of "
+          f"{server['sampled_rows'] / steps:.1f} rows on average, {1000 * server['model_seconds'] / steps:.1f} ms "
+          f"each in the model (prefills and captures included); static step: {server['decoding']}")
     if static_cache.STATIC_DECODE != "off" and static_cache.CUDA_GRAPHS:
         assert server["decoding"]["replays"] > 0, server["decoding"]

@@ -67,6 +67,10 @@ logger = logging.getLogger(__name__)
 #: ``actor_rollout_ref.rollout.custom`` key: the rollout engine the server decodes with
 #: (:mod:`spader_pipeline.agent.engines`; it must return log-probabilities); unset: ``hf``
 ENGINE_KEY = "engine"
+#: the engine's counters the server adds up over its batches (where the engine keeps them): cache rows
+#: continued, decoding steps (each as long as the batch's longest row: a step's cost at a few rows does
+#: not depend on how many), rows sampled over them, seconds in the model
+_ENGINE_COUNTERS = ("kv_reuses", "decode_steps", "sampled_rows", "model_seconds")
 
 
 class DecoderServer:
@@ -114,8 +118,8 @@ class DecoderServer:
         # copies, and a replay must not read weights moved away under it)
         self._device = asyncio.Lock()
         self.stats_: dict[str, Any] = {"requests": 0, "batches": 0, "batch_sizes": [], "generated_tokens": 0,
-                                       "decode_seconds": 0.0, "kv_reuses": 0, "stragglers": 0, "weight_updates": [],
-                                       "aborted": 0}
+                                       "decode_seconds": 0.0, "stragglers": 0, "weight_updates": [], "aborted": 0,
+                                       **dict.fromkeys(_ENGINE_COUNTERS, 0)}
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -253,7 +257,7 @@ class DecoderServer:
         rows = {uid: row for row, uid in enumerate(cohort.rows)}
         order = sorted(range(len(batch)), key=lambda i: rows.get(states[i].uid, len(rows) + i))
         decoder = cohort.decoder
-        reuses = getattr(decoder, "kv_reuses", 0)  # an engine's counter, where it keeps one
+        before = {name: getattr(decoder, name, 0) for name in _ENGINE_COUNTERS}  # an engine's, where it keeps them
         started = time.perf_counter()
         try:
             async with self._device:
@@ -266,7 +270,8 @@ class DecoderServer:
         self.stats_["decode_seconds"] += seconds
         self.stats_["batches"] += 1
         self.stats_["batch_sizes"].append(len(batch))
-        self.stats_["kv_reuses"] += getattr(decoder, "kv_reuses", 0) - reuses
+        for name, value in before.items():
+            self.stats_[name] += getattr(decoder, name, 0) - value
         outputs: list[Any] = [None] * len(batch)
         produced: list[tuple[tuple[int, ...], str]] = []
         for i, turn in zip(order, turns, strict=True):
@@ -369,8 +374,8 @@ class DecoderServer:
         self.stats_["weight_updates"].append({"global_steps": global_steps, "checksum": checksum, "at": time.time()})
 
     def stats(self) -> dict[str, Any]:
-        """What the server did: requests, batches and their sizes, tokens, decoding seconds, cache reuses,
-        stragglers, weight updates; ``decoding``: this process's static-step counters (CUDA graphs captured
+        """What the server did: requests, batches and their sizes, tokens, decoding seconds (the batches'
+        wall time), the engine's counters (:data:`_ENGINE_COUNTERS`), stragglers, weight updates; ``decoding``: this process's static-step counters (CUDA graphs captured
         and replayed, steps launched op by op: :func:`~spader_pipeline.modeling.graph_decode.static_decode_stats`)."""
         return {**self.stats_, "global_steps": self.global_steps, "checksum": weights_checksum(self.model),
                 "decoding": static_decode_stats()}
