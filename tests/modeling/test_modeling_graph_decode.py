@@ -140,6 +140,22 @@ def test_a_weight_changed_in_place_reaches_the_next_call(tiny_model, monkeypatch
     assert static[0] == _decode(tiny_model, sample=False, bf16=True)[0] != before[0]
 
 
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+def test_the_trainers_optimiser_step_reaches_the_next_call(tiny_model, foreach, monkeypatch):
+    """The native trainer's AdamW (``fused=False``; ``foreach`` on CUDA, a for-loop on the CPU) bumps the
+    version counters the copies are refreshed by. (torch's fused AdamW does not bump them: a decoding call
+    after its step would read the weights from before it.)"""
+    _static(True, monkeypatch)
+    before = _decode(tiny_model, sample=False, bf16=True)
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=0.05, foreach=foreach, fused=False)
+    for parameter in tiny_model.parameters():
+        parameter.grad = torch.full_like(parameter, 0.1)
+    optimizer.step()
+    static = _decode(tiny_model, sample=False, bf16=True)
+    _static(False, monkeypatch)
+    assert static[0] == _decode(tiny_model, sample=False, bf16=True)[0] != before[0]
+
+
 def test_the_capture_path_captures_each_bucket_once_and_replays_it(tiny_model, monkeypatch):
     """The CUDA path's logic on the CPU: a stand-in for ``torch.cuda.graph`` records the step (running nothing,
     as a capture runs nothing) and replays it. A bucket's first step runs eagerly and is captured; its later

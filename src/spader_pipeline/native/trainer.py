@@ -213,8 +213,10 @@ def start_run(config: NativeTrainerConfig, model_path: str | Path, run_dir: Path
     if config.kl_coef > 0:  # the reference is always the model the run started from
         reference = model if not resume else load_model_and_tokenizer(model_path, device=device)[0]
         reference = copy.deepcopy(reference).eval().requires_grad_(False)
+    # not fused: the fused step writes the weights without bumping their version counters, by which the
+    # static decoding step knows to refresh its bf16 copies (modeling/graph_decode.py)
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=config.betas,
-                                  weight_decay=config.weight_decay)
+                                  weight_decay=config.weight_decay, fused=False)
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     run = RunState(config, run_dir, settings, model, tokenizer, reference, trainable, optimizer, scheduler,
