@@ -166,9 +166,9 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
 #    interfaces: modeling/kv_cache.py, decode.py, boundary.py): decode at small shapes, the static step's tests;
 # 2. the payload (.gpu/g1 .. g3, as `stage` left them): received, put together and installed as there, then
 #    what each step imports, and the one-GPU run's bundle on this CPU at a tiny size (every stage, both methods
-#    side by side, the summary) and verl's fit() through its real workers on verl's CPU platform (2 GRPO steps,
-#    `make test-verl`'s first run: the imports of Ray's actors too), which show a wheel missing from the
-#    payload before a lease does.
+#    side by side, the summary; decoding on the static step, as on CUDA, op by op) and verl's fit() through
+#    its real workers on verl's CPU platform (2 GRPO steps, `make test-verl`'s first run: the imports of Ray's
+#    actors too), which show a wheel missing from the payload before a lease does.
 # BARE_PYTHON: a Python 3.12 (default: python3.12, else pyenv's); BARE_VENV and REHEARSAL (the staging dirs).
 rehearse() {
   local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py="" candidate
@@ -204,7 +204,8 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
       tests/native/test_native_portable.py 2>&1)
     echo "$collected" | tail -n 5
     grep -q "fit_on_one_gpu_with_our_server\[spader\]" <<< "$collected" || { echo "verl's gpu test not collected" >&2; exit 1; }
-    timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
+    # the static decoding step, as CUDA decodes (op by op here): the rollouts, updates and evaluations through it
+    SPADER_STATIC_DECODE=on timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
       --device cpu --rl-seconds 20 --parallel-methods --max-heldout 4 --set warm_start.sft.max_steps=3 \
       --set warm_start.sft.schedule_steps=3 --set training.native.prompts_per_step=2 --set training.native.group_size=2 \
       --set training.native.micro_batch_size=4 --set training.native.ppo_mini_batches=1 \
