@@ -216,18 +216,26 @@ class _Step:
         self.final_norm = _residual_norm(body.norm, fused)
         self.head = self.weights.add((model.lm_head,))
 
+    def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """What every layer's attention reads of ``mask`` bool ``[n, L]`` (True: attend): itself for the CPU's
+        decoding attention; for SDPA, the additive ``[n, 1, 1, L]`` mask SDPA would make of it in each
+        layer (0 and -inf in the attention's dtype, as ATen's ``convert_boolean_attn_mask``), made once a step."""
+        dtype = self.precision.attention
+        if dtype is None:
+            return mask
+        return torch.where(mask[:, None, None, :], 0.0, torch.full((), -torch.inf, dtype=dtype, device=mask.device))
+
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 scaling: float) -> torch.Tensor:
         """One query position per row: ``query`` ``[n, H, D]`` over ``keys``/``values`` ``[n, H_kv, L, D]``
-        where ``mask`` ``[n, L]``; returns ``[n, H * D]``."""
+        where ``mask`` (:meth:`_attention_mask`); returns ``[n, H * D]``."""
         rows, heads, dim = query.shape
         dtype = self.precision.attention
         if dtype is None:  # the CPU's decoding attention under autocast (sdpa_gqa): fp32 over the cache
             return decode_attention(query.float()[:, :, None], keys, values, mask, scaling).reshape(rows, heads * dim)
         # query heads j*G .. j*G+G-1 read key/value head j (transformers' repeat_kv): G query positions of head j
         grouped = query.to(dtype).reshape(rows, self.kv_heads, heads // self.kv_heads, dim)
-        out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask[:, None, None, :],
-                                             scale=scaling)
+        out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask, scale=scaling)
         return out.reshape(rows, heads * dim)
 
     def forward(self, cache: StaticKVCache, rows: int, length: int, captured: int | None) -> torch.Tensor:
@@ -240,12 +248,16 @@ class _Step:
         cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         cache.valid[:rows].index_fill_(1, cache.cursor, True)
-        mask = cache.valid[:rows, :length]
+        mask = self._attention_mask(cache.valid[:rows, :length])
+        # the query and the new keys cast together where the attention reads them in the cache's dtype
+        joint_cast = precision.attention is not None and precision.attention == precision.kv
         states = cache.states[:rows, 0] if captured is not None else None
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
             qkv = F.linear(norm_in(x).to(precision.product), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
             qk = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos, signed_sin)  # [n, H + H_kv, D]
+            if joint_cast:
+                qk = qk.to(precision.kv)
             new_keys = qk[:, heads:].to(torch.bfloat16) if precision.round_keys else qk[:, heads:]
             keys, values = cache.keys[index][:rows], cache.values[index][:rows]
             keys.index_copy_(2, cache.cursor, new_keys[:, :, None].to(precision.kv))
