@@ -199,7 +199,11 @@ class _Step:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.hidden, self.layers_count = config.hidden_size, len(body.layers)
         self.embed, self.rotary = body.embed_tokens.weight, body.rotary_emb
-        fused = precision.residual == torch.float32 and _fused_norm_matches(config.hidden_size, device.type)
+        # the residual stream's norms in one call: where it is the model's formula bit for bit (a CPU), and on
+        # CUDA, where torch.rms_norm is one kernel (the formula six) that sums in another order: there the step
+        # is held to the bf16 bound of the gpu-marked tests, not to the host loop's bits
+        fused = precision.residual == torch.float32 and (
+            device.type == "cuda" or _fused_norm_matches(config.hidden_size, device.type))
         self.weights = _ProductWeights(precision.product)
         self.layers = []
         for block in body.layers:
