@@ -15,6 +15,10 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
 - ``hf_static`` (``--hf-generate``): transformers' ``generate(cache_implementation="static")`` (its forward
   compiled with CUDA graphs), greedy, per step with the prefill subtracted (a run of 1 new token against
   one of ``steps + 1``), and its first call's seconds (the compilation);
+- ``q<N>`` (``--length-quanta N ...``): the static step (in graphs where there are any) attending over
+  length buckets of ``N`` positions instead of ``static_cache.LENGTH_QUANTUM`` (256): a bucket reads its
+  masked tail too (the default's 768 positions where ~560 are real here), and a finer one captures more
+  buckets a run;
 - ``floor``: the bytes a step must read (the weights once, every row's keys and values) over the
   device's copy bandwidth, measured here (a 2 GiB copy), and the products' FLOPs at the bf16 peak the
   device reaches on a large product, measured too; the larger of the two.
@@ -81,6 +85,16 @@ def time_path(model, path: str, rows: int, width: int, steps: int, autocast: boo
     short = _decode_seconds(model, rows, width, steps, autocast)
     long = _decode_seconds(model, rows, width, 3 * steps, autocast)
     return (long - short) / (2 * steps)
+
+
+def time_quantum(model, quantum: int, rows: int, width: int, steps: int, autocast: bool) -> float:
+    """:func:`time_path` of the static step (``graph`` on CUDA, else ``static``) with length buckets of
+    ``quantum`` positions."""
+    default, static_cache.LENGTH_QUANTUM = static_cache.LENGTH_QUANTUM, quantum
+    try:
+        return time_path(model, "graph" if torch.cuda.is_available() else "static", rows, width, steps, autocast)
+    finally:
+        static_cache.LENGTH_QUANTUM = default
 
 
 @torch.no_grad()
@@ -153,6 +167,8 @@ def main() -> None:
     parser.add_argument("--weights", default="fp32+autocast,bf16", help="of fp32+autocast, bf16 (comma-separated)")
     parser.add_argument("--hf-generate", type=int, nargs="*", default=[],
                         help="rows at which to time transformers' static-cache generate too (compiles: ~40 s each)")
+    parser.add_argument("--length-quanta", type=int, nargs="*", default=[],
+                        help="also time the static step attending over length buckets of these many positions")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--profile", action="store_true")
     args = smoke.parse_args(parser, rows=[2], width=16, steps=3)
@@ -177,6 +193,8 @@ def main() -> None:
                    "floor": floor_seconds(shape, rows, args.width + 2 * args.steps, bandwidth, flops)}
             for path in on_device[weights]:
                 row[path] = time_path(model, path, rows, args.width, args.steps, autocast)
+            for quantum in args.length_quanta:
+                row[f"q{quantum}"] = time_quantum(model, quantum, rows, args.width, args.steps, autocast)
             if weights == "bf16" and rows in args.hf_generate:
                 timed = time_hf_static(model, rows, args.width, args.steps)
                 row["hf_static"], row["hf_static_first_s"] = timed if timed else (None, None)
@@ -196,11 +214,11 @@ def main() -> None:
     print(f"\nms per decoding step; tokens/s = rows / step. Graphs captured: {stats['captures']} in "
           f"{stats['capture_seconds']:.1f} s (each bucket's first step included); static caches allocated: "
           f"{stats['allocations']}; replays {stats['replays']}")
-    columns = [*PATHS, "hf_static", "floor"]
+    columns = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta), "hf_static", "floor"]
     print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}")
     for r in results:
         cells = [f"{1e3 * r[c]:10.2f}" if r.get(c) else f"{'-':>10}" for c in columns]
-        best = min(r[p] for p in PATHS if r.get(p))
+        best = min(r[p] for p in columns[:-2] if r.get(p))
         print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {r['rows'] / best:11.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

@@ -14,8 +14,8 @@
 #   there (bash scripts/gpu_issue63.sh STEP...):
 #     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
-#     decode       bare machine: our step (host loop, static, graphs) at 1, 8, 256, 768 rows, transformers'
-#                  static-cache generate at 256 and 768, the floor (~3 min)
+#     decode       bare machine: our step (host loop, static, graphs; graphs over 64-position length buckets) at
+#                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor (~3 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions (~7 min)
@@ -115,7 +115,7 @@ decode() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   # shellcheck disable=SC2086
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py \
-    ${DECODE_ARGS:---rows 1 8 256 768 --width 512 --steps 24 --bf16-paths graph --hf-generate 256 768} \
+    ${DECODE_ARGS:---rows 1 8 256 768 --width 512 --steps 24 --bf16-paths graph --length-quanta 64 --hf-generate 256 768} \
     --json "$OUT"/decode_step.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/decode_step.log
   return "${PIPESTATUS[0]}"
 }
