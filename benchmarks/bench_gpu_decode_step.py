@@ -171,7 +171,7 @@ def main() -> None:
                         help="also time the static step attending over length buckets of these many positions")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--profile", action="store_true")
-    args = smoke.parse_args(parser, rows=[2], width=16, steps=3)
+    args = smoke.parse_args(parser, rows=[2], width=16, steps=3, length_quanta=[8])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for --smoke: no graphs there
     shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
     on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p != "graph"]
