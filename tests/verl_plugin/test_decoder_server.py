@@ -31,9 +31,9 @@ def model_dir(tmp_path_factory):
     return build_base_model(texts, tmp_path_factory.mktemp("server-model"), spec=spec, vocab_size=300, min_frequency=1)
 
 
-def make_server(model_dir, max_num_seqs: int = 64, **kwargs) -> DecoderServer:
+def make_server(model_dir, max_num_seqs: int = 64, free_cache_engine: bool = True, **kwargs) -> DecoderServer:
     config = SimpleNamespace(prompt_length=PROMPT, response_length=RESPONSE, max_model_len=CONTEXT,
-                             max_num_seqs=max_num_seqs, dtype="float32", free_cache_engine=True)
+                             max_num_seqs=max_num_seqs, dtype="float32", free_cache_engine=free_cache_engine)
     return DecoderServer(config, SimpleNamespace(local_path=str(model_dir)), **kwargs)
 
 
@@ -256,25 +256,30 @@ def test_on_the_static_step_the_server_gives_the_host_loops_turns(model_dir, par
         torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs), atol=1e-5, rtol=1e-5)
 
 
-def test_sleep_lets_go_of_the_static_step_and_the_next_turn_builds_it_again(model_dir, monkeypatch):
-    """Going to sleep frees what the trainer needs, the static step's cache, graphs and weight copies among
-    it; after the wake-up the same request decodes the same turn."""
+@pytest.mark.parametrize("free_cache_engine", [True, False], ids=["free", "keep"])
+def test_sleep_lets_go_of_the_static_step_where_verl_frees_the_engine(model_dir, free_cache_engine, monkeypatch):
+    """Going to sleep with ``free_cache_engine`` frees what the trainer needs, the static step's cache, graphs
+    and weight copies among it, and the next turn builds its buckets again; without it they stay and serve
+    the next turn as they are. Either way, after the wake-up the same request decodes the same turn."""
     from spader_pipeline.modeling import graph_decode, static_cache
+    from spader_pipeline.modeling.graph_decode import static_decode_stats
 
     monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
 
     async def run():
-        server = make_server(model_dir)
+        server = make_server(model_dir, free_cache_engine=free_cache_engine)
         before = await server.generate("a", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
-        held = server.model in graph_decode._DECODERS
+        held, buckets = server.model in graph_decode._DECODERS, static_decode_stats()["buckets"]
         await server.sleep()
-        released = server.model not in graph_decode._DECODERS
+        kept = server.model in graph_decode._DECODERS
         await server.wake_up()
         after = await server.generate("b", prompt_ids=prompts(1)[0], sampling_params=dict(GREEDY))
-        return before, after, held, released, server.model in graph_decode._DECODERS
+        built = static_decode_stats()["buckets"] - buckets
+        return before, after, held, kept, server.model in graph_decode._DECODERS, built
 
-    before, after, held, released, rebuilt = asyncio.run(run())
-    assert held and released and rebuilt
+    before, after, held, kept, there, built = asyncio.run(run())
+    assert held and there and kept != free_cache_engine
+    assert (built > 0) == free_cache_engine  # freed: its buckets built again; kept: the same ones serve
     assert after.token_ids == before.token_ids and after.log_probs == before.log_probs
 
 

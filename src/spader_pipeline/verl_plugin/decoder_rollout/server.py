@@ -29,15 +29,16 @@ The per-turn token budget is the one verl's SGLang server applies: ``max_new_tok
 response_length - len(prompt))``; always at most ``max_model_len - len(prompt) - 1``; a prompt past
 the context is refused.
 
-The lifecycle verl calls: ``sleep``/``wake_up`` (on CUDA the weights leave the device while the
-trainer runs; the KV cache is dropped on every device), ``clear_kv_cache``, ``set_global_steps``,
-``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
+The lifecycle verl calls: ``sleep``/``wake_up`` (with ``free_cache_engine``, verl's default, the weights
+leave the device while the trainer runs on CUDA; the KV cache is dropped on every device),
+``clear_kv_cache``, ``set_global_steps``, ``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
 ``aborted`` when the replica leaves), and ``load_weights``, through which the in-worker adapter
 (:class:`~.replica.DecoderServerAdapter`) hands over the actor's weights that verl's checkpoint engine yields.
 A batch decoding, a weight update, a cache clear, sleep and wake-up change the model's device state one at
 a time (a batch decodes in a worker thread: a CUDA graph being captured or replayed there must not see
-weights copied or moved by the event loop's thread). Sleep also lets go of the static decoding step's
-cache, graphs and weight copies (:func:`~spader_pipeline.modeling.graph_decode.release_static_decoders`).
+weights copied or moved by the event loop's thread). Sleep with ``free_cache_engine`` also lets go of the
+static decoding step's cache, graphs and weight copies (:func:`~spader_pipeline.modeling.graph_decode.
+release_static_decoders`); without it they stay, and serve the next step's turns.
 """
 
 from __future__ import annotations
@@ -309,14 +310,17 @@ class DecoderServer:
         return None
 
     async def sleep(self) -> None:
-        """Free what the trainer needs: the KV caches, the static decoding step's cache, graphs and weight
-        copies, and on CUDA the weights' device memory."""
+        """Drop the KV caches (the next weights make them stale); with ``free_cache_engine`` (verl's default)
+        also free what the trainer needs: the static decoding step's cache, graphs and weight copies, and on
+        CUDA the weights' device memory. Without it they stay, as vLLM's and SGLang's memory stays: the
+        weights keep their addresses, so the captured graphs serve the next steps uncaptured again."""
         async with self._device:
             await self._clear_kv_cache()
-            release_static_decoders(self.model)
-            if self.device.type == "cuda" and getattr(self.config, "free_cache_engine", True):
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
+            if getattr(self.config, "free_cache_engine", True):
+                release_static_decoders(self.model)
+                if self.device.type == "cuda":
+                    self.model.to("cpu")
+                    torch.cuda.empty_cache()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         async with self._device:
