@@ -11,9 +11,9 @@ step as one CUDA graph over bf16 weights (9.4 ms), and so does transformers' com
 * **bf16 weights, cast once**: the products read bf16 copies of the weights (q|k|v and gate|up stacked,
   each one product), made once and refreshed in place when a weight changes (its version counter: an
   optimiser step, a weight sync; torch's fused optimisers do not bump it, so the native trainer's AdamW is
-  not fused), instead of autocast's cast of every weight at every step. Under
-  autocast the rest is what autocast computes: the residual stream, norms and rotary embedding in fp32,
-  the products' inputs cast to bf16 (the same values, so the same products as autocast's);
+  not fused), instead of autocast's cast of every weight at every step. Under autocast the rest is what
+  autocast computes: the residual stream, norms and rotary embedding in fp32, the products' inputs cast to
+  bf16 (the same values, so the same products as autocast's); on CUDA the norms are one kernel each;
 * **a static key/value cache** (:class:`~spader_pipeline.modeling.static_cache.StaticKVCache`) sized by
   buckets of the real length, which the turn's :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`
   lives in from its first decoding call (no copy per turn; a cache that outgrows it, or another batch's,

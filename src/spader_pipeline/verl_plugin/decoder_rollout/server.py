@@ -31,9 +31,10 @@ the context is refused.
 
 The lifecycle verl calls: ``sleep``/``wake_up`` (with ``free_cache_engine``, verl's default, the weights
 leave the device while the trainer runs on CUDA; the KV cache is dropped on every device),
-``clear_kv_cache``, ``set_global_steps``, ``abort_all_requests``/``resume_generation`` (queued requests wait for the resume, or are answered
-``aborted`` when the replica leaves), and ``load_weights``, through which the in-worker adapter
-(:class:`~.replica.DecoderServerAdapter`) hands over the actor's weights that verl's checkpoint engine yields.
+``clear_kv_cache``, ``set_global_steps``, ``abort_all_requests``/``resume_generation`` (queued requests
+wait for the resume, or are answered ``aborted`` when the replica leaves), and ``load_weights``, through
+which the in-worker adapter (:class:`~.replica.DecoderServerAdapter`) hands over the actor's weights that
+verl's checkpoint engine yields.
 A batch decoding, a weight update, a cache clear, sleep and wake-up change the model's device state one at
 a time (a batch decodes in a worker thread: a CUDA graph being captured or replayed there must not see
 weights copied or moved by the event loop's thread). Sleep with ``free_cache_engine`` also lets go of the
@@ -313,7 +314,7 @@ class DecoderServer:
         """Drop the KV caches (the next weights make them stale); with ``free_cache_engine`` (verl's default)
         also free what the trainer needs: the static decoding step's cache, graphs and weight copies, and on
         CUDA the weights' device memory. Without it they stay, as vLLM's and SGLang's memory stays: the
-        weights keep their addresses, so the captured graphs serve the next steps uncaptured again."""
+        weights keep their addresses, so the next steps replay the captured graphs."""
         async with self._device:
             await self._clear_kv_cache()
             if getattr(self.config, "free_cache_engine", True):
@@ -379,8 +380,9 @@ class DecoderServer:
 
     def stats(self) -> dict[str, Any]:
         """What the server did: requests, batches and their sizes, tokens, decoding seconds (the batches'
-        wall time), the engine's counters (:data:`_ENGINE_COUNTERS`), stragglers, weight updates; ``decoding``: this process's static-step counters (CUDA graphs captured
-        and replayed, steps launched op by op: :func:`~spader_pipeline.modeling.graph_decode.static_decode_stats`)."""
+        wall time), the engine's counters (:data:`_ENGINE_COUNTERS`), stragglers, weight updates;
+        ``decoding``: this process's static-step counters (CUDA graphs captured and replayed, steps launched
+        op by op: :func:`~spader_pipeline.modeling.graph_decode.static_decode_stats`)."""
         return {**self.stats_, "global_steps": self.global_steps, "checksum": weights_checksum(self.model),
                 "decoding": static_decode_stats()}
 
