@@ -127,30 +127,31 @@ def test_on_smollm2s_shape_the_runs_agree_up_to_the_length_buckets_sums(sample, 
     assert _decode(model, sample=sample, bf16=True)[0] == host[0]
 
 
-def test_a_weight_changed_in_place_reaches_the_next_call(tiny_model, monkeypatch):
-    """An optimiser step or a weight sync writes in place: the bf16 copies are made again (in place: a
-    captured graph reads them where they were)."""
-    _static(True, monkeypatch)
-    before = _decode(tiny_model, sample=False, bf16=True)
+def _edit_in_place(model) -> None:
     with torch.no_grad():
-        tiny_model.model.layers[-1].mlp.up_proj.weight.mul_(1.5)
-        tiny_model.model.layers[0].self_attn.k_proj.weight.add_(0.05)
-    static = _decode(tiny_model, sample=False, bf16=True)
-    _static(False, monkeypatch)
-    assert static[0] == _decode(tiny_model, sample=False, bf16=True)[0] != before[0]
+        model.model.layers[-1].mlp.up_proj.weight.mul_(1.5)
+        model.model.layers[0].self_attn.k_proj.weight.add_(0.05)
 
 
-@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
-def test_the_trainers_optimiser_step_reaches_the_next_call(tiny_model, foreach, monkeypatch):
-    """The native trainer's AdamW (``fused=False``; ``foreach`` on CUDA, a for-loop on the CPU) bumps the
-    version counters the copies are refreshed by. (torch's fused AdamW does not bump them: a decoding call
-    after its step would read the weights from before it.)"""
+def _adamw_step(foreach: bool):
+    """The native trainer's AdamW (``fused=False``; ``foreach`` on CUDA, a for-loop on the CPU)."""
+    def step(model) -> None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=foreach, fused=False)
+        for parameter in model.parameters():
+            parameter.grad = torch.full_like(parameter, 0.1)
+        optimizer.step()
+    return step
+
+
+@pytest.mark.parametrize("write", [_edit_in_place, _adamw_step(True), _adamw_step(False)],
+                         ids=["in-place", "adamw-foreach", "adamw-for-loop"])
+def test_a_weight_written_in_place_reaches_the_next_call(tiny_model, write, monkeypatch):
+    """An optimiser step or a weight sync writes in place, bumping the version counters the bf16 copies are
+    refreshed by: they are made again (in place: a captured graph reads them where they were). (torch's fused
+    AdamW bumps none: a decoding call after its step would read the weights from before it.)"""
     _static(True, monkeypatch)
     before = _decode(tiny_model, sample=False, bf16=True)
-    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=0.05, foreach=foreach, fused=False)
-    for parameter in tiny_model.parameters():
-        parameter.grad = torch.full_like(parameter, 0.1)
-    optimizer.step()
+    write(tiny_model)
     static = _decode(tiny_model, sample=False, bf16=True)
     _static(False, monkeypatch)
     assert static[0] == _decode(tiny_model, sample=False, bf16=True)[0] != before[0]
