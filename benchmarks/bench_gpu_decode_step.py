@@ -214,11 +214,12 @@ def main() -> None:
     print(f"\nms per decoding step; tokens/s = rows / step. Graphs captured: {stats['captures']} in "
           f"{stats['capture_seconds']:.1f} s (each bucket's first step included); static caches allocated: "
           f"{stats['allocations']}; replays {stats['replays']}")
-    columns = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta), "hf_static", "floor"]
+    ours = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta)]
+    columns = [*ours, "hf_static", "floor"]
     print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}")
     for r in results:
         cells = [f"{1e3 * r[c]:10.2f}" if r.get(c) else f"{'-':>10}" for c in columns]
-        best = min(r[p] for p in columns[:-2] if r.get(p))
+        best = min(r[p] for p in ours if r.get(p))
         print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {r['rows'] / best:11.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
