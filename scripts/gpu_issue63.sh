@@ -15,10 +15,11 @@
 #     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
 #     decode       bare machine: our step (host loop, static, graphs; graphs over 64-position length buckets) at
-#                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor (~3 min)
+#                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor; the
+#                  rollout's boundary states copied out of the cache, per row against on the device (~3 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
-#                  RL_SECONDS, 240 held-out questions (~7 min)
+#                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (~7 min)
 #     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
 #                  session (~3.5 min; VERL_K="fit_on_one_gpu and grpo" for GRPO alone)
 #     llamacpp     installed, llama.cpp built: its step beside ours at 1, 8, 256, 768 rows (~1.5 min)
@@ -117,7 +118,12 @@ decode() {
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py \
     ${DECODE_ARGS:---rows 1 8 256 768 --width 512 --steps 24 --bf16-paths graph --length-quanta 64 --hf-generate 256 768} \
     --json "$OUT"/decode_step.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/decode_step.log
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  # the rollout's boundary states copied out of the cache: per row to the host against gathers kept on the GPU
+  PYTHONPATH="$PWD/src" python3 benchmarks/bench_state_capture.py --device cuda --repeats 3 2>&1 | tee "$OUT"/state_capture.log
+  local capture_rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$capture_rc
+  return "$rc"
 }
 
 graphtests() {
@@ -131,6 +137,13 @@ onegpu() {
   assemble || return 1
   SKIP_TESTS=1 RL_SECONDS=${RL_SECONDS:-240} RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE \
     bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
+  local rc=$?
+  # after the run's results: the rollout generator's gpu-marked tests (seconds; they import verl)
+  (environment && python3 -m pytest -q -p no:cacheprovider -m gpu tests/agent/test_hf_decode_cuda.py 2>&1 |
+    tee "$OUT"/generator_tests.log; exit "${PIPESTATUS[0]}")
+  local tests_rc=$?
+  [ "$rc" = 0 ] && rc=$tests_rc
+  return "$rc"
 }
 
 verl() {
@@ -187,6 +200,7 @@ rehearse() {
   echo "-- 1. the bare steps"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || return 1
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || return 1
@@ -201,9 +215,10 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
       'ray', ray.__version__)" || exit 1
     local collected
     collected=$(python3 -m pytest -q -p no:cacheprovider -m gpu --collect-only tests/verl_plugin/test_verl_real_workers.py \
-      tests/native/test_native_portable.py 2>&1)
+      tests/native/test_native_portable.py tests/agent/test_hf_decode_cuda.py 2>&1)
     echo "$collected" | tail -n 5
     grep -q "fit_on_one_gpu_with_our_server\[spader\]" <<< "$collected" || { echo "verl's gpu test not collected" >&2; exit 1; }
+    grep -q "test_captured_states_stay_on_the_gpu" <<< "$collected" || { echo "the generator's gpu tests not collected" >&2; exit 1; }
     # the static decoding step, as CUDA decodes (op by op here): the rollouts, updates and evaluations through it
     SPADER_STATIC_DECODE=on timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
       --device cpu --rl-seconds 20 --parallel-methods --max-heldout 4 --set warm_start.sft.max_steps=3 \

@@ -48,3 +48,46 @@ def test_greedy_turns_on_cuda_under_bf16_keep_autocast_in_attention(monkeypatch)
     assert gen.kv_reuses == 1 and gen.generated_tokens > 0
     assert first == second  # greedy on the GPU: the same tokens twice
     assert calls and not any(calls)  # decoding steps reached the attention, and CUDA kept autocast
+
+
+def test_captured_states_stay_on_the_gpu_and_a_call_waits_for_it_a_bounded_number_of_times(monkeypatch):
+    """The boundary states a rollout captures stay on the GPU, where the update reads them, and copying
+    them out of the cache waits for the device a few times a generation call, not per row."""
+    import warnings
+
+    from spader_pipeline.agent.state_capture import StateCapture
+    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
+    from spader_pipeline.modeling.tokenizer import train_tokenizer
+
+    texts = [r["contents"] for r in corpus_records()] + [q["question"] for q in QUESTIONS]
+    tokenizer = train_tokenizer(texts, vocab_size=600, min_frequency=1)
+    spec = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128)
+    model = build_tiny_qwen3(tokenizer, spec, seed=0).to("cuda").eval()
+    waits = []
+    record = StateCapture.record
+
+    def counted(self, *args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                kept = record(self, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits.append(sum("synchroniz" in str(w.message) for w in caught))
+        return kept
+
+    monkeypatch.setattr(StateCapture, "record", counted)
+    gen = HFGenerator(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0),
+                      capture_states_from_layer=0, bf16=True)
+    questions = [q["question"] for q in QUESTIONS] * 4  # more rows than waits allowed
+    states = [RolloutState(sample={}, messages=[], token_ids=tokenizer.encode(q), prompt_length=len(tokenizer.encode(q)),
+                           max_response_tokens=40, uid=f"t{i}") for i, q in enumerate(questions)]
+    for state in states:
+        gen.start(state)
+    asyncio.run(gen.generate(states))
+    captured = gen.captured_states()
+    assert len(captured) == len(states) and all(c is not None for c in captured)
+    assert all(c.states.device.type == "cuda" and c.token_ids.device.type == "cpu" for c in captured)
+    assert waits and max(waits) <= 3 < len(states)  # the mask and ids read, the positions sent; not per row

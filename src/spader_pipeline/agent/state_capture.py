@@ -8,6 +8,11 @@ states of every row's real cached positions are copied out, in order, with their
 row's cache holds its whole context from position 0 (continued turns keep it, fresh batches encode
 it again), so the latest copy of a trajectory covers all its tokens but the last sampled one, which
 is never fed to the model.
+
+The copies stay on the cache's device, where the update reads them, and the host waits for the
+device once a call, not per row: the positions to keep come from the call's mask, read once, and
+each row's states are one gather queued behind the decoding (a rollout on a GPU decodes hundreds
+of rows a pass, and the update reads their states there).
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ class CapturedStates:
     token_ids: torch.Tensor
     """long ``[n]``: the trajectory's first ``n`` tokens (CPU)"""
     states: torch.Tensor
-    """float32 ``[n, H]``: the block's output at those positions (CPU)"""
+    """float32 ``[n, H]``: the block's output at those positions (on the decoding cache's device)"""
 
 
 class StateCapture:
     """Per trajectory (``RolloutState.uid``), the output of decoder block ``block`` at its tokens.
 
-    ``seconds``: time spent copying states out of caches (the hook's appends are not included;
-    they run inside the model's forward).
+    ``seconds``: time spent copying states out of caches (on a GPU, queueing the copies and reading
+    the call's mask; the hook's appends are not included: they run inside the model's forward).
     """
 
     def __init__(self, model: Any, block: int) -> None:
@@ -69,15 +74,20 @@ class StateCapture:
         if buffer is None or buffer.get_seq_length() != cache.get_seq_length() or buffer.states.shape[0] != len(uids):
             self.forget(uids)
             return False
-        where = torch.empty(len(uids), dtype=torch.long)
-        where[torch.tensor(list(cache_rows))] = torch.arange(len(uids))  # cache row of each input row
-        states = buffer.states[where.to(buffer.states.device)]  # [B, L, H], input row order
-        real = mask.to(states.device) == 1
+        where = [0] * len(uids)  # the cache row of each input row
+        for cache_row, row in enumerate(cache_rows):
+            where[row] = cache_row
+        states = buffer.states  # [b, L, H], cache row order
+        real = mask.cpu() == 1  # [B, L]; the one read of the device (with the ids)
+        ids = ids.cpu()
+        counts = real.sum(dim=1).tolist()
+        positions = real.nonzero(as_tuple=True)[1].to(states.device)  # [N]: each row's real positions in turn
+        first = 0
         for row, uid in enumerate(uids):
-            self.captured[uid] = CapturedStates(
-                token_ids=ids[row][real[row].to(ids.device)].cpu(),
-                states=states[row][real[row]].float().cpu(),
-            )
+            take = positions[first : first + counts[row]]
+            first += counts[row]
+            self.captured[uid] = CapturedStates(token_ids=ids[row][real[row]],
+                                                states=states[where[row]].index_select(0, take).float())
         self.seconds += time.perf_counter() - started
         return True
 

@@ -57,7 +57,8 @@ class RolloutBatch:
     boundary: torch.Tensor | None = None
     """float ``[B, L, H]`` aligned with ``input_ids``: the rollout's output of the last frozen block
     (the input of block ``boundary_block``) at every position a loss term reads from, zeros
-    elsewhere; ``None``: the update runs the frozen blocks itself (docs/training.md)"""
+    elsewhere, on the rollout's device; ``None``: the update runs the frozen blocks itself
+    (docs/training.md)"""
     boundary_block: int | None = None
     """the first decoder block the update runs from ``boundary``"""
 
@@ -139,9 +140,10 @@ def usable_capture(trajectory: Any, capture: Any) -> bool:
 
 
 def boundary_states(trajectories: Sequence[Any], captured: Sequence[Any], width: int) -> torch.Tensor | None:
-    """The captured states as float ``[B, width, H]``, right-padded as ``input_ids`` (uncovered and
-    padding positions zero), or ``None`` (logged) unless every trajectory's capture is usable
-    (:func:`usable_capture`): the update then runs the frozen blocks itself."""
+    """The captured states as float ``[B, width, H]`` on the captures' device (the rollout's, where the
+    update runs), right-padded as ``input_ids`` (uncovered and padding positions zero), or ``None``
+    (logged) unless every trajectory's capture is usable (:func:`usable_capture`): the update then
+    runs the frozen blocks itself."""
     captured = list(captured)
     if not trajectories:
         return None
@@ -153,7 +155,8 @@ def boundary_states(trajectories: Sequence[Any], captured: Sequence[Any], width:
         logger.info("frozen blocks recomputed in the update: %d of %d trajectories have no usable rollout states",
                     bad, len(trajectories))
         return None
-    out = torch.zeros((len(trajectories), width, captured[0].states.shape[1]), dtype=torch.float32)
+    first = captured[0].states
+    out = torch.zeros((len(trajectories), width, first.shape[1]), dtype=torch.float32, device=first.device)
     for row, capture in enumerate(captured):
         out[row, : capture.states.shape[0]] = capture.states
     return out

@@ -154,14 +154,14 @@ def update_policy(
              for rows in parts]
     old_logp = None
     if config.ppo_mini_batches > 1:  # the behaviour policy, before any optimiser step of this batch
-        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=device)
         with torch.no_grad():
             for rows in (r for runs in micro for r in runs):
                 logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
                                             with_entropy=False)
-                old_logp[rows] = logp.cpu()
+                old_logp[rows] = logp
     elif config.ppo_epochs > 1:  # kept from the first epoch's own pass (the parameters have not moved yet)
-        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=device)
     stats = UpdateStats()
     norms = []
     for epoch in range(config.ppo_epochs):
@@ -179,9 +179,9 @@ def update_policy(
                 if config.ppo_mini_batches == 1 and epoch == 0:
                     old = logp.detach()
                     if old_logp is not None:
-                        old_logp[rows] = old.cpu()
+                        old_logp[rows] = old
                 else:
-                    old = old_logp[rows].to(device)
+                    old = old_logp[rows]
                 pg_loss, pg_metrics = policy_loss_fn(
                     old_log_prob=old, log_prob=logp, advantages=adv.advantages[rows].to(device), response_mask=mask,
                     loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
