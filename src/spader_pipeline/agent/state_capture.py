@@ -78,7 +78,7 @@ class StateCapture:
         for cache_row, row in enumerate(cache_rows):
             where[row] = cache_row
         states = buffer.states  # [b, L, H], cache row order
-        real = mask.cpu() == 1  # [B, L]; the one read of the device (with the ids)
+        real = mask.cpu() == 1  # [B, L]: with the ids, what the host reads of the device
         ids = ids.cpu()
         counts = real.sum(dim=1).tolist()
         positions = real.nonzero(as_tuple=True)[1].to(states.device)  # [N]: each row's real positions in turn
