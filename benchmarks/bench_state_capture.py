@@ -19,11 +19,11 @@ on CUDA the time includes waiting for the queued copies.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import smoke
 import torch
+from timing import interleaved_medians, print_medians
 
 from spader_pipeline.agent.state_capture import StateCapture
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
@@ -66,26 +66,15 @@ def main() -> None:
     ids = torch.randint(3, 49152, (args.rows, args.positions), generator=generator).to(args.device)
     uids = [f"r{row}" for row in range(args.rows)]
     ways = {"per row to the host": per_row_to_host, "gathered on the device": gathered_on_device}
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    results = {}
-    for _ in range(args.repeats):
-        for name, copy in ways.items():
-            sync()
-            start = time.perf_counter()
-            results[name] = copy(cache, uids, ids, mask)
-            sync()
-            times[name].append(time.perf_counter() - start)
+    medians, results = interleaved_medians({name: functools.partial(copy, cache, uids, ids, mask)
+                                            for name, copy in ways.items()}, args.repeats, sync)
     straightforward, ours = results.values()
     for uid in uids:
         assert torch.equal(straightforward[uid][0], ours[uid][0].cpu())
         assert torch.equal(straightforward[uid][1], ours[uid][1].cpu())
-    medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"states of {args.rows} rows x {args.positions} positions x {WIDTH} copied out of the cache, {args.device}, "
           f"median of {args.repeats} (the same states both ways)")
-    for name, seconds in medians.items():
-        print(f"  {name:24s} {seconds * 1e3:9.2f} ms")
-    print(f"  ratio {medians['per row to the host'] / medians['gathered on the device']:.1f}x")
-
+    print_medians(medians, "per row to the host", "gathered on the device")
 
 if __name__ == "__main__":
     main()
