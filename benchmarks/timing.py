@@ -9,17 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 
-def interleaved_medians(ways: dict[str, Callable[[], Any]], repeats: int,
-                        sync: Callable[[], None] = lambda: None) -> tuple[dict[str, float], dict[str, Any]]:
+def interleaved_medians(ways: dict[str, Callable[..., Any]], repeats: int, sync: Callable[[], None] = lambda: None,
+                        prepare: Callable[[], Any] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """Seconds per way (the median over ``repeats``, each way once a repeat, in order) and each way's last
-    result. ``sync`` waits for a device's queued work (``torch.cuda.synchronize``), before and after each call."""
+    result. ``sync`` waits for a device's queued work (``torch.cuda.synchronize``), before and after each call;
+    ``prepare``, untimed before each call, makes the way's input (the way is called with it)."""
     times: dict[str, list[float]] = {name: [] for name in ways}
     results: dict[str, Any] = {}
     for _ in range(repeats):
         for name, way in ways.items():
+            arguments = () if prepare is None else (prepare(),)
             sync()
             start = time.perf_counter()
-            results[name] = way()
+            results[name] = way(*arguments)
             sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}, results

@@ -16,7 +16,8 @@
 #                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
 #     decode       bare machine: our step (host loop, static, graphs; graphs over 64-position length buckets) at
 #                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor; the
-#                  rollout's boundary states copied out of the cache, per row against on the device (~3 min)
+#                  rollout's boundary states copied out of the cache, per row against on the device; a
+#                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's (~3.5 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (~7 min)
@@ -123,6 +124,11 @@ decode() {
   PYTHONPATH="$PWD/src" python3 benchmarks/bench_state_capture.py --device cuda --repeats 3 2>&1 | tee "$OUT"/state_capture.log
   local capture_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$capture_rc
+  # a continued turn's prefill at 768 rows: blocks by the GPU's cost, by the CPU's, one padded forward
+  PYTHONPATH="$PWD/src" python3 benchmarks/bench_prefill_blocks.py --device cuda 2>&1 | grep -v "Loading weights" |
+    tee "$OUT"/prefill_blocks.log
+  local prefill_rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$prefill_rc
   return "$rc"
 }
 
@@ -201,6 +207,7 @@ rehearse() {
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || return 1
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_prefill_blocks.py --smoke || return 1
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || return 1

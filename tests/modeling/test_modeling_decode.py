@@ -188,3 +188,38 @@ def test_a_long_fresh_prefill_in_chunks_of_rows_is_one_forwards_bit_for_bit(gqa_
     for a, b in zip([*chunked_cache.layers, chunked_cache.states], [*whole_cache.layers, whole_cache.states],
                     strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_continued_prefill_is_cut_into_blocks_by_its_devices_cost(gqa_model_dir, monkeypatch):
+    """``prefill_block_cost="auto"``: the CPU's cost on a CPU (blocks of rows of similar length), the GPU's
+    elsewhere, where a forward's fixed cost is many token positions (here: one forward for the same rows)."""
+    from spader_pipeline.modeling import decode
+
+    assert decode.prefill_block_cost_for("cpu") == decode.PREFILL_BLOCK_COST
+    assert decode.prefill_block_cost_for(torch.device("cuda", 0)) == decode.GPU_PREFILL_BLOCK_COST
+    model = AutoModelForCausalLM.from_pretrained(gqa_model_dir).eval()
+    use_gqa_attention(model)
+    generator = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 64, (6, 4), generator=generator)
+    new = [1, 2, 9, 10, 17, 18]  # three pairs of lengths: three blocks at a small fixed cost a forward
+
+    def continued(cost):
+        cache = GrowingKVCache()
+        call = dict(eos_ids=set(), pad_id=0, processors=LogitsProcessorList(), do_sample=False)
+        result = decode_batch(model, first, torch.ones_like(first), cache, [1] * 6, **call)
+        assert result.cache_rows == list(range(6))  # the cache's rows in the input's order
+        block = torch.zeros((6, max(new)), dtype=torch.long)
+        block_mask = torch.zeros_like(block)
+        for row, count in enumerate(new):
+            block[row, -count:] = torch.randint(3, 64, (count,), generator=torch.Generator().manual_seed(row))
+            block_mask[row, -count:] = 1
+        ids, mask = torch.cat([result.ids, block], 1), torch.cat([result.mask, block_mask], 1)
+        return decode_batch(model, ids, mask, cache, [3] * 6, prefill_block_cost=cost, **call)
+
+    monkeypatch.setattr(decode, "PREFILL_BLOCK_COST", (0, 4))
+    on_cpu = continued("auto")
+    assert on_cpu.prefill_blocks == continued((0, 4)).prefill_blocks == 3
+    monkeypatch.setattr(decode, "prefill_block_cost_for", lambda device: decode.GPU_PREFILL_BLOCK_COST)
+    as_on_a_gpu = continued("auto")
+    assert as_on_a_gpu.prefill_blocks == 1
+    assert as_on_a_gpu.tokens == on_cpu.tokens == continued(None).tokens

@@ -28,7 +28,6 @@ from spader_pipeline.agent.state_capture import CapturedStates, StateCapture
 from spader_pipeline.agent.types import GeneratedTurn, RolloutState, SamplingParams
 from spader_pipeline.modeling.boundary import decoder_blocks
 from spader_pipeline.modeling.decode import (
-    PREFILL_BLOCK_COST,
     decode_batch,
     generation_processors,
     left_aligned_positions,
@@ -62,7 +61,7 @@ class DecodeEngine:
         bf16: bool = False,
         growing_kv_cache: bool = True,
         drop_finished_rows: bool = True,
-        prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
+        prefill_block_cost: tuple[int, int] | str | None = "auto",
         capture_states_from_layer: int | None = None,
         return_log_probs: bool = False,
     ) -> None:

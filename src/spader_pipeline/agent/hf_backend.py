@@ -17,7 +17,6 @@ from spader_pipeline.agent.decode_engine import DecodeEngine
 from spader_pipeline.agent.state_capture import CapturedStates
 from spader_pipeline.agent.tokens import TokenLayout, encode_dialogue, make_token_builder
 from spader_pipeline.agent.types import GeneratedTurn, Generator, RolloutState, SamplingParams
-from spader_pipeline.modeling.decode import PREFILL_BLOCK_COST
 
 __all__ = ["HFGenerator", "encode_dialogue", "make_token_builder"]
 
@@ -62,7 +61,8 @@ class HFGenerator(Generator):
         prefill_block_cost: ``(min_tokens, overhead_tokens)``: a continued turn's prefill runs in
             blocks of rows of similar length when that costs less than padding every row to the longest
             (:func:`~spader_pipeline.modeling.batching.padding_blocks`; ``decode_batch`` only);
-            ``None``: one forward. Same outputs.
+            ``"auto"``: the model's device's cost (a forward costs more on a GPU); ``None``: one
+            forward. Same outputs.
         capture_states_from_layer: keep, per trajectory, decoder block ``k``'s output at its tokens
             (:meth:`captured_states`; the native trainer's boundary states, docs/training.md). Needs
             ``drop_finished_rows``; stops, dropping what it kept, when a turn is decoded with ``generate``.
@@ -87,7 +87,7 @@ class HFGenerator(Generator):
         bf16: bool = False,
         growing_kv_cache: bool = True,
         drop_finished_rows: bool = True,
-        prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
+        prefill_block_cost: tuple[int, int] | str | None = "auto",
         capture_states_from_layer: int | None = None,
         return_log_probs: bool = False,
     ) -> None:

@@ -46,8 +46,8 @@ from spader_pipeline.modeling.graph_decode import StaticOutcome, decode_static, 
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
 
-__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "sample_categorical",
-           "supports_decode_batch", "token_log_probs"]
+__all__ = ["DecodeResult", "decode_batch", "generation_processors", "left_aligned_positions", "prefill_block_cost_for",
+           "sample_categorical", "supports_decode_batch", "token_log_probs"]
 
 #: logits processors whose result does not depend on the row's place in the batch (``generate`` builds
 #: them from the sampling settings); any other processor: decode with ``generate``
@@ -57,8 +57,13 @@ ROW_WISE_PROCESSORS = frozenset({
     "NoRepeatNGramLogitsProcessor", "SuppressTokensLogitsProcessor",
 })
 #: ``(min_tokens, overhead_tokens)`` of :func:`~spader_pipeline.modeling.batching.padding_blocks` for a
-#: continued turn's prefill (``decode_batch``'s and ``HFGenerator``'s default)
+#: continued turn's prefill on a CPU (``decode_batch``'s and ``HFGenerator``'s default there): a forward's
+#: fixed cost is small beside a padded token's (measured: docs/results.md, Benchmarks)
 PREFILL_BLOCK_COST = (128, 32)
+#: the same on a GPU, where a forward of a small model is bound by its ~1,000 kernel launches: ~20 ms for
+#: SmolLM2 on an H200 (docs/gpu.md), the time its ~300 TFLOP/s take for ~20,000 token positions (the CPU's
+#: cost would cut a 768-row turn's prefill into ~60 forwards: benchmarks/bench_prefill_blocks.py)
+GPU_PREFILL_BLOCK_COST = (128, 16384)
 #: most tokens (rows x padded width) one forward of a fresh cache's prefill takes on a CPU; a longer batch
 #: is prefilled in chunks of rows (llama.cpp's micro-batch is 512 tokens too). A bigger forward's
 #: activations outgrow the CPU's caches and, past glibc's mmap threshold (the Makefile sets 4 MB), are
@@ -157,6 +162,12 @@ def _exchange(holes: list[int], fillers: list[int], tensors: tuple[torch.Tensor,
     cache.move_rows(rows, sources)
 
 
+def prefill_block_cost_for(device: torch.device | str) -> tuple[int, int]:
+    """The prefill's block cost on ``device``: :data:`PREFILL_BLOCK_COST` on a CPU, else
+    :data:`GPU_PREFILL_BLOCK_COST`."""
+    return PREFILL_BLOCK_COST if torch.device(device).type == "cpu" else GPU_PREFILL_BLOCK_COST
+
+
 def _can_block(cache: Any, past: int, processors: Any) -> bool:
     """Whether a prefill may run in row blocks: a continued :class:`GrowingKVCache` (every layer
     allocated) and processors that ignore the ids (the rows get masked gaps)."""
@@ -223,7 +234,7 @@ def decode_batch(
     pad_id: int,
     processors: Any,
     do_sample: bool,
-    prefill_block_cost: tuple[int, int] | None = PREFILL_BLOCK_COST,
+    prefill_block_cost: tuple[int, int] | str | None = "auto",
     log_prob_temperature: float | None = None,
     prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
 ) -> DecodeResult:
@@ -243,7 +254,8 @@ def decode_batch(
             (:func:`generation_processors`); ``do_sample``: draw from the softmax, else the argmax.
         prefill_block_cost: ``(min_tokens, overhead_tokens)`` of
             :func:`~spader_pipeline.modeling.batching.padding_blocks` for a continued cache's prefill;
-            ``None``: one forward over the whole left-padded batch.
+            ``"auto"``: the device's (:func:`prefill_block_cost_for`); ``None``: one forward over the whole
+            left-padded batch.
         log_prob_temperature: also return each sampled token's log-probability under
             ``log_softmax(logits / log_prob_temperature)`` (fp32, before top-k/top-p: what a trainer
             recomputes at its sampling temperature, as vLLM and SGLang report them); ``None``: none.
@@ -255,6 +267,8 @@ def decode_batch(
     correctly in the next call with more tokens appended.
     """
     device = input_ids.device
+    if prefill_block_cost == "auto":
+        prefill_block_cost = prefill_block_cost_for(device)
     past = cache.get_seq_length()
     order = list(range(len(budgets)))  # input row held by each cache row
     blocks, ends = [range(len(budgets))], [input_ids.shape[1]]  # row blocks of the prefill, where each ends
