@@ -22,15 +22,13 @@ import time
 
 import smoke
 import torch
+from bench_gpu_decode_step import SMOLLM2_135M
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spader_pipeline.modeling.decode import decode_batch, generation_processors
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.precision import bf16_inference
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
 TRAINED_BLOCKS = 8  # conf/base training.native.trainable_layers
 
 

@@ -25,6 +25,7 @@ import random
 
 import smoke
 import torch
+from bench_gpu_decode_step import SMOLLM2_135M
 from timing import interleaved_medians
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
@@ -33,8 +34,6 @@ from spader_pipeline.modeling.decode import GPU_PREFILL_BLOCK_COST, PREFILL_BLOC
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.precision import bf16_inference
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
 WAYS = {"the CPU's cost": PREFILL_BLOCK_COST, "the GPU's cost": GPU_PREFILL_BLOCK_COST, "one padded forward": None}
 
 
