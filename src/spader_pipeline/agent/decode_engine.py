@@ -356,19 +356,22 @@ class DecodeEngine:
         self.sampled_rows += result.row_steps
         self.decode_steps += result.steps
         self.blocked_prefills += result.prefill_blocks > 1
+        keep = self.reuse_kv_cache and len(states) <= self.micro_batch_size
+        if keep or self.capture is not None:  # the cached ids and mask, read from the device once for both
+            cached_ids, cached_mask = result.ids.cpu(), result.mask.cpu()
         if self.capture is not None:
-            self.capture.record([s.uid for s in states], cache, result.ids, result.mask, result.cache_rows)
+            self.capture.record([s.uid for s in states], cache, cached_ids, cached_mask, result.cache_rows)
         turns = []
         for row, ids in enumerate(result.tokens):
             self.generated_tokens += len(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             logprobs = tuple(result.log_probs[row]) if result.log_probs is not None else None
             turns.append(GeneratedTurn(text=text, token_ids=tuple(ids), logprobs=logprobs))
-        if self.reuse_kv_cache and len(states) <= self.micro_batch_size:
+        if keep:
             self._kv = {
                 "uids": [s.uid for s in states],
-                "ids": result.ids.cpu(),
-                "mask": result.mask.cpu(),
+                "ids": cached_ids,
+                "mask": cached_mask,
                 "cache": cache,
                 "cache_rows": result.cache_rows,
             }
