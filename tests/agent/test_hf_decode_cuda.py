@@ -15,8 +15,8 @@ from spader_pipeline.agent.types import RolloutState, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_greedy_turns_on_cuda_under_bf16_keep_autocast_in_attention(monkeypatch):
-    from spader_pipeline.modeling import attention
+def _tiny_cuda_model():
+    """A tiny grouped-query Qwen3 on the GPU with a tokenizer trained on the toy corpus."""
     from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
     from spader_pipeline.modeling.tokenizer import train_tokenizer
 
@@ -24,7 +24,13 @@ def test_greedy_turns_on_cuda_under_bf16_keep_autocast_in_attention(monkeypatch)
     tokenizer = train_tokenizer(texts, vocab_size=600, min_frequency=1)
     spec = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128)
-    model = build_tiny_qwen3(tokenizer, spec, seed=0).to("cuda").eval()
+    return build_tiny_qwen3(tokenizer, spec, seed=0).to("cuda").eval(), tokenizer
+
+
+def test_greedy_turns_on_cuda_under_bf16_keep_autocast_in_attention(monkeypatch):
+    from spader_pipeline.modeling import attention
+
+    model, tokenizer = _tiny_cuda_model()
     assert attention.use_gqa_attention(model)
     calls = []
     original = attention._cpu_autocast_decoding
@@ -56,14 +62,8 @@ def test_captured_states_stay_on_the_gpu_and_a_call_waits_for_it_a_bounded_numbe
     import warnings
 
     from spader_pipeline.agent.state_capture import StateCapture
-    from spader_pipeline.modeling.base_model import TinyQwen3Spec, build_tiny_qwen3
-    from spader_pipeline.modeling.tokenizer import train_tokenizer
 
-    texts = [r["contents"] for r in corpus_records()] + [q["question"] for q in QUESTIONS]
-    tokenizer = train_tokenizer(texts, vocab_size=600, min_frequency=1)
-    spec = TinyQwen3Spec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128)
-    model = build_tiny_qwen3(tokenizer, spec, seed=0).to("cuda").eval()
+    model, tokenizer = _tiny_cuda_model()
     waits = []
     record = StateCapture.record
 
