@@ -12,6 +12,7 @@ from spader_pipeline.modeling import TinyQwen3Spec, build_tiny_qwen3, train_top_
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.boundary import (
     TopBlocksCache,
+    bottom_block_states,
     capture_block_output,
     shares_frozen_blocks,
     supports_boundary,
@@ -182,6 +183,23 @@ def test_top_blocks_from_boundary_equal_the_full_forward_states_and_gradients(de
     for name, grad in plain_grads.items():
         error = float((top_grads[name] - grad).abs().max())
         assert error <= 1e-5 * float(grad.abs().max()) + 1e-7, (name, error)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bottom_blocks_give_the_full_forward_s_boundary_states(deep_model, deep_llama, family):
+    """The embeddings and the frozen blocks alone: the full forward's states at every real position, and
+    the top blocks from them its last hidden states."""
+    model = deep_model if family == "qwen3" else deep_llama
+    ids, att = _rows(12)
+    real = att.unsqueeze(-1)
+    with torch.no_grad():
+        full = model.base_model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
+        for first in (1, 3):
+            boundary = bottom_block_states(model, ids, att, first_block=first)
+            assert boundary.shape == full[first].shape and torch.isfinite(boundary).all()
+            assert torch.allclose(boundary * real, full[first] * real, atol=1e-6)
+            top = top_block_states(model, boundary, ids, att, first_block=first)
+            assert torch.allclose(top * real, full[-1] * real, atol=1e-5)
 
 
 def test_positions_after_a_row_s_covered_prefix_do_not_change_earlier_states(deep_model):

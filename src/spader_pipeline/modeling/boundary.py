@@ -10,6 +10,8 @@ i.e. the input of the first trained block ``first``.
   :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` the block was called with, in the same
   calls and at the same positions as the cache's keys and values
   (:class:`~spader_pipeline.modeling.kv_cache.GrowingStates`).
+* **Computed** (:func:`bottom_block_states`): the embeddings and the frozen blocks alone, where no
+  rollout captured them (the warm start's demonstrations, :mod:`spader_pipeline.modeling.warm_start`).
 * **Update** (:func:`top_block_states`): blocks ``first..N-1`` and the final norm run from the
   boundary states, with :func:`~spader_pipeline.modeling.shared_prefix.decoder_states`'s semantics
   (right-padded rows, the common prefix encoded once), calling transformers' mask functions, rotary
@@ -34,6 +36,7 @@ from spader_pipeline.modeling.shared_prefix import MIN_SHARED_PREFIX, common_pre
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "TopBlocksCache",
+    "bottom_block_states",
     "capture_block_output",
     "decoder_blocks",
     "shares_frozen_blocks",
@@ -118,26 +121,43 @@ class TopBlocksCache(DynamicCache):
         return super().get_mask_sizes(query_length, self._source(layer_idx))
 
 
-def _run_top_blocks(body: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor, cache: TopBlocksCache) -> torch.Tensor:
-    """Blocks ``cache.first_block..N-1`` and the final norm on ``hidden`` ``[b, t, H]`` (positions
-    ``position_ids`` ``[b or 1, t]``, continuing ``cache``; ``attention_mask`` ``[b, cached + t]``
-    or ``None``), called as ``LlamaModel.forward`` calls them. Returns ``[b, t, H]``."""
+def _run_blocks(body: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                blocks: range, cache: TopBlocksCache | None) -> torch.Tensor:
+    """Decoder blocks ``blocks`` on ``hidden`` ``[b, t, H]`` (positions ``position_ids`` ``[b or 1, t]``;
+    ``attention_mask`` ``[b, cached + t]`` or ``None``), called as ``LlamaModel.forward`` calls them,
+    continuing ``cache`` (``None``: no cache, nothing cached before). Returns ``[b, t, H]``."""
     config = body.config
     types = _layer_types(config)
-    first = cache.first_block
     mask_kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask,
                    "past_key_values": cache, "position_ids": position_ids}
     masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-    if "sliding_attention" in types[first:]:
+    if "sliding_attention" in (types[i] for i in blocks):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
     position_embeddings = body.rotary_emb(hidden, position_ids)
-    for index in range(first, config.num_hidden_layers):
+    for index in blocks:
         hidden = body.layers[index](
             hidden, attention_mask=masks[types[index]], position_embeddings=position_embeddings,
-            position_ids=position_ids, past_key_values=cache, use_cache=True,
+            position_ids=position_ids, past_key_values=cache, use_cache=cache is not None,
         )
-    return body.norm(hidden)
+    return hidden
+
+
+def _run_top_blocks(body: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor, cache: TopBlocksCache) -> torch.Tensor:
+    """Blocks ``cache.first_block..N-1`` and the final norm (:func:`_run_blocks`). Returns ``[b, t, H]``."""
+    blocks = range(cache.first_block, body.config.num_hidden_layers)
+    return body.norm(_run_blocks(body, hidden, attention_mask, position_ids, blocks, cache))
+
+
+def bottom_block_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                        first_block: int) -> torch.Tensor:
+    """The boundary states ``[B, T, H]`` of right-padded rows (``input_ids``, ``attention_mask``:
+    ``[B, T]``, starting at position 0): the embeddings and blocks ``0..first_block-1``, no cache, as
+    the full forward computes them. What a padding position holds is unspecified (finite)."""
+    body = model.base_model
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    hidden = body.embed_tokens(input_ids)
+    return _run_blocks(body, hidden, attention_mask, positions, range(first_block), None)
 
 
 def top_block_states(model: Any, boundary: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
