@@ -10,9 +10,11 @@ from spader_pipeline.agent.tokens import examples_from_dialogues
 from spader_pipeline.modeling.warm_start import (
     SFTExample,
     WarmStartConfig,
+    boundary_block,
     example_from_tokens,
     length_buckets,
     masked_lm_loss,
+    planned_batches,
     train_sft,
 )
 
@@ -79,6 +81,62 @@ def test_train_sft_fits_a_repeated_demonstration(tiny_model_dir):
     after, _ = masked_lm_loss(model, ids, attn, torch.tensor([example.loss_mask]))
     assert summary["steps"] == 15 and logged == [5, 10, 15]
     assert float(after.detach()) < float(before.detach())
+
+
+def _demonstrations(n: int, vocab: int, seed: int = 0) -> list[SFTExample]:
+    """Demonstration-shaped examples: a shared 12-token instruction, then 10-40 tokens, loss on the second half."""
+    rng = random.Random(seed)
+    instruction = tuple(rng.randrange(3, vocab) for _ in range(12))
+    examples = []
+    for _ in range(n):
+        rest = tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(10, 40)))
+        mask = (0,) * (12 + len(rest) // 2) + (1,) * (len(rest) - len(rest) // 2)
+        examples.append(SFTExample(instruction + rest, mask))
+    return examples
+
+
+@pytest.mark.parametrize("batch_tokens", [60, 200])  # one demonstration a step, or several sharing the instruction
+def test_steps_from_the_frozen_blocks_states_train_as_the_full_forward_does(tiny_model_dir, batch_tokens):
+    """With the bottom blocks frozen, the SFT from boundary states computed a window of steps at a time
+    takes the plain loop's batches, losses and weights (fp32 on the CPU: to float rounding)."""
+    runs = {}
+    for boundary in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        examples = _demonstrations(24, vocab=model.config.vocab_size)
+        logged = []
+        config = WarmStartConfig(max_steps=20, batch_tokens=batch_tokens, learning_rate=3e-3, warmup_steps=2,
+                                 log_every=1, trainable_layers=1, bf16=False, boundary_states=boundary,
+                                 boundary_tokens=150)
+        summary = train_sft(model, examples, config, pad_id=0, on_log=lambda s, m, logged=logged: logged.append(m["loss"]))
+        runs[boundary] = summary, logged, {n: p.detach().clone() for n, p in model.named_parameters()}
+    (plain, plain_losses, plain_weights), (fast, fast_losses, fast_weights) = runs[False], runs[True]
+    assert plain["boundary_states"] == 0.0 and fast["boundary_states"] == 1.0 and fast["boundary_seconds"] > 0
+    assert plain["examples_seen"] == fast["examples_seen"] and plain["steps"] == fast["steps"] == 20
+    assert fast_losses == pytest.approx(plain_losses, rel=1e-4, abs=1e-6)
+    for name, weight in plain_weights.items():
+        assert torch.allclose(fast_weights[name], weight, atol=1e-5), name
+
+
+def test_boundary_states_are_the_devices_choice_unless_set(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    depth = model.config.num_hidden_layers
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert boundary_block(model, WarmStartConfig(trainable_layers=1), cpu) is None  # "auto": the CPU's plain loop
+    assert boundary_block(model, WarmStartConfig(trainable_layers=1), cuda) == depth - 1
+    assert boundary_block(model, WarmStartConfig(trainable_layers=1, boundary_states=True), cpu) == depth - 1
+    assert boundary_block(model, WarmStartConfig(trainable_layers=1, boundary_states=False), cuda) is None
+    assert boundary_block(model, WarmStartConfig(trainable_layers=None), cuda) is None  # nothing frozen
+    assert boundary_block(model, WarmStartConfig(trainable_layers=depth), cuda) is None
+    with pytest.raises(ValueError, match="boundary_states"):
+        WarmStartConfig(boundary_states="yes")
+
+
+def test_planned_batches_are_the_epochs_of_length_buckets_cut_at_max_steps():
+    examples = _demonstrations(10, vocab=50)
+    config = WarmStartConfig(max_steps=23, batch_tokens=100)
+    rng = random.Random(3)
+    expected = [b for _ in range(6) for b in length_buckets(examples, 100, rng)][:23]
+    assert list(planned_batches(examples, config, random.Random(3))) == expected
 
 
 def test_warm_start_config_rejects_inconsistent_settings():

@@ -17,6 +17,14 @@ Three things make the loop fast on CPU (measured in ``benchmarks/bench_training_
   ``hidden × vocab`` projection and the softmax run only on the ~5% of positions with loss;
 - **length bucketing**: batches hold examples of similar length, so little compute goes to padding;
 - **bf16 autocast** for the matrix multiplications (weights and optimizer state stay fp32).
+
+Off the CPU a step's cost is its kernel launches more than its arithmetic (SmolLM2's step: ~4,200
+operations, one demonstration of ~930 tokens). With the bottom blocks frozen (``trainable_layers``)
+their output on a demonstration never changes, so the frozen blocks run once per demonstration, many
+demonstrations a forward, and each step runs the trained blocks from those *boundary states*
+(:mod:`spader_pipeline.modeling.boundary`, as the RL update does from the rollout's): ~2,200 operations
+a step (``boundary_states``; ``benchmarks/bench_sft_boundary.py`` times both loops). On a CPU a step is
+its arithmetic, which batching the frozen blocks does not reduce, so the CPU keeps the plain forward.
 """
 
 from __future__ import annotations
@@ -25,13 +33,20 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 import torch.nn.functional as F
 
 from spader_pipeline.modeling.batching import token_budget_runs
+from spader_pipeline.modeling.boundary import (
+    bottom_block_states,
+    decoder_blocks,
+    supports_boundary,
+    top_block_states,
+)
 from spader_pipeline.modeling.shared_prefix import decoder_states
 
 logger = logging.getLogger(__name__)
@@ -85,6 +100,13 @@ class WarmStartConfig:
     trainable_layers: int | None = None
     """train only the top this-many decoder blocks (+ final norm); ``None`` = the whole model
     (see :func:`spader_pipeline.modeling.base_model.train_top_layers`)"""
+    boundary_states: bool | str = "auto"
+    """run the frozen blocks below ``trainable_layers`` once per demonstration, batched, and each step
+    from their output (the module's docstring): ``"auto"`` = off the CPU (where a step is launch-bound),
+    ``true`` anywhere, ``false`` never"""
+    boundary_tokens: int = 32768
+    """padded tokens per forward of the frozen blocks; the boundary states of at most this many
+    demonstration tokens (the next steps' batches) are held at once"""
     max_length: int = 1024
     """examples are truncated to this many tokens"""
     seed: int = 0
@@ -99,6 +121,9 @@ class WarmStartConfig:
             raise ValueError("max_steps >= 0, batch_tokens >= 1 and learning_rate > 0 are required")
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
+        if self.boundary_states not in (True, False, "auto") or self.boundary_tokens < 1:
+            raise ValueError(f"boundary_states is true, false or 'auto' (got {self.boundary_states!r}); "
+                             f"boundary_tokens >= 1 (got {self.boundary_tokens})")
 
 
 def length_buckets(examples: Sequence[SFTExample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -127,20 +152,91 @@ def collate(examples: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attn, loss
 
 
-def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, *,
+                   boundary: torch.Tensor | None = None, first_block: int = 0) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over positions whose *target* has ``loss_mask == 1``.
 
     Runs the decoder body on all positions, the instruction every demonstration starts with only
     once (:func:`~spader_pipeline.modeling.shared_prefix.decoder_states`), and the output layer only
-    on the positions that predict a target token. Shapes: all inputs ``[B, T]``. Returns the loss
-    and the number of target tokens.
+    on the positions that predict a target token. Shapes: all inputs ``[B, T]``. With ``boundary``
+    (``[B, T, H]``, the output of block ``first_block - 1``: :func:`frozen_block_states`) only the
+    blocks from ``first_block`` up run (:func:`~spader_pipeline.modeling.boundary.top_block_states`).
+    Returns the loss and the number of target tokens.
     """
-    hidden = decoder_states(model, input_ids, attention_mask)  # [B, T, H]
+    if boundary is None:
+        hidden = decoder_states(model, input_ids, attention_mask)  # [B, T, H]
+    else:
+        hidden = top_block_states(model, boundary, input_ids, attention_mask, first_block=first_block)
     select = loss_mask[:, 1:].bool()  # position t predicts token t+1
     states = hidden[:, :-1][select]  # [N, H]
     targets = input_ids[:, 1:][select]  # [N]
     logits = model.lm_head(states).float()  # [N, V]
     return F.cross_entropy(logits, targets), int(targets.numel())
+
+
+def boundary_block(model, config: WarmStartConfig, device: torch.device) -> int | None:
+    """The first trained block when the SFT steps start from the frozen blocks' states
+    (``config.boundary_states``, the blocks ``config.trainable_layers`` leaves frozen, a model
+    :func:`~spader_pipeline.modeling.boundary.supports_boundary` takes), else ``None``."""
+    wanted = config.boundary_states is True or (config.boundary_states == "auto" and device.type != "cpu")
+    depth = len(decoder_blocks(model) or ())
+    if not wanted or config.trainable_layers is None or config.trainable_layers >= depth:
+        return None
+    first = depth - config.trainable_layers
+    return first if supports_boundary(model, first) else None
+
+
+@torch.no_grad()
+def frozen_block_states(model, examples: Sequence[SFTExample], indices: Sequence[int], *, first_block: int,
+                        pad_id: int, max_tokens: int, bf16: bool | str) -> dict[int, torch.Tensor]:
+    """The boundary states of ``examples[i]`` for each ``i`` in ``indices``: ``{i: [len, H]}``, the output
+    of block ``first_block - 1`` at every position of the example, on the model's device.
+
+    The examples run length-sorted, in forwards of at most ``max_tokens`` padded tokens
+    (:func:`~spader_pipeline.modeling.boundary.bottom_block_states`), under the SFT's autocast.
+    """
+    device = next(model.parameters()).device
+    unique = sorted(set(indices), key=lambda i: len(examples[i].input_ids))
+    states: dict[int, torch.Tensor] = {}
+    for run in token_budget_runs([len(examples[i].input_ids) for i in unique], max_tokens):
+        chunk = unique[run.start : run.stop]
+        ids, attn, _ = (t.to(device) for t in collate([examples[i] for i in chunk], pad_id))
+        with autocast(device, bf16):
+            hidden = bottom_block_states(model, ids, attn, first_block=first_block)  # [b, T, H]
+        for row, i in enumerate(chunk):
+            states[i] = hidden[row, : len(examples[i].input_ids)]
+    return states
+
+
+def planned_batches(examples: Sequence[SFTExample], config: WarmStartConfig, rng: random.Random) -> Iterator[list[int]]:
+    """The SFT's batches in order, at most ``config.max_steps``: epoch after epoch of
+    :func:`length_buckets`, each epoch's order drawn from ``rng`` when it starts."""
+
+    def epochs() -> Iterator[list[int]]:
+        while True:
+            yield from length_buckets(examples, config.batch_tokens, rng)
+
+    return islice(epochs(), config.max_steps)
+
+
+def _with_boundary_states(batches: Iterator[list[int]], examples: Sequence[SFTExample], budget: int,
+                          compute: Callable[[list[int]], dict[int, torch.Tensor]]) -> Iterator[
+                              tuple[list[int], dict[int, torch.Tensor]]]:
+    """Each batch with its examples' boundary states, computed by ``compute(indices)`` for as many of
+    the next batches as hold ``budget`` tokens together (at least one batch)."""
+    window: list[list[int]] = []
+    size = 0
+    for batch in batches:
+        tokens = sum(len(examples[i].input_ids) for i in batch)
+        if window and size + tokens > budget:
+            states = compute([i for b in window for i in b])
+            yield from ((b, states) for b in window)
+            window, size = [], 0
+        window.append(batch)
+        size += tokens
+    if window:
+        states = compute([i for b in window for i in b])
+        yield from ((b, states) for b in window)
 
 
 def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *, pad_id: int, on_log=None) -> dict[str, float]:
@@ -162,33 +258,51 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.schedule_steps or config.max_steps))
     device = next(model.parameters()).device
     bf16 = resolve_bf16(config.bf16, device, model)
+    first_block = boundary_block(model, config, device)
+    boundary_seconds = 0.0
+
+    def compute(indices: list[int]) -> dict[int, torch.Tensor]:
+        nonlocal boundary_seconds
+        began = time.perf_counter()
+        states = frozen_block_states(model, examples, indices, first_block=first_block, pad_id=pad_id,
+                                     max_tokens=config.boundary_tokens, bf16=bf16)
+        boundary_seconds += time.perf_counter() - began
+        return states
+
+    batches = planned_batches(examples, config, rng)
+    if first_block is None:
+        steps = ((batch, None) for batch in batches)
+    else:
+        logger.info("warm start: blocks 0-%d run once per demonstration; the steps train blocks %d-%d from "
+                    "their states", first_block - 1, first_block, len(decoder_blocks(model)) - 1)
+        steps = _with_boundary_states(batches, examples, config.boundary_tokens, compute)
     model.train()
     start = time.perf_counter()
     step, tokens, seen, loss_sum, loss_n = 0, 0, 0, 0.0, 0
     last_loss = float("nan")
-    while step < config.max_steps:
-        for batch in length_buckets(examples, config.batch_tokens, rng):
-            if step >= config.max_steps or (config.max_seconds and time.perf_counter() - start > config.max_seconds):
-                break
-            ids, attn, loss_mask = (t.to(device) for t in collate([examples[i] for i in batch], pad_id))
-            with autocast(ids.device, bf16):
-                loss, n_targets = masked_lm_loss(model, ids, attn, loss_mask)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            tokens += int(attn.sum())
-            seen += len(batch)
-            last_loss = float(loss.detach())
-            loss_sum, loss_n = loss_sum + last_loss, loss_n + 1
-            if on_log is not None and step % config.log_every == 0:
-                on_log(step, {"loss": loss_sum / loss_n, "lr": schedule.get_last_lr()[0]})
-                loss_sum, loss_n = 0.0, 0
-        else:
-            continue
-        break
+    for batch, states in steps:
+        if config.max_seconds and time.perf_counter() - start > config.max_seconds:
+            break
+        ids, attn, loss_mask = (t.to(device) for t in collate([examples[i] for i in batch], pad_id))
+        boundary = None
+        if states is not None:
+            boundary = torch.nn.utils.rnn.pad_sequence([states[i] for i in batch], batch_first=True)  # [B, T, H]
+        with autocast(ids.device, bf16):
+            loss, n_targets = masked_lm_loss(model, ids, attn, loss_mask, boundary=boundary,
+                                             first_block=first_block or 0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        tokens += sum(len(examples[i].input_ids) for i in batch)
+        seen += len(batch)
+        last_loss = float(loss.detach())
+        loss_sum, loss_n = loss_sum + last_loss, loss_n + 1
+        if on_log is not None and step % config.log_every == 0:
+            on_log(step, {"loss": loss_sum / loss_n, "lr": schedule.get_last_lr()[0]})
+            loss_sum, loss_n = 0.0, 0
     model.eval()
     seconds = time.perf_counter() - start
     return {
@@ -197,6 +311,8 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
         "final_loss": last_loss,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "boundary_states": float(first_block is not None),
+        "boundary_seconds": boundary_seconds,
     }
 
 
