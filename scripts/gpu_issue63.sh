@@ -17,7 +17,8 @@
 #     decode       bare machine: our step (host loop, static, graphs; graphs over 64-position length buckets) at
 #                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor; the
 #                  rollout's boundary states copied out of the cache, per row against on the device; a
-#                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's (~3.5 min)
+#                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's; the warm
+#                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (~7 min)
@@ -129,6 +130,11 @@ decode() {
     tee "$OUT"/prefill_blocks.log
   local prefill_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$prefill_rc
+  # the warm start's SFT step: from the frozen blocks' states (the GPU's default) against the plain forward
+  PYTHONPATH="$PWD/src" python3 benchmarks/bench_sft_boundary.py --device cuda --steps 24 --repeats 3 2>&1 |
+    grep -v "Loading weights" | tee "$OUT"/sft_boundary.log
+  local sft_rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$sft_rc
   return "$rc"
 }
 
@@ -208,6 +214,7 @@ rehearse() {
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights" || return 1
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || return 1
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_prefill_blocks.py --smoke || return 1
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_sft_boundary.py --smoke || return 1
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || return 1
@@ -226,9 +233,11 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
     echo "$collected" | tail -n 5
     grep -q "fit_on_one_gpu_with_our_server\[spader\]" <<< "$collected" || { echo "verl's gpu test not collected" >&2; exit 1; }
     grep -q "test_captured_states_stay_on_the_gpu" <<< "$collected" || { echo "the generator's gpu tests not collected" >&2; exit 1; }
-    # the static decoding step, as CUDA decodes (op by op here): the rollouts, updates and evaluations through it
+    # as CUDA runs them (op by op here): the static decoding step for the rollouts, updates and evaluations,
+    # the warm start's steps from the frozen blocks' states
     SPADER_STATIC_DECODE=on timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
       --device cpu --rl-seconds 20 --parallel-methods --max-heldout 4 --set warm_start.sft.max_steps=3 \
+      --set warm_start.sft.boundary_states=true \
       --set warm_start.sft.schedule_steps=3 --set training.native.prompts_per_step=2 --set training.native.group_size=2 \
       --set training.native.micro_batch_size=4 --set training.native.ppo_mini_batches=1 \
       --set training.native.total_steps=1 --set training.validation.before_train=false \
