@@ -160,7 +160,8 @@ class BM25Retriever:
 
         Term columns are added into a per-thread zeroed accumulator ``[N]``; the touched entries
         are read back (a row appears once per query term it contains, so the best ``k * T``
-        entries hold the best ``k`` distinct rows) and reset to zero.
+        entries hold the best ``k`` distinct rows, and with every entry tied with the last of them
+        the lowest rows among equal scores, as :func:`top_k` breaks ties) and reset to zero.
         """
         ids, counts = self.tokenizer.query_terms(query)
         if ids.size == 0:
@@ -177,7 +178,8 @@ class BM25Retriever:
         acc[rows] = 0.0
         m = k * len(slices)
         if rows.size > m:
-            keep = np.argpartition(-scores, m - 1)[:m]
+            last = -np.partition(-scores, m - 1)[m - 1]  # the m-th best entry's score
+            keep = scores >= last
             rows, scores = rows[keep], scores[keep]
         best: dict[int, float] = dict(zip(rows.tolist(), scores.tolist(), strict=True))  # dedupe (small)
         return top_k(np.fromiter(best.keys(), np.int64, len(best)), np.fromiter(best.values(), np.float32, len(best)), k)
@@ -220,11 +222,12 @@ class BM25Retriever:
 
 
 def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` highest ``scores`` (ties broken by lower row) and their rows, best first."""
+    """The ``k`` highest ``scores`` (ties broken by lower row, also at the cut) and their rows, best first."""
     if rows.size > k:
-        part = np.argpartition(-scores, k - 1)[:k]
-        rows, scores = rows[part], scores[part]
-    order = np.lexsort((rows, -scores))
+        last = -np.partition(-scores, k - 1)[k - 1]  # the k-th best score: every row tied with it stays a candidate
+        keep = scores >= last
+        rows, scores = rows[keep], scores[keep]
+    order = np.lexsort((rows, -scores))[:k]
     return rows[order], scores[order]
 
 
