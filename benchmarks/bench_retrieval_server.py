@@ -209,14 +209,16 @@ def floor_service(body_file: Path):
 def request_work_us(index_dir: Path, bodies: list[bytes], batch: int, repeats: int) -> float:
     """CPU µs per request of the service's own work, in process: parse + validate each body, one
     batched first-stage call per ``batch`` requests, render each answer (what a worker thread does)."""
+    import orjson
+
     from spader_pipeline.retrieval.index import load_retriever
     from spader_pipeline.retrieval.schemas import ServiceSettings
-    from spader_pipeline.retrieval.server import _Batcher
+    from spader_pipeline.retrieval.service import SearchBatcher
     from spader_pipeline.retrieval.wire import parse_request
 
     settings = ServiceSettings()
     searcher = load_retriever(index_dir)
-    batcher = _Batcher(searcher, settings)
+    batcher = SearchBatcher(searcher, render=orjson.dumps)
     try:
         times = []
         for _ in range(repeats):
@@ -228,7 +230,6 @@ def request_work_us(index_dir: Path, bodies: list[bytes], batch: int, repeats: i
             times.append((time.process_time() - started) / n * 1e6)
         return statistics.median(times)
     finally:
-        batcher.executor.shutdown()
         searcher.close()
 
 

@@ -5,12 +5,13 @@
 cap before parsing and validated; refused input gets a 4xx JSON ``{"error": message}`` and the
 server keeps serving.
 
-Concurrent requests are **coalesced**: each parsed request joins a pending batch, and one worker
-thread runs the whole batch as a single first-stage call (``retriever.search`` over every query of
-every request, one sparse product for BM25), then renders each request's answer with orjson. A
-batch starts as soon as the event loop has parsed everything that arrived with the first request
-(optionally after ``batch_window_ms``), and requests that arrive while it runs form the next one,
-so batches grow with the load and a lone request waits for nobody. The event loop itself only
+Concurrent requests are **coalesced** (:class:`~spader_pipeline.retrieval.service.SearchBatcher`, as
+in-process searches are): each parsed request joins a pending batch, and one worker thread runs the
+whole batch as a single first-stage call (``retriever.search`` over every query of every request, one
+sparse product for BM25), then renders each request's answer with orjson. A batch starts as soon as
+the event loop has parsed everything that arrived with the first request (optionally after
+``batch_window_ms``), and requests that arrive while it runs form the next one, so batches grow with
+the load and a lone request waits for nobody. The event loop itself only
 parses, hands over and writes, so health checks are answered while searches run.
 
 The app is a plain ASGI callable rather than a web framework's router: per request it does the
@@ -19,7 +20,6 @@ HTTP bookkeeping of two routes and nothing else (measured in ``bench_retrieval_s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 
 from spader_pipeline.retrieval.schemas import ServiceSettings
-from spader_pipeline.retrieval.service import Searcher
-from spader_pipeline.retrieval.wire import RequestError, RetrieveRequest, parse_request, render_response
+from spader_pipeline.retrieval.service import SearchBatcher, Searcher
+from spader_pipeline.retrieval.wire import RequestError, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -39,95 +39,16 @@ def _error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
-class _Batcher:
-    """Coalesces concurrent requests into batches run on ``settings.search_threads`` worker threads."""
-
-    def __init__(self, searcher: Searcher, settings: ServiceSettings) -> None:
-        self.searcher = searcher
-        self.max_queries = settings.batch_max_queries
-        self.window = settings.batch_window_ms / 1000.0
-        self.slots = settings.search_threads
-        self.executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="search")
-        self.pending: list[tuple[RetrieveRequest, asyncio.Future]] = []
-        self.running = 0
-        self.scheduled = False
-
-    def submit(self, request: RetrieveRequest) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending.append((request, future))
-        if not self.scheduled and self.running < self.slots:
-            self.scheduled = True  # start after the requests parsed in this loop iteration joined
-            if self.window > 0:
-                loop.call_later(self.window, self._start, loop)
-            else:
-                loop.call_soon(self._start, loop)
-        return future
-
-    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.scheduled = False
-        while self.pending and self.running < self.slots:
-            size, cut = 0, 0
-            while cut < len(self.pending) and (cut == 0 or size + len(self.pending[cut][0].queries) <= self.max_queries):
-                size += len(self.pending[cut][0].queries)
-                cut += 1
-            batch, self.pending = self.pending[:cut], self.pending[cut:]
-            self.running += 1
-            work = self.executor.submit(self.run_batch, [request for request, _ in batch])
-            work.add_done_callback(lambda done, batch=batch: loop.call_soon_threadsafe(self._finish, loop, batch, done))
-
-    def _finish(self, loop: asyncio.AbstractEventLoop, batch, done) -> None:
-        self.running -= 1
-        self._deliver(batch, done)
-        if self.pending:
-            self._start(loop)
-
-    def _deliver(self, batch, done) -> None:
-        try:
-            results = done.result()
-        except Exception as err:  # the first stage itself failed: every request of the batch gets a 500
-            logger.exception("search failed")
-            results = [RequestError(500, f"search failed: {type(err).__name__}: {err}")] * len(batch)
-        for (_, future), result in zip(batch, results, strict=True):
-            if not future.done():
-                future.set_result(result)
-
-    def run_batch(self, requests: list[RetrieveRequest]) -> list[bytes | RequestError]:
-        """Worker thread: one first-stage call for every query of every (non-reranked) request."""
-        searcher = self.searcher
-        out: list[bytes | RequestError] = [b""] * len(requests)
-        plain = [i for i, r in enumerate(requests) if not searcher.wants_rerank(r.use_reranker)]
-        if plain:
-            queries = [q for i in plain for q in requests[i].queries]
-            k = max(requests[i].topk for i in plain)
-            ranked = iter(searcher.retriever.search(queries, k))  # top-k' ⊂ top-k: truncate per request
-            for i in plain:
-                request = requests[i]
-                hits = [searcher.hits(rows[: request.topk], scores[: request.topk])
-                        for rows, scores in (next(ranked) for _ in request.queries)]
-                out[i] = self._render(request, hits)
-        for i, request in enumerate(requests):
-            if i not in plain:  # a cross-encoder pass: per request, as before
-                hits = searcher.search_hits(request.queries, request.topk, initial_k=request.initial_k,
-                                            use_reranker=request.use_reranker)
-                out[i] = self._render(request, hits)
-        return out
-
-    @staticmethod
-    def _render(request: RetrieveRequest, hits) -> bytes | RequestError:
-        try:
-            return orjson.dumps(render_response(request, hits))
-        except RequestError as err:  # e.g. a budget too small for the echoed queries
-            return err
-
-
 class RetrievalApp:
     """ASGI app serving ``searcher`` under ``settings`` (see the module docstring)."""
 
     def __init__(self, searcher: Searcher, settings: ServiceSettings) -> None:
         self.searcher = searcher
         self.settings = settings
-        self.batcher = _Batcher(searcher, settings)
+        self.batcher = SearchBatcher(
+            searcher, render=orjson.dumps, slots=settings.search_threads, max_queries=settings.batch_max_queries,
+            window_s=settings.batch_window_ms / 1000.0,
+            executor=ThreadPoolExecutor(max_workers=settings.search_threads, thread_name_prefix="search"))
 
     async def __call__(self, scope: dict[str, Any], receive, send) -> None:
         kind = scope["type"]

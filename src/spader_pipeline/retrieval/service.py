@@ -1,11 +1,15 @@
-"""The in-process searcher: first-stage retriever + document store + optional reranker, and
-:class:`LocalSearch`, the same searcher behind the async interface of the HTTP client."""
+"""The in-process searcher: first-stage retriever + document store + optional reranker,
+:class:`SearchBatcher`, which answers concurrent searches of an event loop in batches (the HTTP
+service's and :class:`LocalSearch`'s), and :class:`LocalSearch`, the same searcher behind the async
+interface of the HTTP client."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import numpy as np
@@ -13,6 +17,7 @@ import numpy as np
 from spader_pipeline.retrieval.bm25 import passage_text
 from spader_pipeline.retrieval.corpus import DocStore, Passage
 from spader_pipeline.retrieval.schemas import Document, QueryResult, SearchResponse
+from spader_pipeline.retrieval.wire import RequestError, RetrieveRequest, render_response
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +93,125 @@ class Searcher:
         """Exactly what :meth:`RetrievalClient.search` returns for the same arguments, computed in
         process: same ranking, same character budget (``max_chars`` None or <= 0: none), same warning."""
         from spader_pipeline.retrieval.client import _parse
-        from spader_pipeline.retrieval.wire import RetrieveRequest, render_response
 
-        request = RetrieveRequest(queries=tuple(queries), topk=topk, initial_k=initial_k or 50, style="spader",
-                                  return_scores=True, max_chars=max_chars, use_reranker=use_reranker)
-        hits = self.search_hits(request.queries, topk, initial_k=request.initial_k, use_reranker=use_reranker)
-        return _parse(render_response(request, hits))
+        answer = self.answer_batch([local_request(queries, topk, max_chars, initial_k, use_reranker)])[0]
+        if isinstance(answer, RequestError):
+            raise answer
+        return _parse(answer)
+
+    def answer_batch(self, requests: Sequence[RetrieveRequest]) -> list[dict[str, Any] | RequestError]:
+        """Each request's response body (:func:`~spader_pipeline.retrieval.wire.render_response`), or the
+        :class:`RequestError` that refuses it (a budget too small for its echoed queries).
+
+        The requests without a cross-encoder pass share one first-stage call over all their queries at the
+        largest ``topk`` (one sparse product for BM25), each truncated to its own ``topk`` (a top-k' of the
+        same ranking); a reranked request runs on its own, as :meth:`search_hits` runs it.
+        """
+        out: list[dict[str, Any] | RequestError] = [{} for _ in requests]
+        plain = [i for i, r in enumerate(requests) if not self.wants_rerank(r.use_reranker)]
+        if plain:
+            queries = [q for i in plain for q in requests[i].queries]
+            ranked = iter(self.retriever.search(queries, max(requests[i].topk for i in plain)))
+            for i in plain:
+                topk = requests[i].topk
+                hits = [self.hits(rows[:topk], scores[:topk]) for rows, scores in (next(ranked) for _ in requests[i].queries)]
+                out[i] = _rendered(requests[i], hits)
+        for i, request in enumerate(requests):
+            if i not in plain:
+                hits = self.search_hits(request.queries, request.topk, initial_k=request.initial_k,
+                                        use_reranker=request.use_reranker)
+                out[i] = _rendered(request, hits)
+        return out
 
     def close(self) -> None:
         self.docs.close()
+
+
+def local_request(queries: Sequence[str], topk: int = 5, max_chars: int | None = None, initial_k: int | None = None,
+                  use_reranker: bool | None = None) -> RetrieveRequest:
+    """The request an in-process search answers: the SPADER response style with scores, as the HTTP
+    client asks for (:meth:`Searcher.respond`, :class:`LocalSearch`)."""
+    return RetrieveRequest(queries=tuple(queries), topk=topk, initial_k=initial_k or 50, style="spader",
+                           return_scores=True, max_chars=max_chars, use_reranker=use_reranker)
+
+
+def _rendered(request: RetrieveRequest, hits: Sequence[Sequence[Hit]]) -> dict[str, Any] | RequestError:
+    try:
+        return render_response(request, hits)
+    except RequestError as err:  # e.g. a budget too small for the echoed queries
+        return err
+
+
+class SearchBatcher:
+    """Answers the concurrent searches of one event loop in batches, each one :meth:`Searcher.answer_batch`
+    in a worker thread.
+
+    A submitted request joins the pending batch; the batch starts once the loop has run everything that
+    was ready with the first request (all the searches one rollout round, or one burst of HTTP requests,
+    issues together), or ``window_s`` later, and requests that arrive while ``slots`` batches run form
+    the next. ``render`` turns a response body into what the caller gets (in the worker thread: the
+    HTTP service's JSON bytes, :class:`LocalSearch`'s :class:`SearchResponse`); a refused request gets its
+    :class:`RequestError`, and a failed batch's exception reaches every request of it. ``executor``:
+    the worker threads (``None``: the loop's default executor); ``max_queries`` bounds a batch's
+    queries (``None``: no bound).
+    """
+
+    def __init__(self, searcher: Searcher, *, render: Callable[[dict[str, Any]], Any], slots: int = 1,
+                 max_queries: int | None = None, window_s: float = 0.0, executor: Executor | None = None) -> None:
+        self.searcher = searcher
+        self.render = render
+        self.slots = slots
+        self.max_queries = max_queries
+        self.window_s = window_s
+        self.executor = executor
+        self.pending: list[tuple[RetrieveRequest, asyncio.Future]] = []
+        self.running = 0
+        self.scheduled = False
+
+    def submit(self, request: RetrieveRequest) -> asyncio.Future:
+        """A future of ``request``'s rendered answer or its :class:`RequestError`."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((request, future))
+        if not self.scheduled and self.running < self.slots:
+            self.scheduled = True  # start after the requests issued in this loop iteration joined
+            if self.window_s > 0:
+                loop.call_later(self.window_s, self._start, loop)
+            else:
+                loop.call_soon(self._start, loop)
+        return future
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduled = False
+        while self.pending and self.running < self.slots:
+            size, cut = 0, 0
+            while cut < len(self.pending) and (cut == 0 or self.max_queries is None
+                                               or size + len(self.pending[cut][0].queries) <= self.max_queries):
+                size += len(self.pending[cut][0].queries)
+                cut += 1
+            batch, self.pending = self.pending[:cut], self.pending[cut:]
+            self.running += 1
+            work = loop.run_in_executor(self.executor, self.run_batch, [request for request, _ in batch])
+            work.add_done_callback(lambda done, batch=batch: self._finish(loop, batch, done))
+
+    def _finish(self, loop: asyncio.AbstractEventLoop, batch, done: asyncio.Future) -> None:
+        self.running -= 1
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            logger.error("search failed: %s: %s", type(error).__name__, error)
+        for index, (_, future) in enumerate(batch):
+            if future.done():  # its caller was cancelled
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(done.result()[index])
+        if self.pending:
+            self._start(loop)
+
+    def run_batch(self, requests: list[RetrieveRequest]) -> list[Any]:
+        """Worker thread: the batch's answers (:meth:`Searcher.answer_batch`), rendered."""
+        return [a if isinstance(a, RequestError) else self.render(a) for a in self.searcher.answer_batch(requests)]
 
 
 class LocalSearch:
@@ -105,11 +220,25 @@ class LocalSearch:
 
     :meth:`Searcher.respond` applies the same ranking *and* character budget (``max_chars``) as the
     HTTP service, so in-process training sees exactly the observations an evaluation against the
-    service sees.
+    service sees. Concurrent searches (a rollout round's trajectories each search at once) are answered
+    as the service answers concurrent requests: in batches, one first-stage call each
+    (:class:`SearchBatcher`, one per event loop), where one worker thread per search would cost more in
+    hand-offs than the searches take.
     """
 
     def __init__(self, retriever: Any) -> None:
         self.retriever = retriever
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SearchBatcher] = weakref.WeakKeyDictionary()
 
     async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> SearchResponse:
-        return await asyncio.to_thread(self.retriever.respond, list(queries), topk, max_chars)
+        from spader_pipeline.retrieval.client import _parse
+
+        request = local_request(queries, topk, max_chars)
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = self._batchers[loop] = SearchBatcher(self.retriever, render=_parse)
+        answer = await batcher.submit(request)
+        if isinstance(answer, RequestError):
+            raise answer
+        return answer
