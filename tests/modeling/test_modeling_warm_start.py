@@ -131,6 +131,23 @@ def test_boundary_states_are_the_devices_choice_unless_set(tiny_model_dir):
         WarmStartConfig(boundary_states="yes")
 
 
+def test_boundary_states_are_computed_for_windows_of_batches_within_the_token_budget():
+    from spader_pipeline.modeling.warm_start import _with_boundary_states
+
+    examples = [SFTExample((1,) * n, (1,) * n) for n in (10, 20, 30, 40, 200)]
+    batches = [[0, 1], [2], [3, 0], [4], [1]]  # 30, 30, 50, 200 (over the budget alone), 20 tokens
+    windows = []
+
+    def compute(indices):
+        windows.append(indices)
+        return {i: f"states of {i}" for i in indices}
+
+    steps = list(_with_boundary_states(iter(batches), examples, 100, compute))
+    assert [b for b, _ in steps] == batches
+    assert all(all(states[i] == f"states of {i}" for i in batch) for batch, states in steps)
+    assert windows == [[0, 1, 2], [3, 0], [4], [1]]
+
+
 def test_planned_batches_are_the_epochs_of_length_buckets_cut_at_max_steps():
     examples = _demonstrations(10, vocab=50)
     config = WarmStartConfig(max_steps=23, batch_tokens=100)
