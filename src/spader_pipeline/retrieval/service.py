@@ -108,7 +108,8 @@ class Searcher:
         same ranking); a reranked request runs on its own, as :meth:`search_hits` runs it.
         """
         out: list[dict[str, Any] | RequestError] = [{} for _ in requests]
-        plain = [i for i, r in enumerate(requests) if not self.wants_rerank(r.use_reranker)]
+        reranked = [self.wants_rerank(r.use_reranker) for r in requests]
+        plain = [i for i, rerank in enumerate(reranked) if not rerank]
         if plain:
             queries = [q for i in plain for q in requests[i].queries]
             ranked = iter(self.retriever.search(queries, max(requests[i].topk for i in plain)))
@@ -116,8 +117,8 @@ class Searcher:
                 topk = requests[i].topk
                 hits = [self.hits(rows[:topk], scores[:topk]) for rows, scores in (next(ranked) for _ in requests[i].queries)]
                 out[i] = _rendered(requests[i], hits)
-        for i, request in enumerate(requests):
-            if i not in plain:
+        for i, (request, rerank) in enumerate(zip(requests, reranked, strict=True)):
+            if rerank:
                 hits = self.search_hits(request.queries, request.topk, initial_k=request.initial_k,
                                         use_reranker=request.use_reranker)
                 out[i] = _rendered(request, hits)
