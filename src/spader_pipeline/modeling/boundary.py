@@ -143,9 +143,9 @@ def _run_blocks(body: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def _run_top_blocks(body: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor, cache: TopBlocksCache) -> torch.Tensor:
-    """Blocks ``cache.first_block..N-1`` and the final norm (:func:`_run_blocks`). Returns ``[b, t, H]``."""
-    blocks = range(cache.first_block, body.config.num_hidden_layers)
+                    position_ids: torch.Tensor, first_block: int, cache: TopBlocksCache | None) -> torch.Tensor:
+    """Blocks ``first_block..N-1`` and the final norm (:func:`_run_blocks`). Returns ``[b, t, H]``."""
+    blocks = range(first_block, body.config.num_hidden_layers)
     return body.norm(_run_blocks(body, hidden, attention_mask, position_ids, blocks, cache))
 
 
@@ -180,15 +180,16 @@ def top_block_states(model: Any, boundary: torch.Tensor, input_ids: torch.Tensor
     body = model.base_model
     rows, width = input_ids.shape
     device = boundary.device
-    cache = TopBlocksCache(body.config, first_block)
     prefix = common_prefix_length(input_ids, attention_mask, minimum=min_shared_prefix)
-    if prefix == 0:
+    if prefix == 0:  # one pass, nothing to continue: no cache (its writes would be copies, and their backward)
         positions = torch.arange(width, device=device)[None]
-        return _run_top_blocks(body, boundary, attention_mask, positions, cache)
-    shared = _run_top_blocks(body, boundary[:1, :prefix], None, torch.arange(prefix, device=device)[None], cache)
+        return _run_top_blocks(body, boundary, attention_mask, positions, first_block, None)
+    cache = TopBlocksCache(body.config, first_block)
+    shared = _run_top_blocks(body, boundary[:1, :prefix], None, torch.arange(prefix, device=device)[None],
+                             first_block, cache)
     cache.batch_repeat_interleave(rows)
     positions = torch.arange(prefix, width, device=device).expand(rows, -1)
-    rest = _run_top_blocks(body, boundary[:, prefix:], attention_mask, positions, cache)  # [B, T - P, H]
+    rest = _run_top_blocks(body, boundary[:, prefix:], attention_mask, positions, first_block, cache)  # [B, T - P, H]
     return torch.cat([shared.expand(rows, -1, -1), rest], dim=1)
 
 

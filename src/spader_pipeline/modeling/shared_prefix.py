@@ -39,8 +39,8 @@ def decoder_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     body = model.base_model
     prefix = common_prefix_length(input_ids, attention_mask, minimum=min_shared_prefix)
-    if prefix == 0:
-        return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if prefix == 0:  # one ordinary forward; no cache (its writes would be copies, and their backward)
+        return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     rows, width = input_ids.shape
     shared = body(input_ids=input_ids[:1, :prefix], use_cache=True)
     cache = shared.past_key_values
