@@ -2,10 +2,10 @@
 
 The warm start trains the top ``--trainable-layers`` blocks of SmolLM2 on the scripted demonstrations,
 about one ~930-token demonstration a step (``batch_tokens`` 1,500). On the H200 a step took ~175 ms
-(docs/records/one_gpu: 400 steps in 69.8 s), where its arithmetic is a few ms: the step is its ~4,200
+(docs/records/one_gpu: 400 steps in 69.8 s), where its arithmetic is a few ms: the step is its ~4,000
 operations launched one by one. With the bottom blocks frozen their output on a demonstration never
 changes; :func:`~spader_pipeline.modeling.warm_start.train_sft` with ``boundary_states`` runs them once
-per demonstration, many demonstrations a forward, and each step from their states (~2,200 operations).
+per demonstration, many demonstrations a forward, and each step from their states (~2,150 operations).
 
 This runs ``train_sft`` itself both ways on the same demonstrations and settings (the one-GPU run's:
 ``conf/one_gpu`` over ``conf/base``): ``--steps`` steps, the frozen blocks' forwards included in the

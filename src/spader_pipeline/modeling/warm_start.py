@@ -18,11 +18,11 @@ Three things make the loop fast on CPU (measured in ``benchmarks/bench_training_
 - **length bucketing**: batches hold examples of similar length, so little compute goes to padding;
 - **bf16 autocast** for the matrix multiplications (weights and optimizer state stay fp32).
 
-Off the CPU a step's cost is its kernel launches more than its arithmetic (SmolLM2's step: ~4,200
+Off the CPU a step's cost is its kernel launches more than its arithmetic (SmolLM2's step: ~4,000
 operations, one demonstration of ~930 tokens). With the bottom blocks frozen (``trainable_layers``)
 their output on a demonstration never changes, so the frozen blocks run once per demonstration, many
 demonstrations a forward, and each step runs the trained blocks from those *boundary states*
-(:mod:`spader_pipeline.modeling.boundary`, as the RL update does from the rollout's): ~2,200 operations
+(:mod:`spader_pipeline.modeling.boundary`, as the RL update does from the rollout's): ~2,150 operations
 a step (``boundary_states``; ``benchmarks/bench_sft_boundary.py`` times both loops). On a CPU a step is
 its arithmetic, which batching the frozen blocks does not reduce, so the CPU keeps the plain forward.
 """
