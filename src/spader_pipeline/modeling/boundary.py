@@ -39,6 +39,7 @@ __all__ = [
     "bottom_block_states",
     "capture_block_output",
     "decoder_blocks",
+    "first_trained_block",
     "shares_frozen_blocks",
     "supports_boundary",
     "top_block_states",
@@ -53,6 +54,15 @@ _ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
 def decoder_blocks(model: Any) -> torch.nn.ModuleList | None:
     """The decoder blocks of a causal LM (``model.model.layers``), or ``None``."""
     return getattr(getattr(model, "model", None), "layers", None)
+
+
+def first_trained_block(model: Any, trainable_layers: int | None) -> int | None:
+    """The first of the top ``trainable_layers`` decoder blocks, below which the blocks stay frozen;
+    ``None`` when nothing is frozen (``trainable_layers`` unset or at least the model's depth)."""
+    depth = len(decoder_blocks(model) or ())
+    if trainable_layers is None or trainable_layers >= depth:
+        return None
+    return depth - trainable_layers
 
 
 def _layer_types(config: Any) -> list[str]:

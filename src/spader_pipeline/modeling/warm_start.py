@@ -44,6 +44,7 @@ from spader_pipeline.modeling.batching import token_budget_runs
 from spader_pipeline.modeling.boundary import (
     bottom_block_states,
     decoder_blocks,
+    first_trained_block,
     supports_boundary,
     top_block_states,
 )
@@ -179,11 +180,8 @@ def boundary_block(model, config: WarmStartConfig, device: torch.device) -> int 
     (``config.boundary_states``, the blocks ``config.trainable_layers`` leaves frozen, a model
     :func:`~spader_pipeline.modeling.boundary.supports_boundary` takes), else ``None``."""
     wanted = config.boundary_states is True or (config.boundary_states == "auto" and device.type != "cpu")
-    depth = len(decoder_blocks(model) or ())
-    if not wanted or config.trainable_layers is None or config.trainable_layers >= depth:
-        return None
-    first = depth - config.trainable_layers
-    return first if supports_boundary(model, first) else None
+    first = first_trained_block(model, config.trainable_layers) if wanted else None
+    return first if first is not None and supports_boundary(model, first) else None
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from spader_pipeline.algorithms.group_metrics import comparison_advantages
 from spader_pipeline.algorithms.validation import ValidationSettings, validation_subset
 from spader_pipeline.host_memory import bound_heap
 from spader_pipeline.modeling.base_model import load_model_and_tokenizer, train_top_layers
-from spader_pipeline.modeling.boundary import decoder_blocks, shares_frozen_blocks, supports_boundary
+from spader_pipeline.modeling.boundary import first_trained_block, shares_frozen_blocks, supports_boundary
 from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.native.batch import (
@@ -247,13 +247,12 @@ def refresh_rollout_copy(run: RunState) -> None:
 
 def _boundary_block(config: NativeTrainerConfig, model: Any) -> int | None:
     """The first trained block when the update can start from the rollout's states, else ``None``."""
-    depth = len(decoder_blocks(model) or ())
-    if not config.reuse_rollout_states or config.trainable_layers is None or config.trainable_layers >= depth:
+    first = first_trained_block(model, config.trainable_layers)
+    if not config.reuse_rollout_states or first is None:
         return None
     if not captures_states(config.engine):
         logger.info("the %s rollout engine captures no states: the update runs the frozen blocks", config.engine)
         return None
-    first = depth - config.trainable_layers
     if not supports_boundary(model, first):
         logger.info("%s: the update runs the frozen blocks (no boundary states for this model)",
                     type(model).__name__)
