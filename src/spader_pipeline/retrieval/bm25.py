@@ -178,8 +178,7 @@ class BM25Retriever:
         acc[rows] = 0.0
         m = k * len(slices)
         if rows.size > m:
-            last = -np.partition(-scores, m - 1)[m - 1]  # the m-th best entry's score
-            keep = scores >= last
+            keep = _at_least_kth_best(scores, m)
             rows, scores = rows[keep], scores[keep]
         best: dict[int, float] = dict(zip(rows.tolist(), scores.tolist(), strict=True))  # dedupe (small)
         return top_k(np.fromiter(best.keys(), np.int64, len(best)), np.fromiter(best.values(), np.float32, len(best)), k)
@@ -224,11 +223,17 @@ class BM25Retriever:
 def top_k(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` highest ``scores`` (ties broken by lower row, also at the cut) and their rows, best first."""
     if rows.size > k:
-        last = -np.partition(-scores, k - 1)[k - 1]  # the k-th best score: every row tied with it stays a candidate
-        keep = scores >= last
+        keep = _at_least_kth_best(scores, k)
         rows, scores = rows[keep], scores[keep]
     order = np.lexsort((rows, -scores))[:k]
     return rows[order], scores[order]
+
+
+def _at_least_kth_best(scores: np.ndarray, k: int) -> np.ndarray:
+    """Which of ``scores`` (``[M]``, ``M > k``) are at least the ``k``-th best: the best ``k`` and every one
+    tied with the last of them, so that ties can then go to the lower row (``argpartition`` alone would
+    pick among the tied by their order)."""
+    return scores >= -np.partition(-scores, k - 1)[k - 1]
 
 
 @functools.cache
