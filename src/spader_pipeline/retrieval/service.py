@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from spader_pipeline.retrieval.bm25 import passage_text
+from spader_pipeline.retrieval.client import _parse
 from spader_pipeline.retrieval.corpus import DocStore, Passage
 from spader_pipeline.retrieval.schemas import Document, QueryResult, SearchResponse
 from spader_pipeline.retrieval.wire import RequestError, RetrieveRequest, render_response
@@ -92,8 +93,6 @@ class Searcher:
                 initial_k: int | None = None, use_reranker: bool | None = None) -> SearchResponse:
         """Exactly what :meth:`RetrievalClient.search` returns for the same arguments, computed in
         process: same ranking, same character budget (``max_chars`` None or <= 0: none), same warning."""
-        from spader_pipeline.retrieval.client import _parse
-
         answer = self.answer_batch([local_request(queries, topk, max_chars, initial_k, use_reranker)])[0]
         if isinstance(answer, RequestError):
             raise answer
@@ -232,8 +231,6 @@ class LocalSearch:
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SearchBatcher] = weakref.WeakKeyDictionary()
 
     async def search(self, queries: Sequence[str], topk: int = 5, max_chars: int | None = None) -> SearchResponse:
-        from spader_pipeline.retrieval.client import _parse
-
         request = local_request(queries, topk, max_chars)
         loop = asyncio.get_running_loop()
         batcher = self._batchers.get(loop)
