@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spader_pipeline.modeling import load_model_and_tokenizer
-from spader_pipeline.modeling.shared_prefix import common_prefix_length, decoder_states
+from spader_pipeline.modeling.shared_prefix import common_prefix_length, decoder_states, use_shared_prefix
 
 
 def _batch(prefix_len: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,3 +57,20 @@ def test_shared_prefix_states_and_gradients_equal_the_plain_forward(tiny_model_d
     for name, grad in plain_grads.items():
         error = float((shared_grads[name] - grad).abs().max())
         assert error <= 1e-5 * float(grad.abs().max()) + 1e-7, (name, error)  # float reassociation only
+
+
+def test_without_the_shared_prefix_the_states_are_the_plain_forward_s(tiny_model_dir):
+    """``shared_prefix=False`` (a GPU's default) is one ordinary forward: its states bit for bit."""
+    model, _ = load_model_and_tokenizer(tiny_model_dir)
+    ids, att = _batch(12)
+    with torch.no_grad():
+        plain = model.base_model(input_ids=ids, attention_mask=att).last_hidden_state
+        assert torch.equal(decoder_states(model, ids, att, shared_prefix=False), plain)
+
+
+def test_the_shared_prefix_is_the_cpu_s_unless_set():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert use_shared_prefix("auto", cpu) and not use_shared_prefix("auto", cuda)
+    assert use_shared_prefix(True, cuda) and not use_shared_prefix(False, cpu)
+    with pytest.raises(ValueError, match="shared_prefix"):
+        use_shared_prefix("yes", cpu)

@@ -98,23 +98,27 @@ def _demonstrations(n: int, vocab: int, seed: int = 0) -> list[SFTExample]:
 @pytest.mark.parametrize("batch_tokens", [60, 200])  # one demonstration a step, or several sharing the instruction
 def test_steps_from_the_frozen_blocks_states_train_as_the_full_forward_does(tiny_model_dir, batch_tokens):
     """With the bottom blocks frozen, the SFT from boundary states computed a window of steps at a time
-    takes the plain loop's batches, losses and weights (fp32 on the CPU: to float rounding)."""
+    takes the plain loop's batches, losses and weights (fp32 on the CPU: to float rounding), with the
+    shared instruction encoded once (the CPU's default) or in every row (a GPU's)."""
     runs = {}
-    for boundary in (False, True):
+    for boundary, shared in ((False, True), (True, True), (True, False)):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         examples = _demonstrations(24, vocab=model.config.vocab_size)
         logged = []
         config = WarmStartConfig(max_steps=20, batch_tokens=batch_tokens, learning_rate=3e-3, warmup_steps=2,
                                  log_every=1, trainable_layers=1, bf16=False, boundary_states=boundary,
-                                 boundary_tokens=150)
+                                 boundary_tokens=150, shared_prefix=shared)
         summary = train_sft(model, examples, config, pad_id=0, on_log=lambda s, m, logged=logged: logged.append(m["loss"]))
-        runs[boundary] = summary, logged, {n: p.detach().clone() for n, p in model.named_parameters()}
-    (plain, plain_losses, plain_weights), (fast, fast_losses, fast_weights) = runs[False], runs[True]
-    assert plain["boundary_states"] == 0.0 and fast["boundary_states"] == 1.0 and fast["boundary_seconds"] > 0
-    assert plain["examples_seen"] == fast["examples_seen"] and plain["steps"] == fast["steps"] == 20
-    assert fast_losses == pytest.approx(plain_losses, rel=1e-4, abs=1e-6)
-    for name, weight in plain_weights.items():
-        assert torch.allclose(fast_weights[name], weight, atol=1e-5), name
+        runs[boundary, shared] = summary, logged, {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain, plain_losses, plain_weights = runs[False, True]
+    assert plain["boundary_states"] == 0.0 and plain["shared_prefix"] == 1.0
+    for shared in (True, False):
+        fast, fast_losses, fast_weights = runs[True, shared]
+        assert fast["boundary_states"] == 1.0 and fast["boundary_seconds"] > 0 and fast["shared_prefix"] == float(shared)
+        assert plain["examples_seen"] == fast["examples_seen"] and plain["steps"] == fast["steps"] == 20
+        assert fast_losses == pytest.approx(plain_losses, rel=1e-4, abs=1e-6)
+        for name, weight in plain_weights.items():
+            assert torch.allclose(fast_weights[name], weight, atol=1e-5), name
 
 
 def test_boundary_states_are_the_devices_choice_unless_set(tiny_model_dir):
@@ -129,6 +133,8 @@ def test_boundary_states_are_the_devices_choice_unless_set(tiny_model_dir):
     assert boundary_block(model, WarmStartConfig(trainable_layers=depth), cuda) is None
     with pytest.raises(ValueError, match="boundary_states"):
         WarmStartConfig(boundary_states="yes")
+    with pytest.raises(ValueError, match="shared_prefix"):
+        WarmStartConfig(shared_prefix="yes")
 
 
 def test_boundary_states_are_computed_for_windows_of_batches_within_the_token_budget():

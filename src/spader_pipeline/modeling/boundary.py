@@ -171,7 +171,8 @@ def bottom_block_states(model: Any, input_ids: torch.Tensor, attention_mask: tor
 
 
 def top_block_states(model: Any, boundary: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     first_block: int, min_shared_prefix: int = MIN_SHARED_PREFIX) -> torch.Tensor:
+                     first_block: int, min_shared_prefix: int = MIN_SHARED_PREFIX,
+                     shared_prefix: bool = True) -> torch.Tensor:
     """Last hidden states ``[B, T, H]`` (after the final norm) from the boundary states.
 
     Args:
@@ -183,14 +184,14 @@ def top_block_states(model: Any, boundary: torch.Tensor, input_ids: torch.Tensor
         attention_mask: ``[B, T]``, 1 on real tokens.
         first_block: the first block to run.
 
-    As :func:`~spader_pipeline.modeling.shared_prefix.decoder_states`: a common prefix of ``P >=
-    min_shared_prefix`` tokens is run once (row 0's boundary states, ``[1, P]``) and the rows
-    continue from its key/value cache; otherwise one pass over the whole batch.
+    As :func:`~spader_pipeline.modeling.shared_prefix.decoder_states`: with ``shared_prefix``, a common
+    prefix of ``P >= min_shared_prefix`` tokens is run once (row 0's boundary states, ``[1, P]``) and
+    the rows continue from its key/value cache; otherwise one pass over the whole batch.
     """
     body = model.base_model
     rows, width = input_ids.shape
     device = boundary.device
-    prefix = common_prefix_length(input_ids, attention_mask, minimum=min_shared_prefix)
+    prefix = common_prefix_length(input_ids, attention_mask, minimum=min_shared_prefix) if shared_prefix else 0
     if prefix == 0:  # one pass, nothing to continue: no cache (its writes would be copies, and their backward)
         positions = torch.arange(width, device=device)[None]
         return _run_top_blocks(body, boundary, attention_mask, positions, first_block, None)

@@ -48,7 +48,7 @@ from spader_pipeline.modeling.boundary import (
     supports_boundary,
     top_block_states,
 )
-from spader_pipeline.modeling.shared_prefix import decoder_states
+from spader_pipeline.modeling.shared_prefix import decoder_states, use_shared_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,9 @@ class WarmStartConfig:
     boundary_tokens: int = 32768
     """padded tokens per forward of the frozen blocks; the boundary states of at most this many
     demonstration tokens (the next steps' batches) are held at once"""
+    shared_prefix: bool | str = "auto"
+    """a step of several demonstrations encodes the instruction they share once: ``"auto"`` = on a
+    CPU, not on a GPU (:func:`~spader_pipeline.modeling.shared_prefix.use_shared_prefix`)"""
     max_length: int = 1024
     """examples are truncated to this many tokens"""
     seed: int = 0
@@ -125,6 +128,8 @@ class WarmStartConfig:
         if self.boundary_states not in (True, False, "auto") or self.boundary_tokens < 1:
             raise ValueError(f"boundary_states is true, false or 'auto' (got {self.boundary_states!r}); "
                              f"boundary_tokens >= 1 (got {self.boundary_tokens})")
+        if self.shared_prefix not in (True, False, "auto"):
+            raise ValueError(f"shared_prefix is true, false or 'auto' (got {self.shared_prefix!r})")
 
 
 def length_buckets(examples: Sequence[SFTExample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -154,20 +159,22 @@ def collate(examples: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, 
 
 
 def masked_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, *,
-                   boundary: torch.Tensor | None = None, first_block: int = 0) -> tuple[torch.Tensor, int]:
+                   boundary: torch.Tensor | None = None, first_block: int = 0,
+                   shared_prefix: bool = True) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over positions whose *target* has ``loss_mask == 1``.
 
-    Runs the decoder body on all positions, the instruction every demonstration starts with only
-    once (:func:`~spader_pipeline.modeling.shared_prefix.decoder_states`), and the output layer only
+    Runs the decoder body on all positions, with ``shared_prefix`` the instruction every demonstration
+    starts with only once (:func:`~spader_pipeline.modeling.shared_prefix.decoder_states`), and the output layer only
     on the positions that predict a target token. Shapes: all inputs ``[B, T]``. With ``boundary``
     (``[B, T, H]``, the output of block ``first_block - 1``: :func:`frozen_block_states`) only the
     blocks from ``first_block`` up run (:func:`~spader_pipeline.modeling.boundary.top_block_states`).
     Returns the loss and the number of target tokens.
     """
     if boundary is None:
-        hidden = decoder_states(model, input_ids, attention_mask)  # [B, T, H]
+        hidden = decoder_states(model, input_ids, attention_mask, shared_prefix=shared_prefix)  # [B, T, H]
     else:
-        hidden = top_block_states(model, boundary, input_ids, attention_mask, first_block=first_block)
+        hidden = top_block_states(model, boundary, input_ids, attention_mask, first_block=first_block,
+                                  shared_prefix=shared_prefix)
     select = loss_mask[:, 1:].bool()  # position t predicts token t+1
     states = hidden[:, :-1][select]  # [N, H]
     targets = input_ids[:, 1:][select]  # [N]
@@ -257,6 +264,7 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
     device = next(model.parameters()).device
     bf16 = resolve_bf16(config.bf16, device, model)
     first_block = boundary_block(model, config, device)
+    shared = use_shared_prefix(config.shared_prefix, device)
     boundary_seconds = 0.0
 
     def compute(indices: list[int]) -> dict[int, torch.Tensor]:
@@ -287,7 +295,7 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
             boundary = torch.nn.utils.rnn.pad_sequence([states[i] for i in batch], batch_first=True)  # [B, T, H]
         with autocast(ids.device, bf16):
             loss, n_targets = masked_lm_loss(model, ids, attn, loss_mask, boundary=boundary,
-                                             first_block=first_block or 0)
+                                             first_block=first_block or 0, shared_prefix=shared)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
@@ -311,6 +319,7 @@ def train_sft(model, examples: Sequence[SFTExample], config: WarmStartConfig, *,
         "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "boundary_states": float(first_block is not None),
         "boundary_seconds": boundary_seconds,
+        "shared_prefix": float(shared),
     }
 
 
