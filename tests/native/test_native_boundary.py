@@ -15,6 +15,7 @@ from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.rollout import run_rollouts_sync
 from spader_pipeline.agent.types import RolloutConfig, SamplingParams
 from spader_pipeline.modeling import load_model_and_tokenizer, train_top_layers
+from spader_pipeline.modeling.shared_prefix import common_prefix_length
 from spader_pipeline.native.batch import Advantages, build_batch, usable_capture
 from spader_pipeline.native.update import (
     actor_config,
@@ -141,6 +142,34 @@ def test_a_token_budget_per_micro_batch_leaves_loss_and_gradients_unchanged(roll
         assert float((split_grads[name] - grad).abs().max()) <= 1e-4 * float(grad.abs().max()) + 1e-7, name
     for key, value in whole_stats.sums.items():
         assert split_stats.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("boundary", [True, False])
+def test_the_update_without_the_shared_prefix_gives_the_same_loss_and_gradients(rolled_out, tiny_config, boundary):
+    """``shared_prefix: false`` (a GPU's default: every pass one forward over whole rows) regroups only
+    the arithmetic: the loss terms and every gradient of the update that encodes the instruction once,
+    from the rollout's boundary states or running the frozen blocks, with a reference and two epochs."""
+    model, tokenizer, gen, group, trajectories = rolled_out
+    batch = build_batch(trajectories, group, tokenizer.pad_token_id, captured=gen.captured_states(),
+                        boundary_block=FIRST)
+    assert common_prefix_length(batch.input_ids, batch.attention_mask) > 0  # an instruction to share
+    if not boundary:
+        batch = dataclasses.replace(batch, boundary=None, boundary_block=None)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.no_grad():
+        reference.model.layers[2].mlp.up_proj.weight.mul_(1.5)
+    runs = {}
+    for shared in (True, False):
+        config = tiny_config(prompts_per_step=2, group_size=4, micro_batch_size=4, kl_coef=0.5, ppo_epochs=2,
+                             max_grad_norm=1e6, trainable_layers=1, shared_prefix=shared)
+        runs[shared] = _update(model, batch, config, reference, shares=boundary)
+    (once, once_grads), (every, every_grads) = runs[True], runs[False]
+    assert once.shared_prefix and not every.shared_prefix
+    assert once_grads.keys() == every_grads.keys() and once_grads
+    for name, grad in once_grads.items():
+        assert float((every_grads[name] - grad).abs().max()) <= 1e-4 * float(grad.abs().max()) + 1e-7, name
+    for key, value in once.sums.items():
+        assert every.sums[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def _trained_copy(model, update) -> dict[str, torch.Tensor]:

@@ -236,11 +236,12 @@ def run_settings(config: NativeTrainerConfig, model_path: str | Path) -> dict[st
     model's path (``start_model``) and its weights files' names, sizes and times (``start_weights``).
 
     Settings that only schedule, pace or place a run (steps, budget, checkpointing, logging, device,
-    ``reuse_rollout_states``) are left out: a run may resume with other values of these.
+    ``reuse_rollout_states``, ``shared_prefix``) are left out: a run may resume with other values of these.
     """
     trajectory = {k: v for k, v in config.to_dict().items()
                   if k not in ("total_steps", "max_seconds", "resume", "checkpoint_every", "keep_checkpoints",
-                               "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states")}
+                               "log_samples_every", "num_samples_logged", "device", "reuse_rollout_states",
+                               "shared_prefix")}
     start = {"start_model": str(Path(model_path).resolve()), "start_weights": weights_stamp(model_path)}
     return json.loads(json.dumps({**trajectory, **rollout_decoding_path(config), **start}, default=str))
 

@@ -115,6 +115,12 @@ class NativeTrainerConfig:
     output at every token and the update runs only the trained blocks from it, instead of running
     the frozen blocks again (same loss and gradients up to float reassociation; docs/training.md).
     ``false``: the update runs the whole model"""
+    shared_prefix: bool | str = "auto"
+    """whether the update's passes encode the prompt instruction every row starts with once, the rows
+    continuing from its keys and values, instead of in every row: ``"auto"`` = on a CPU (saved
+    arithmetic), not on a GPU (a forward there costs its launches, and the shared prefix runs every
+    block twice); the same loss and gradients up to float reassociation
+    (:func:`~spader_pipeline.modeling.shared_prefix.use_shared_prefix`)"""
 
     # ---- rollout -----------------------------------------------------------------------------
     rollout: RolloutConfig | Mapping[str, Any] = field(
@@ -179,6 +185,8 @@ class NativeTrainerConfig:
         if self.rollout_kv_cache_budget_mb is not None and self.rollout_kv_cache_budget_mb <= 0:
             raise ValueError("rollout_kv_cache_budget_mb must be > 0 or null")
         check_engine(self.engine)  # unknown engines: the error lists the registered ones
+        if self.shared_prefix not in (True, False, "auto"):
+            raise ValueError(f"shared_prefix={self.shared_prefix!r}: use true, false or 'auto'")
         if self.rollout_weights not in ("model", "bf16"):
             raise ValueError(f"rollout_weights={self.rollout_weights!r}: use 'model' or 'bf16'")
         if self.ppo_epochs < 1:

@@ -95,6 +95,7 @@ def step_report(config: NativeTrainerConfig, rollouts: Rollouts, adv: Advantages
         "perf/rollout_model_seconds": rollouts.model_seconds,
         "perf/rollout_decode_steps": float(rollouts.decode_steps),
         "perf/reused_rollout_states": float(batch.boundary is not None),
+        "perf/shared_prefix": float(update.shared_prefix),
         "perf/update_seconds": timing["update"],
         "perf/step_seconds": time.perf_counter() - timing["step_started"],
         "perf/generate_tokens_per_second": rollouts.generated_tokens / max(rollouts.seconds, 1e-9),

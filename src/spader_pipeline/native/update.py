@@ -16,7 +16,7 @@ import torch
 
 from spader_pipeline.modeling.batching import token_budget_runs
 from spader_pipeline.modeling.boundary import top_block_states
-from spader_pipeline.modeling.shared_prefix import decoder_states
+from spader_pipeline.modeling.shared_prefix import decoder_states, use_shared_prefix
 from spader_pipeline.modeling.warm_start import autocast
 from spader_pipeline.native.batch import Advantages, RolloutBatch
 from spader_pipeline.native.config import NativeTrainerConfig
@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 
 def response_logprobs(
     model, batch: RolloutBatch, rows: slice | torch.Tensor, *, temperature: float, bf16: bool | str, with_entropy: bool,
-    use_boundary: bool = True,
+    use_boundary: bool = True, shared_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, R]`` of the sampled response tokens (0 off model tokens), optionally entropy.
 
-    The decoder runs on the micro-batch's sequences (trimmed to their longest; the leading tokens
-    all rows share, the prompt template's instruction, encoded once); the output layer runs only at
+    The decoder runs on the micro-batch's sequences (trimmed to their longest; with ``shared_prefix``
+    the leading tokens all rows share, the prompt template's instruction, encoded once); the output layer runs only at
     positions that predict a model token (``response_mask == 1``). With ``batch.boundary`` (and
     ``use_boundary``: ``model``'s frozen blocks are the ones that computed it) only the blocks from
     ``batch.boundary_block`` up run, from the rollout's states (:func:`top_block_states`).
@@ -48,9 +48,10 @@ def response_logprobs(
     with autocast(input_ids.device, bf16):
         if use_boundary and batch.boundary is not None:
             boundary = batch.boundary[rows, :width].to(device)
-            hidden = top_block_states(model, boundary, input_ids, attention, first_block=batch.boundary_block)
+            hidden = top_block_states(model, boundary, input_ids, attention, first_block=batch.boundary_block,
+                                      shared_prefix=shared_prefix)
         else:
-            hidden = decoder_states(model, input_ids, attention)  # the shared instruction encoded once
+            hidden = decoder_states(model, input_ids, attention, shared_prefix=shared_prefix)
         logits = model.lm_head(hidden[r_idx.to(device), positions.to(device)])
     logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -120,12 +121,14 @@ def actor_config(config: NativeTrainerConfig) -> Any:
 class UpdateStats:
     """Loss terms summed over epochs (each epoch's terms are token-weighted means over the whole
     batch; divide by epochs for the logged means), the gradient norm (the mean over the step's
-    optimiser steps, before clipping) and the number of optimiser steps."""
+    optimiser steps, before clipping), the number of optimiser steps, and whether the passes encoded
+    the rows' common prefix once (``config.shared_prefix`` on the model's device)."""
 
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("policy", "kl", "entropy", "clipfrac", "clipfrac_lower", "approx_kl"), 0.0))
     grad_norm: float = 0.0
     optimizer_steps: int = 0
+    shared_prefix: bool = False
 
 
 def update_policy(
@@ -142,10 +145,13 @@ def update_policy(
     parameters move after the first mini-batch). With ``batch.boundary`` every pass of the policy
     starts from the rollout's boundary states; the reference's too when ``reference_shares_boundary``
     (its frozen blocks equal the policy's, :func:`spader_pipeline.modeling.boundary.shares_frozen_blocks`).
+    Every pass encodes the rows' common prefix once or not as ``config.shared_prefix`` says for the
+    model's device (:func:`~spader_pipeline.modeling.shared_prefix.use_shared_prefix`).
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     device = next(model.parameters()).device
+    shared = use_shared_prefix(config.shared_prefix, device)
     policy_loss_fn = get_policy_loss_fn("vanilla")
     total_tokens = float(batch.response_mask.sum().clamp(min=1))
     parts = (mini_batches(batch, config.ppo_mini_batches) if config.ppo_mini_batches > 1
@@ -158,11 +164,11 @@ def update_policy(
         with torch.no_grad():
             for rows in (r for runs in micro for r in runs):
                 logp, _ = response_logprobs(model, batch, rows, temperature=config.temperature, bf16=bf16,
-                                            with_entropy=False)
+                                            with_entropy=False, shared_prefix=shared)
                 old_logp[rows] = logp
     elif config.ppo_epochs > 1:  # kept from the first epoch's own pass (the parameters have not moved yet)
         old_logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=device)
-    stats = UpdateStats()
+    stats = UpdateStats(shared_prefix=shared)
     norms = []
     for epoch in range(config.ppo_epochs):
         for part, runs in zip(parts, micro, strict=True):
@@ -175,7 +181,7 @@ def update_policy(
                 if mask.sum() == 0:
                     continue
                 logp, entropy = response_logprobs(model, batch, rows, temperature=config.temperature,
-                                                  bf16=bf16, with_entropy=True)
+                                                  bf16=bf16, with_entropy=True, shared_prefix=shared)
                 if config.ppo_mini_batches == 1 and epoch == 0:
                     old = logp.detach()
                     if old_logp is not None:
@@ -187,7 +193,7 @@ def update_policy(
                     loss_agg_mode=config.loss_agg_mode, config=actor_cfg,
                 )
                 loss = pg_loss + _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats,
-                                          use_boundary=reference_shares_boundary, share=share)
+                                          use_boundary=reference_shares_boundary, share=share, shared_prefix=shared)
                 loss.backward()
                 _accumulate(stats, pg_loss, pg_metrics, entropy, mask, weight=float(mask.sum()) / total_tokens,
                             share=share)
@@ -203,7 +209,7 @@ def update_policy(
 
 
 def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats: UpdateStats, *,
-             use_boundary: bool, share: float = 1.0) -> torch.Tensor | float:
+             use_boundary: bool, share: float = 1.0, shared_prefix: bool = True) -> torch.Tensor | float:
     """``kl_coef`` × KL(policy ‖ reference) of the micro-batch (0 without a reference model);
     ``share``: the mini-batch's part of the batch's tokens (the logged sum is over the batch)."""
     if reference is None:
@@ -212,7 +218,8 @@ def _kl_loss(reference, logp, batch, rows, mask, config, actor_cfg, bf16, stats:
 
     with torch.no_grad():
         ref_logp, _ = response_logprobs(reference, batch, rows, temperature=config.temperature,
-                                        bf16=bf16, with_entropy=False, use_boundary=use_boundary)
+                                        bf16=bf16, with_entropy=False, use_boundary=use_boundary,
+                                        shared_prefix=shared_prefix)
     kl = kl_penalty(logp, ref_logp, config.kl_type)
     kl_loss = agg_loss(kl, mask, config.loss_agg_mode, **actor_cfg.global_batch_info)
     stats.sums["kl"] += share * float(kl_loss.detach())
