@@ -155,6 +155,11 @@ onegpu() {
     tee "$OUT"/generator_tests.log; exit "${PIPESTATUS[0]}")
   local tests_rc=$?
   [ "$rc" = 0 ] && rc=$tests_rc
+  # the RL update alone (~30 s; it imports verl): the shared instruction encoded once against one pass
+  (environment && python3 benchmarks/bench_update.py --device cuda --repeats 2 --profile 2>&1 |
+    tee "$OUT"/update.log; exit "${PIPESTATUS[0]}")
+  local update_rc=$?
+  [ "$rc" = 0 ] && rc=$update_rc
   return "$rc"
 }
 
@@ -234,10 +239,10 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
     grep -q "fit_on_one_gpu_with_our_server\[spader\]" <<< "$collected" || { echo "verl's gpu test not collected" >&2; exit 1; }
     grep -q "test_captured_states_stay_on_the_gpu" <<< "$collected" || { echo "the generator's gpu tests not collected" >&2; exit 1; }
     # as CUDA runs them (op by op here): the static decoding step for the rollouts, updates and evaluations,
-    # the warm start's steps from the frozen blocks' states
+    # the warm start's steps from the frozen blocks' states, the update's passes over whole rows
     SPADER_STATIC_DECODE=on timeout 900 python3 -m spader_pipeline.portable run --bundle "$dir"/stage/payload/bundle --out "$dir"/one_gpu \
       --device cpu --rl-seconds 20 --parallel-methods --max-heldout 4 --set warm_start.sft.max_steps=3 \
-      --set warm_start.sft.boundary_states=true \
+      --set warm_start.sft.boundary_states=true --set training.native.shared_prefix=false \
       --set warm_start.sft.schedule_steps=3 --set training.native.prompts_per_step=2 --set training.native.group_size=2 \
       --set training.native.micro_batch_size=4 --set training.native.ppo_mini_batches=1 \
       --set training.native.total_steps=1 --set training.validation.before_train=false \
@@ -246,6 +251,7 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
     grep -E "stage |held-out|step 1/1|Traceback|Error:" "$dir"/one_gpu.log | grep -v "Loading weights" | tail -n 30
     [ $rc = 0 ] && [ -f "$dir"/one_gpu/summary.json ] || { echo "the bundle's run failed ($rc): $dir/one_gpu.log" >&2; exit 1; }
     cat "$dir"/one_gpu/summary.md
+    python3 benchmarks/bench_update.py --smoke || exit 1
     timeout 900 python3 -m pytest -q -p no:cacheprovider -m verl_workers tests/verl_plugin/test_verl_real_workers.py \
       -k "grpo-1 and trains" 2>&1 | tail -n 3
     exit "${PIPESTATUS[0]}"
