@@ -89,7 +89,7 @@ def rollout_batch(prompts: int, group: int, *, vocab: int, hidden: int, first_bl
     for row, (p, r) in enumerate(zip(prompt_lengths, response_lengths, strict=True)):
         response_ids[row, :r] = input_ids[row, p : p + r]
     generator = torch.Generator().manual_seed(seed)
-    boundary = torch.randn(rows, width, hidden, generator=generator).to(device) * attention.to(device)[..., None]
+    boundary = torch.randn(rows, width, hidden, device=device) * attention.to(device)[..., None]  # made there
     zeros = torch.zeros(rows)
     batch = RolloutBatch(
         input_ids=input_ids, attention_mask=attention, prompt_lengths=torch.tensor(prompt_lengths),
@@ -161,7 +161,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         for name, run in ways.items():
             with profile(activities=activities) as prof:
                 run()
