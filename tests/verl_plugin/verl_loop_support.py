@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from spader_pipeline.launch.command import cpu_platform_overrides
+from spader_pipeline.local_ray import init_local_ray
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -208,7 +209,7 @@ def local_ray(*, gpus: int = 0, paths: Sequence[Path] = (), modules: Sequence[st
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
-        ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
+        init_local_ray(include_dashboard=False, log_to_driver=False, **kwargs)
     finally:
         for key, value in saved.items():
             if value is None:

@@ -35,6 +35,7 @@ from kedro.framework.startup import bootstrap_project
 
 from spader_pipeline import run_lock, tracking
 from spader_pipeline.hooks import data_root, used_params
+from spader_pipeline.local_ray import init_local_ray
 
 from .phases import SHARED, Grid, has_work, kedro_args, split
 from .settings import GridSettings, JobOptions, Node, cell_options, shared_options
@@ -93,8 +94,7 @@ def _start_ray(address: str | None, env_vars: dict[str, str]) -> None:
         ray.init(address=address, runtime_env=runtime_env)
     else:
         logger.info("grid: starting a Ray on this machine for this grid (set RAY_ADDRESS for a cluster)")
-        ray.init(address="local", include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                 runtime_env=runtime_env)
+        init_local_ray(include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, runtime_env=runtime_env)
 
 
 def _nodes() -> list[Node]:
