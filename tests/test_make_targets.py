@@ -110,4 +110,37 @@ def test_make_bench_smoke_runs_every_benchmark_with_smoke():
     assert '$b --smoke ||' in out  # each with --smoke, stopping at the first failure
     assert [s for s in listed if not _parses_smoke(ROOT / s)] == []
     ci = (ROOT / ".ci/run").read_text(encoding="utf-8").splitlines()
-    assert ci.index("make bench-smoke") > ci.index("make test")
+    (smoke,) = [i for i, line in enumerate(ci) if line.startswith("run_if_it_fits bench-smoke ")]
+    assert smoke > ci.index("make test")
+
+
+def _ci_with_fake_make(tmp_path: Path, limit_s: int, fail: str = "") -> subprocess.CompletedProcess:
+    """``.ci/run`` with ``make`` replaced by a script that records its targets (and fails on ``fail``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "make"
+    fake.write_text(f'#!/bin/sh\necho "$1" >> {tmp_path / "made"}\n[ "$1" != "{fail}" ]\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CI_LIMIT_S": str(limit_s), "CI_MARGIN_S": "60"}
+    return subprocess.run(["bash", str(ROOT / ".ci/run")], env=env, capture_output=True, text=True)
+
+
+def test_ci_runs_make_test_and_then_each_stage_that_fits_its_limit(tmp_path):
+    """``.ci/run``: make test always; the later stages where they fit CI's limit, each skip said aloud."""
+    done = _ci_with_fake_make(tmp_path, limit_s=3600)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "made").read_text().split() == ["test", "bench-smoke", "gpu-resolve", "test-verl"]
+
+    (tmp_path / "made").unlink()
+    (tmp_path / "bin" / "make").unlink()
+    (tmp_path / "bin").rmdir()
+    tight = _ci_with_fake_make(tmp_path, limit_s=30)  # less than the margin: nothing after make test
+    assert tight.returncode == 0, tight.stderr
+    assert (tmp_path / "made").read_text().split() == ["test"]
+    assert tight.stdout.count("skipped") == 3 and "make test-verl skipped" in tight.stdout
+
+
+def test_ci_fails_when_make_test_fails(tmp_path):
+    failed = _ci_with_fake_make(tmp_path, limit_s=3600, fail="test")
+    assert failed.returncode != 0
+    assert (tmp_path / "made").read_text().split() == ["test"]
