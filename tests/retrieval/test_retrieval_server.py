@@ -257,3 +257,50 @@ def test_in_process_respond_equals_the_served_answer(server, bm25_index):
     local = load_retriever(bm25_index).respond(queries, topk=5, max_chars=2500)
     served = RetrievalClient(server).search_sync(queries, topk=5, max_chars=2500)
     assert local == served and local.truncation_warning is not None
+
+
+QUIET_SERVER = """
+import os, signal, sys, threading, urllib.request
+
+from spader_pipeline.retrieval.server import quiet_server
+import uvicorn
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+port = int(sys.argv[1])
+server = quiet_server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+ticks = []
+on_tick = server.on_tick
+async def counted(counter):
+    ticks.append(counter)
+    print("exit check", flush=True)
+    return await on_tick(counter)
+server.on_tick = counted
+
+def client():
+    while not server.started:
+        threading.Event().wait(0.05)
+    answers = [urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30).read() for _ in range(3)]
+    threading.Event().wait(1.0)  # uvicorn's own loop would tick ten times here
+    print("served", answers, "ticks before the signal", len(ticks), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=client, daemon=True).start()
+server.run()  # after a graceful shutdown uvicorn delivers the signal again: the process ends by it
+"""
+
+
+def test_an_idle_server_sleeps_until_a_signal_stops_it():
+    """quiet_server: no periodic wakeups while idle (one exit check at the start, one at the signal),
+    requests served meanwhile, and SIGTERM still ends it the way uvicorn does."""
+    import signal
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", QUIET_SERVER, str(free_port())], capture_output=True, text=True,
+                          timeout=300)
+    assert "served [b'ok', b'ok', b'ok'] ticks before the signal 1" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("exit check") == 2 and done.returncode == -signal.SIGTERM, done.stdout + done.stderr

@@ -130,8 +130,41 @@ def serve(searcher: Searcher, settings: ServiceSettings) -> None:
     import uvicorn
 
     gc.freeze()  # the loaded index is long-lived: keep it out of the collector's scans (fewer pauses)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(searcher, settings), host=settings.host, port=settings.port, log_level=settings.log_level,
         limit_concurrency=settings.limit_concurrency, access_log=False, timeout_keep_alive=30,
         loop="auto", http="auto", lifespan="on", proxy_headers=False, server_header=False, date_header=False,
     )
+    quiet_server(config).run()
+
+
+def quiet_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``config`` whose event loop sleeps while nothing arrives.
+
+    uvicorn's main loop wakes ten times a second to look for a shutdown request. On a virtual machine
+    where waking a sleeping process costs milliseconds of CPU (nested virtualisation), that tick alone
+    kept an idle server at ~20% of a core (docs/retrieval.md, "An idle server"). This one waits until
+    a signal (SIGINT, SIGTERM: uvicorn's handler) asks it to stop, then shuts down as uvicorn does. It
+    serves only in a process's main thread, where uvicorn installs its signal handlers.
+    """
+    import asyncio
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        _stop_requested: asyncio.Event
+        _loop: asyncio.AbstractEventLoop | None = None
+
+        async def main_loop(self) -> None:
+            self._stop_requested = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            while not await self.on_tick(0):  # uvicorn's own exit checks, at each wakeup
+                await self._stop_requested.wait()
+                self._stop_requested.clear()
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if self._loop is not None:  # before the main loop runs, its first check sees should_exit
+                self._loop.call_soon_threadsafe(self._stop_requested.set)
+
+    return QuietServer(config)
