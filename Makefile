@@ -150,8 +150,9 @@ positive-control-verl: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadscope
 
-# verl's own trainer loop with its real workers on the CPU (FSDP2 over gloo, our rollout server, verl's
-# weight sync): tests marked verl_workers, which `make test` leaves out (minutes of fit()); CI runs both.
+# verl's own trainer loop in Ray on the CPU, with its real workers (FSDP2 over gloo, our rollout server,
+# verl's weight sync) or with stand-ins for all four methods: tests marked verl_workers, which `make test`
+# leaves out (minutes of fit() each); CI runs it after make test where its time limit allows (.ci/run).
 test-verl: $(STAMP)
 	$(BIN)/python -m pytest -m "verl_workers and not gpu"
 

@@ -57,8 +57,9 @@ from verl_loop_support import (  # noqa: E402
     run_fit,
 )
 
-# verl's whole fit() loop, in Ray actors, five times in one worker: the suite's longest module
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.longest]
+# verl's whole fit() loop, in Ray actors, five times: make test-verl's tier (CI runs it after make test
+# where its time limit allows, .ci/run), beside verl's real workers
+pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
 
 METHODS = ("grpo", "spader", "calibadv", "tspo")
 TOOL_COST = 0.2  # scaled up (the configs use 0.01) so it is visible; only where the method pays one
