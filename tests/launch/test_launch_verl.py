@@ -189,6 +189,7 @@ def test_environment_keeps_other_external_modules():
 
 
 @pytest.mark.slow
+@pytest.mark.verl_workers  # verl's CLI in a process of its own: make test-verl's tier
 def test_generated_command_composes_with_cfg_job(launch, tmp_path):
     """verl's real CLI (``python -m verl.trainer.main_ppo ... --cfg job``) composes the launcher's
     command: the spader overlay with the llama3_8b schedule group and the Kedro overrides on top."""
@@ -212,6 +213,7 @@ def test_generated_command_composes_with_cfg_job(launch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.verl_workers  # verl's CLI in a process of its own: make test-verl's tier
 def test_a_cpu_launch_composes_with_cfg_job(params, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     launch = _launch(params, tmp_path, platform="cpu", n_gpus_per_node=1)

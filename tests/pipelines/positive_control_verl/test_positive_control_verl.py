@@ -119,6 +119,7 @@ def test_the_report_of_both_trainers_runs_through_a_kedro_session(kedro_project)
 
 
 @pytest.mark.slow
+@pytest.mark.verl_workers  # verl's CLI in a process of its own: make test-verl's tier
 def test_a_verl_cells_launch_composes_with_verls_own_cli(tmp_path, monkeypatch):
     """verl's CLI (``main_ppo … --cfg job``) composes a verl cell's command as ``make positive-control-verl``
     launches it (conf/positive_control over conf/base): every override is one of verl's keys, and the
