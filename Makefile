@@ -152,8 +152,8 @@ test: $(STAMP)
 
 # verl's own trainer loop in Ray on the CPU, with its real workers (FSDP2 over gloo, our rollout server,
 # verl's weight sync) or with stand-ins for all four methods, and verl's CLI composing our launches: tests
-# marked verl_workers, which `make test`
-# leaves out (minutes of fit() each); CI runs it after make test where its time limit allows (.ci/run).
+# marked verl_workers, which `make test` leaves out (minutes each); CI runs it after make test where its
+# time limit allows (.ci/run).
 test-verl: $(STAMP)
 	$(BIN)/python -m pytest -m "verl_workers and not gpu"
 
