@@ -4,7 +4,7 @@ a lower layer, never from a higher one (nor from a sibling of its own layer).
 The order below is the one place it is written. Why each layer sits where it does:
 
 * leaves: the package root (``__version__``), strict typed settings, local-server helpers
-  (ports, processes), the data-root lock and the host-memory helpers; standard library and
+  (ports, processes), a local Ray's start, the data-root lock and the host-memory helpers; standard library and
   third-party code only;
 * over the leaves: ``child_process``, which bounds its children's heap with ``host_memory``; and
   ``tracking``, MLflow (the store, the runs and what is logged into them, the buffered writer, the
@@ -51,7 +51,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: bottom first; a module may import its own top-level package and those of lower layers
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("", "typed_config", "local_servers", "run_lock", "host_memory", "bf16_switch"),
+    ("", "typed_config", "local_servers", "local_ray", "run_lock", "host_memory", "bf16_switch"),
     ("child_process", "tracking"),
     ("algorithms", "modeling"),
     ("retrieval",),
