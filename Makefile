@@ -34,7 +34,7 @@ unexport PYTHONDONTWRITEBYTECODE
 MLFLOW_PORT ?= 5000
 VIZ_PORT ?= 4141
 
-.PHONY: install run run-verl run-long compare positive-control positive-control-verl test-verl test test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
+.PHONY: install run run-verl run-long compare positive-control positive-control-verl test-verl test test-heavy test-fast test-bf16 gpu-resolve bench bench-llamacpp bench-smoke viz viz-build mlflow-ui lint clean help
 
 help:
 	@echo "make run        - install, then run the default pipeline on the embedded data"
@@ -44,6 +44,7 @@ help:
 	@echo "make positive-control - does RL learn? GRPO and SPADER, 2 seeds each, fit 4 training questions (conf/positive_control), on Ray"
 	@echo "make positive-control-verl - the same, its four cells trained through verl's real loop on the CPU too, one report"
 	@echo "make test       - install, then run the test suite (what CI runs)"
+	@echo "make test-heavy - the tests that run whole chains in processes of their own (CI runs it after make test)"
 	@echo "make test-verl  - verl's fit() with its real FSDP workers and our rollout server on the CPU (CI runs it after make test)"
 	@echo "make test-bf16  - the test suite twice, bf16 autocast forced off then on (TESTS=... narrows it)"
 	@echo "make gpu-resolve - check that the GPU installs (docs/gpu.md) resolve: pip --dry-run, nothing installed"
@@ -157,8 +158,15 @@ test: $(STAMP)
 test-verl: $(STAMP)
 	$(BIN)/python -m pytest -m "verl_workers and not gpu"
 
+# The tests that each run a whole chain in processes of their own (marked heavy: Kedro's ParallelRunner
+# spawning its workers, evaluation's forkserver children, a Ray cluster of two nodes, the SmolLM2 wheel
+# converted): make test leaves them out (on a slow 2-vCPU VM they held a worker for half of its hour); CI
+# runs them after make test where its time limit allows (.ci/run). One test per free worker (--dist load).
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist load -m "heavy and not gpu and not verl_workers"
+
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu"
+	$(BIN)/python -m pytest -m "not slow and not e2e and not gpu and not heavy and not verl_workers"
 
 # `bf16: auto` follows the CPU (fp32 without bf16 units, bf16 with AVX-512 bf16 or AMX): run the
 # tests in both precisions on one machine (docs/performance.md#precision-in-tests), e.g.

@@ -23,12 +23,35 @@ def _marker_expression(target: str) -> str:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-@pytest.mark.parametrize("markers", [{"gpu"}, {"gpu", "slow"}, {"slow"}, {"e2e"}])
-def test_make_test_fast_leaves_out_gpu_slow_and_e2e_tests(markers):
+@pytest.mark.parametrize("markers", [{"gpu"}, {"gpu", "slow"}, {"slow"}, {"e2e"}, {"heavy"}, {"verl_workers"}])
+def test_make_test_fast_leaves_out_gpu_slow_e2e_heavy_and_verl_tests(markers):
     """``-m`` on the command line replaces pyproject's ``-m 'not gpu'``: the target must say it again."""
     expression = Expression.compile(_marker_expression("test-fast"))
     assert not expression.evaluate(lambda name: name in markers)
     assert expression.evaluate(lambda name: False)  # unmarked tests still run
+
+
+def _addopts_expression() -> str:
+    """The ``-m`` of pyproject's addopts: what a plain ``pytest`` (``make test``) selects."""
+    import tomllib
+
+    addopts = shlex.split(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"])
+    return addopts[addopts.index("-m") + 1]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_every_cpu_test_runs_in_exactly_one_of_make_test_test_heavy_and_test_verl():
+    """The three tiers CI runs (.ci/run) split the CPU tests between them: none is run twice, none left
+    out, whatever other markers it carries; GPU tests are in none."""
+    import itertools
+
+    tiers = {"test": Expression.compile(_addopts_expression()),
+             **{t: Expression.compile(_marker_expression(t)) for t in ("test-heavy", "test-verl")}}
+    names = ("gpu", "heavy", "verl_workers", "slow", "e2e")
+    for flags in itertools.product((False, True), repeat=len(names)):
+        marks = {n for n, on in zip(names, flags, strict=True) if on}
+        selected = [t for t, expression in tiers.items() if expression.evaluate(marks.__contains__)]
+        assert len(selected) == (0 if "gpu" in marks else 1), (marks, selected)
 
 
 def _kedro_runs(target: str) -> list[list[str]]:
@@ -129,7 +152,7 @@ def test_ci_runs_make_test_and_then_each_stage_that_fits_its_limit(tmp_path):
     """``.ci/run``: make test always; the later stages where they fit CI's limit, each skip said aloud."""
     done = _ci_with_fake_make(tmp_path, limit_s=3600)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "made").read_text().split() == ["test", "bench-smoke", "gpu-resolve", "test-verl"]
+    assert (tmp_path / "made").read_text().split() == ["test", "test-heavy", "bench-smoke", "gpu-resolve", "test-verl"]
 
     (tmp_path / "made").unlink()
     (tmp_path / "bin" / "make").unlink()
@@ -137,7 +160,8 @@ def test_ci_runs_make_test_and_then_each_stage_that_fits_its_limit(tmp_path):
     tight = _ci_with_fake_make(tmp_path, limit_s=30)  # less than the margin: nothing after make test
     assert tight.returncode == 0, tight.stderr
     assert (tmp_path / "made").read_text().split() == ["test"]
-    assert tight.stdout.count("skipped") == 3 and "make test-verl skipped" in tight.stdout
+    assert tight.stdout.count("skipped") == 4 and "make test-heavy skipped" in tight.stdout
+    assert "make test-verl skipped" in tight.stdout
 
 
 def test_ci_fails_when_make_test_fails(tmp_path):

@@ -237,6 +237,7 @@ for step in (1, 2):
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_verl_training_is_a_method_run_that_verls_own_tracker_writes_into(experiment, tmp_path, monkeypatch, project_root):
     """train_policy with backend verl: the launcher hands the method run's id to the VERL process,

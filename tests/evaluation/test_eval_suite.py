@@ -136,6 +136,7 @@ def test_a_checkpoint_decodes_in_the_precision_its_bf16_option_resolves_to(tmp_p
         assert generator.bf16 is expected
 
 
+@pytest.mark.heavy
 def test_checkpoints_evaluated_side_by_side_give_the_records_of_one_after_another(tmp_path, caplog):
     """``runner.workers: 2``: two child processes at a time, the costliest models started first (the
     order of their start logs is the forkserver's), each with one of the two torch threads; the

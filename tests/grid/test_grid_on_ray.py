@@ -160,6 +160,7 @@ def _grid_runs(since: int) -> dict[str, list]:
     return grids
 
 
+@pytest.mark.heavy
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_grid_on_two_ray_nodes_survives_a_killed_worker_and_equals_an_undisturbed_run(kedro_project, two_nodes,

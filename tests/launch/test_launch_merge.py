@@ -61,6 +61,7 @@ def test_native_policies_pass_through_and_bad_dirs_are_explained(tmp_path):
         merge_fsdp_checkpoint(tmp_path, tmp_path / "out")
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_fsdp_ranks_merge_through_the_merge_pipeline_into_the_unsharded_weights(kedro_project):
     """What a node writes: 2 FSDP ranks (gloo on the CPU) save the actor with verl's own checkpoint

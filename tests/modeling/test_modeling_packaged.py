@@ -13,6 +13,7 @@ from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_mo
 from spader_pipeline.pipelines.base_model.nodes import provide_base_model
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_smollm2_from_the_wheel_converts_to_an_hf_folder_that_generates(tmp_path):
     spec = PackagedModel()

@@ -81,6 +81,7 @@ def train_on_fixed_answer(model_dir, index_dir, run_dir, config, monkeypatch, *,
     return [row["method_reward/mean"] for row in result.history]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("advantage_sign", [1.0, 0.0, -1.0], ids=["advantages", "zeroed", "flipped"])
 def test_the_mean_reward_rises_only_when_the_advantages_point_up(tmp_path, native_model_dir, toy_index_dir,
                                                                  tiny_config, monkeypatch, advantage_sign):

@@ -78,6 +78,7 @@ def _check_run(bundle, out, device: str, *, parallel_methods: bool = False) -> d
     return summary
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_bundle_runs_end_to_end_on_the_cpu(bundle, tmp_path):
     """The methods side by side, one spawned process each (the GPU run's way); the sequential way is

@@ -23,6 +23,7 @@ from spader_pipeline.tracking.buffer import BufferedMetricsWriter
 STEPS, DOWN_AT, UP_AT = 4, 1, 3
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_training_goes_on_while_mlflow_is_down_and_every_step_reaches_the_store(
         tmp_path, native_model_dir, toy_index_dir, tiny_config, caplog):

@@ -121,6 +121,7 @@ def _records(root: Path) -> pd.DataFrame:
     return frame.sort_values(["model", "id"]).reset_index(drop=True).astype(str)
 
 
+@pytest.mark.heavy
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_compare_resumes_after_its_first_cell_and_runs_in_parallel(project_root, tmp_path, monkeypatch, node_starts):

@@ -79,6 +79,7 @@ def _latest(path):
     return sorted(path.iterdir())[-1] / path.name
 
 
+@pytest.mark.heavy
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_evaluate_session_run_scripted_and_catalog_models(kedro_project, caplog):

@@ -22,6 +22,7 @@ def test_method_pipelines_differ_only_in_their_namespaced_method_block():
     assert training.create_pipeline().outputs() >= {"train_grpo.policy_manifest", "train_spader.policy_manifest"}
 
 
+@pytest.mark.heavy
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_training_session_run_two_native_steps_per_method(kedro_project, monkeypatch, node_starts):
