@@ -69,9 +69,20 @@ def _stop(processes: list[subprocess.Popen]) -> None:
         process.wait(30)
 
 
+#: connects once the head's raylet has registered (its GCS answers first: on a slow VM the raylet
+#: follows tens of seconds later, and a driver that connects before is refused at once, "No node info
+#: found matching attributes"), then waits for the second node
 NODES = """
 import sys, time, ray
-ray.init(address=sys.argv[1], logging_level="ERROR")
+deadline = time.monotonic() + 240
+while True:
+    try:
+        ray.init(address=sys.argv[1], logging_level="ERROR")
+        break
+    except ConnectionError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(2)
 for _ in range(600):
     if len([n for n in ray.nodes() if n["Alive"]]) == 2:
         break
