@@ -31,21 +31,15 @@ def test_make_test_fast_leaves_out_gpu_slow_e2e_heavy_and_verl_tests(markers):
     assert expression.evaluate(lambda name: False)  # unmarked tests still run
 
 
-def _addopts_expression() -> str:
-    """The ``-m`` of pyproject's addopts: what a plain ``pytest`` (``make test``) selects."""
-    import tomllib
-
-    addopts = shlex.split(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"])
-    return addopts[addopts.index("-m") + 1]
-
-
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_every_cpu_test_runs_in_exactly_one_of_make_test_test_heavy_and_test_verl():
+def test_every_cpu_test_runs_in_exactly_one_of_make_test_test_heavy_and_test_verl(pytestconfig):
     """The three tiers CI runs (.ci/run) split the CPU tests between them: none is run twice, none left
-    out, whatever other markers it carries; GPU tests are in none."""
+    out, whatever other markers it carries; GPU tests are in none. ``make test`` is a plain ``pytest``:
+    its selection is the ``-m`` of the ini's addopts, as pytest read them."""
     import itertools
 
-    tiers = {"test": Expression.compile(_addopts_expression()),
+    addopts = pytestconfig.getini("addopts")
+    tiers = {"test": Expression.compile(addopts[addopts.index("-m") + 1]),
              **{t: Expression.compile(_marker_expression(t)) for t in ("test-heavy", "test-verl")}}
     names = ("gpu", "heavy", "verl_workers", "slow", "e2e")
     for flags in itertools.product((False, True), repeat=len(names)):
