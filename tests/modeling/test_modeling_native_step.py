@@ -111,6 +111,31 @@ def test_a_fully_masked_row_is_zeros_as_sdpas_and_leaves_the_other_rows_alone():
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1:], alone)
 
 
+@needs_native
+@pytest.mark.parametrize("dim", [8, 64])
+def test_masked_positions_after_the_last_attended_one_change_no_bit(dim):
+    """The host loop attends over its cache's exact length, the static step over a length bucket whose tail
+    is masked: the same result, bit for bit, for rows shorter and longer than a vector register (a short
+    softmax row would otherwise sum in a scalar order of its own) and buckets of any size."""
+    generator = torch.Generator().manual_seed(0)
+    for length in [*range(1, 40), 63, 64, 65, 200, 511]:
+        query = torch.randn(3, 6, dim, generator=generator)
+        keys = torch.randn(3, 2, length, dim, generator=generator).to(torch.bfloat16)
+        values = torch.randn(3, 2, length, dim, generator=generator).to(torch.bfloat16)
+        mask = torch.ones(3, length, dtype=torch.bool)
+        mask[1, : min(3, length - 1)] = False  # a padded row
+        exact = torch.ops.spader_native.decode_attention(query, keys, values, mask, 0.3)
+        for bucket in (256, 1024):
+            if bucket < length:
+                continue
+            tail = bucket - length
+            padded = [torch.cat([t, torch.randn(3, 2, tail, dim, generator=generator).to(torch.bfloat16)], 2)
+                      for t in (keys, values)]  # whatever the tail holds: it is masked
+            bucket_mask = torch.cat([mask, torch.zeros(3, tail, dtype=torch.bool)], 1)
+            out = torch.ops.spader_native.decode_attention(query, *padded, bucket_mask, 0.3)
+            assert torch.equal(out, exact), (length, bucket)
+
+
 def test_a_build_killed_midway_does_not_stop_the_next_one(monkeypatch, tmp_path):
     """torch's build lock (a file its builder deletes when done) outlives a builder that was killed;
     the next process must build anyway, not wait on it forever. Here a source that does not compile

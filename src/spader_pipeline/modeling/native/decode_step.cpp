@@ -15,6 +15,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,9 +55,10 @@ inline float dot(const float* a, const float* b, int64_t dim) {
 }
 
 // The scores of one key/value head's `group` query heads (q: [group, dim] fp32, scaled) over its `length`
-// cached keys (bf16, `key_stride` apart), -inf where `mask` (or none) is false: out [group, length].
+// cached keys (bf16, `key_stride` apart), -inf where `mask` (or none) is false: out [group, width]
+// (its first `length` columns; width >= length).
 void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, const bool* mask, float* out,
-                  int64_t group, int64_t length, int64_t dim, float* wide) {
+                  int64_t group, int64_t length, int64_t width, int64_t dim, float* wide) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= 256) {  // each key row widened into registers once, for every query head
@@ -64,7 +66,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
     __m512 key[16];
     for (int64_t position = 0; position < length; ++position) {
       if (mask != nullptr && !mask[position]) {
-        for (int64_t g = 0; g < group; ++g) out[g * length + position] = minus_inf;
+        for (int64_t g = 0; g < group; ++g) out[g * width + position] = minus_inf;
         continue;
       }
       const uint16_t* row = keys + position * key_stride;
@@ -75,7 +77,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
         const float* query = q + g * dim;
         __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
         for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), key[c], sum);
-        out[g * length + position] = _mm512_reduce_add_ps(sum);
+        out[g * width + position] = _mm512_reduce_add_ps(sum);
       }
     }
     return;
@@ -83,18 +85,19 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
 #endif
   for (int64_t position = 0; position < length; ++position) {
     if (mask != nullptr && !mask[position]) {
-      for (int64_t g = 0; g < group; ++g) out[g * length + position] = minus_inf;
+      for (int64_t g = 0; g < group; ++g) out[g * width + position] = minus_inf;
       continue;
     }
     widen_row(keys + position * key_stride, wide, dim);
-    for (int64_t g = 0; g < group; ++g) out[g * length + position] = dot(q + g * dim, wide, dim);
+    for (int64_t g = 0; g < group; ++g) out[g * width + position] = dot(q + g * dim, wide, dim);
   }
 }
 
-// out [group, dim] fp32 (zeros on entry) = the attention weights p [group, length] times the `length`
-// cached values (bf16, `value_stride` apart); masked positions (weight 0) are skipped.
+// out [group, dim] fp32 (zeros on entry) = the attention weights p [group, width] (its first `length`
+// columns) times the `length` cached values (bf16, `value_stride` apart); masked positions (weight 0) are
+// skipped.
 void group_values(const float* p, const uint16_t* values, int64_t value_stride, const bool* mask, float* out,
-                  int64_t group, int64_t length, int64_t dim, float* wide) {
+                  int64_t group, int64_t length, int64_t width, int64_t dim, float* wide) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= 256 && group <= 16) {  // the group's sums stay in registers over all positions
     const int64_t chunks = dim / 16;
@@ -108,7 +111,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
         const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
         for (int64_t g = 0; g < group; ++g)
-          sums[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * length + position]), value, sums[g][c]);
+          sums[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * width + position]), value, sums[g][c]);
       }
     }
     for (int64_t g = 0; g < group; ++g)
@@ -120,7 +123,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
     if (mask != nullptr && !mask[position]) continue;
     widen_row(values + position * value_stride, wide, dim);
     for (int64_t g = 0; g < group; ++g) {
-      const float w = p[g * length + position];
+      const float w = p[g * width + position];
       float* o = out + g * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] += w * wide[d];
     }
@@ -132,6 +135,15 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
 // contiguous: views of the cache's buffers), mask bool [n, L] (true: attend) or none -> fp32 [n, H, D].
 // Each (row, key/value head) reads its keys and values once for its H / H_kv query heads: the scores
 // q.k over D, ATen's softmax over L, then the values weighted by it.
+//
+// The result does not depend on how many masked positions follow the last attended one (the host loop
+// attends over its cache's exact length, the static step over a length bucket): scores and values are
+// per position, and ATen's softmax over a row of at least one vector register's width spreads the row
+// over the register's lanes from its first position, so -inf scores past the end add exp(-inf) = 0 to
+// lanes and change no sum. A shorter row takes another order (a scalar tail), so rows shorter than
+// kSoftmaxMinWidth are padded with -inf to it.
+constexpr int64_t kSoftmaxMinWidth = 64;  // >= any CPU's fp32 vector: 8 lanes (AVX2), 16 (AVX-512)
+
 at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                      const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.dim() == 4, "decode_attention: query [n, H, D], keys/values [n, H_kv, L, D]");
@@ -147,7 +159,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::
     bool_mask = mask->to(at::kBool).contiguous();
     TORCH_CHECK(bool_mask.dim() == 2 && bool_mask.size(0) == rows && bool_mask.size(1) == length, "decode_attention: mask [n, L]");
   }
-  at::Tensor scores = at::empty({rows, kv_heads, group, length}, q.options());
+  const int64_t width = std::max(length, kSoftmaxMinWidth);
+  at::Tensor scores = at::empty({rows, kv_heads, group, width}, q.options());
+  if (width > length) scores.narrow(-1, length, width - length).fill_(-std::numeric_limits<float>::infinity());
   const float* q_data = q.data_ptr<float>();
   float* score_data = scores.data_ptr<float>();
   const auto* key_data = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
@@ -161,11 +175,11 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
       group_scores(q_data + (row * heads + head * group) * dim, key_data + row * ks0 + head * ks1, ks2,
-                   mask_data != nullptr ? mask_data + row * length : nullptr, score_data + task * group * length,
-                   group, length, dim, wide.data());
+                   mask_data != nullptr ? mask_data + row * length : nullptr, score_data + task * group * width,
+                   group, length, width, dim, wide.data());
     }
   });
-  const at::Tensor weights = at::_softmax(scores, -1, false);  // [n, H_kv, G, L]
+  const at::Tensor weights = at::_softmax(scores, -1, false);  // [n, H_kv, G, width]
   const float* weight_data = weights.data_ptr<float>();
   at::Tensor result = at::zeros({rows, heads, dim}, q.options());
   float* result_data = result.data_ptr<float>();
@@ -173,9 +187,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::
     std::vector<float> wide(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
-      group_values(weight_data + task * group * length, value_data + row * vs0 + head * vs1, vs2,
+      group_values(weight_data + task * group * width, value_data + row * vs0 + head * vs1, vs2,
                    mask_data != nullptr ? mask_data + row * length : nullptr,
-                   result_data + (row * heads + head * group) * dim, group, length, dim, wide.data());
+                   result_data + (row * heads + head * group) * dim, group, length, width, dim, wide.data());
     }
   });
   return result;
