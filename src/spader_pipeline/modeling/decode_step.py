@@ -56,7 +56,7 @@ from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.modeling.static_cache import static_step_name
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "decoding_path",
-           "fused_decode_step"]
+           "fused_decode_step", "fused_decode_step_applies"]
 
 #: run decoding steps through :class:`FusedDecodeStep` where it applies (benchmarks switch it off to time
 #: the model's own forward in the same process)
@@ -252,19 +252,23 @@ def _structure_supported(model: Any) -> bool:
     return all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
 
 
-def fused_decode_step(model: Any) -> FusedDecodeStep | None:
-    """:class:`FusedDecodeStep` for ``model`` where its result is the model's own, else ``None``: a
-    supported family (:data:`SUPPORTED_MODEL_TYPES`, full attention, SiLU) on the CPU in fp32 with the
-    ``sdpa_gqa`` attention, called without gradients under bf16 autocast with packed weights
+def fused_decode_step_applies(model: Any) -> bool:
+    """Whether a decoding step of ``model`` called now runs as :class:`FusedDecodeStep` (its result the
+    model's own): a supported family (:data:`SUPPORTED_MODEL_TYPES`, full attention, SiLU) on the CPU in
+    fp32 with the ``sdpa_gqa`` attention, called without gradients under bf16 autocast with packed weights
     (:func:`~spader_pipeline.modeling.packed_linear.packing_available`), and no forward hook but the
-    boundary capture's. Call it once per decoding call (it re-packs weights that changed)."""
+    boundary capture's."""
     if not (FUSED_DECODE_STEP and packed_linear.PACK_WEIGHTS) or torch.is_grad_enabled():
-        return None
+        return False
     if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
-        return None
-    if not _structure_supported(model) or _has_foreign_hooks(model) or not packing_available():
-        return None
-    return FusedDecodeStep(model)
+        return False
+    return _structure_supported(model) and not _has_foreign_hooks(model) and packing_available()
+
+
+def fused_decode_step(model: Any) -> FusedDecodeStep | None:
+    """:class:`FusedDecodeStep` for ``model`` where :func:`fused_decode_step_applies`, else ``None``. Call it
+    once per decoding call (it re-packs weights that changed)."""
+    return FusedDecodeStep(model) if fused_decode_step_applies(model) else None
 
 
 def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weights: bool = False) -> dict[str, str]:

@@ -41,7 +41,8 @@ static cache's states at the captured block, as :mod:`~spader_pipeline.modeling.
 Where it runs (:func:`static_decoder`): a supported family (:data:`~spader_pipeline.modeling.decode_step.
 SUPPORTED_MODEL_TYPES`) without biases or a dynamic rotary embedding, under bf16 autocast or in its own
 fp32 or bf16, with the switches of :mod:`~spader_pipeline.modeling.static_cache` (by default on CUDA; the
-tests force it on the CPU, where the same step runs eagerly).
+tests force it on the CPU, where the same step runs eagerly, its products computed as the host loop computes
+them, :data:`PRODUCTS`, so that the tests hold it to the host loop's bits).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spader_pipeline.modeling import static_cache
+from spader_pipeline.modeling import packed_linear, static_cache
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.batching import retire_rows
 from spader_pipeline.modeling.decode_attention import (
@@ -71,9 +72,11 @@ from spader_pipeline.modeling.decode_step import (
     _has_foreign_hooks,
     _residual_norm,
     decoder_linears,
+    fused_decode_step_applies,
     rotated_query_keys,
 )
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
 from spader_pipeline.modeling.static_cache import StaticKVCache, allocation_length, length_bucket, row_bucket
 
@@ -156,12 +159,12 @@ class _ProductWeights:
         self.dtype = dtype
         self.copies: list[tuple[tuple[torch.nn.Linear, ...], list[int], torch.Tensor]] = []
 
-    def add(self, modules: tuple[torch.nn.Linear, ...]) -> torch.Tensor:
+    def add(self, modules: tuple[torch.nn.Linear, ...]) -> _Product:
         if len(modules) == 1 and modules[0].weight.dtype == self.dtype:
-            return modules[0].weight.detach()
+            return _Product(modules, modules[0].weight.detach())
         weight = self._stacked(modules)
         self.copies.append((modules, [m.weight._version for m in modules], weight))
-        return weight
+        return _Product(modules, weight)
 
     def _stacked(self, modules: tuple[torch.nn.Linear, ...]) -> torch.Tensor:
         return torch.cat([m.weight.detach() for m in modules]).to(self.dtype)
@@ -182,6 +185,35 @@ class _ProductWeights:
         return sum(weight.numel() * weight.element_size() for _, _, weight in self.copies)
 
 
+class _Product:
+    """One product of the step: ``modules``' outputs side by side, ``[n, in] -> [n, sum of out]``, from their
+    weights stacked in ``weight`` (``parts``: each module's rows of it, views that follow its refreshes)."""
+
+    def __init__(self, modules: tuple[torch.nn.Linear, ...], weight: torch.Tensor) -> None:
+        self.modules, self.weight = modules, weight
+        self.parts = weight.split([m.out_features for m in modules]) if len(modules) > 1 else (weight,)
+
+
+#: how the step computes its products (:meth:`_Step.product`): ``stacked``, one product per group over its
+#: stacked copy (CUDA); on the CPU, the host loop's own products, which a test compares bit for bit: ``fused``
+#: (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`'s: each group's weights stacked and packed
+#: for oneDNN), ``packed`` (each module's packed weight: the model's forward under
+#: :func:`~spader_pipeline.modeling.precision.bf16_inference`) or ``modules`` (each module's product, as
+#: autocast computes it). One product over a stack is not each module's bit for bit: at small widths oneDNN
+#: and ATen pick their kernels by the shape, and a kernel's sums round in its own order.
+PRODUCTS = ("stacked", "fused", "packed", "modules")
+
+
+def _host_products(model: torch.nn.Module, device: torch.device) -> str:
+    """The :data:`PRODUCTS` the step computes on ``device`` now: ``stacked`` on CUDA, else the host loop's."""
+    if device.type == "cuda":
+        return "stacked"
+    if fused_decode_step_applies(model):
+        return "fused"
+    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    return "packed" if autocast and packed_linear.PACK_WEIGHTS and packing_available() else "modules"
+
+
 def _signature(model: torch.nn.Module) -> tuple:
     """Where the model's tensors are (a captured graph reads them there): replaced tensors mean a new step."""
     return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
@@ -195,6 +227,8 @@ class _Step:
     def __init__(self, model: torch.nn.Module, precision: _Precision, device: torch.device) -> None:
         config, body = model.config, model.model
         self.precision, self.signature = precision, _signature(model)
+        self.model = weakref.ref(model)  # the packed products' key (a strong one would keep the model alive)
+        self.products = _host_products(model, device)  # set again per call (static_decoder)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.hidden, self.layers_count = config.hidden_size, len(body.layers)
@@ -219,6 +253,19 @@ class _Step:
             ))
         self.final_norm = _residual_norm(body.norm, fused)
         self.head = self.weights.add((model.lm_head,))
+
+    def product(self, x: torch.Tensor, product: _Product) -> torch.Tensor:
+        """``x`` ``[n, in]`` times ``product``'s weights, in the products' dtype (:data:`PRODUCTS`)."""
+        if self.products == "stacked":
+            return F.linear(x.to(self.precision.product), product.weight)
+        if self.products == "fused":
+            return packed_product(x, packed_weights(self.model(), product.modules))
+        if self.products == "packed":
+            parts = [packed_product(x, packed_weights(self.model(), (m,))) for m in product.modules]
+        else:
+            x = x.to(self.precision.product)
+            parts = [F.linear(x, weight) for weight in product.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """What every layer's attention reads of ``mask`` bool ``[n, L]`` (True: attend): itself for the CPU's
@@ -258,7 +305,7 @@ class _Step:
         states = cache.states[:rows, 0] if captured is not None else None
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
-            qkv = F.linear(norm_in(x).to(precision.product), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
+            qkv = self.product(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
             qk = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos, signed_sin)  # [n, H + H_kv, D]
             if joint_cast:
                 qk = qk.to(precision.kv)
@@ -267,15 +314,15 @@ class _Step:
             keys.index_copy_(2, cache.cursor, new_keys[:, :, None].to(precision.kv))
             values.index_copy_(2, cache.cursor, qkv[:, heads + kv_heads :, None].to(precision.kv))
             out = self._attend(qk[:, :heads], keys[:, :, :length], values[:, :, :length], mask, scaling)
-            x = x + F.linear(out.to(precision.product), o_weight)
-            gate_up = F.linear(norm_mid(x).to(precision.product), gate_up_weight)
+            x = x + self.product(out, o_weight)
+            gate_up = self.product(norm_mid(x), gate_up_weight)
             inner = gate_up.shape[-1] // 2
-            x = x + F.linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
+            x = x + self.product(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
             if index == captured:
                 states.index_copy_(1, cache.cursor, x[:, None].to(states.dtype))
         cache.position[:rows] += 1
         cache.cursor += 1
-        return F.linear(self.final_norm(x).to(precision.product), self.head)
+        return self.product(self.final_norm(x), self.head)
 
 
 @dataclass(frozen=True)
@@ -510,6 +557,7 @@ def static_decoder(model: Any, cache: Any, processors: Any) -> _Decoder | None:
         decoder = decoders[precision] = _Decoder(model, precision, device)
     else:
         decoder.renew(model)
+        decoder.step.products = _host_products(model, device)
     return decoder
 
 
