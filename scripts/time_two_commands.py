@@ -151,7 +151,7 @@ def clock(seconds: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", default="HEAD", help="what to check out in the clone (default HEAD)")
-    parser.add_argument("--targets", nargs="+", default=["run", "test"], choices=["run", "test", "run-verl", "test-verl"],
+    parser.add_argument("--targets", nargs="+", default=["run", "test"], choices=["run", "test", "test-heavy", "run-verl", "test-verl"],
                         help="make targets to time after the install, in this order")
     parser.add_argument("--workdir", type=Path, help="where to clone (default: a new temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the clone and the logs")
