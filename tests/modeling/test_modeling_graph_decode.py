@@ -8,11 +8,14 @@ test_modeling_graph_decode_cuda.py."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
 import torch
 from decoding_runs import SMOLLM2_135M, parting
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
 
@@ -218,6 +221,74 @@ def test_the_capture_path_captures_each_bucket_once_and_replays_it(tiny_model, m
     replays = static_decode_stats()["replays"]
     assert [_decode(tiny_model, sample=sample, bf16=True)[0] for sample in (False, True)] == replayed
     assert static_decode_stats()["replays"] == replays  # graphs off: the step op by op, not the captured buckets
+
+
+#: operations that return their input's storage without being views by their schema: no kernel
+_NO_KERNEL = ("detach", "alias", "_unsafe_view", "_reshape_alias")
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the ATen operations run under it, views not counted (they launch nothing), a norm passed through
+    :class:`_OneNormCall` as one: on CUDA ``torch.rms_norm`` is one kernel, on the CPU several operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.inside_norm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside_norm and not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.counts[func.overloadpacket.__name__] += 1
+        return out
+
+
+class _OneNormCall(TorchFunctionMode):
+    def __init__(self, operations: _Operations) -> None:
+        super().__init__()
+        self.operations = operations
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.rms_norm:
+            return func(*args, **(kwargs or {}))
+        self.operations.counts["rms_norm"] += 1
+        self.operations.inside_norm += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.operations.inside_norm -= 1
+
+
+def _step_operations(blocks: int) -> int:
+    """The operations of one step and its sampling as built for CUDA under bf16 autocast (its norms, products
+    and attention; run here on the CPU's tensors), SmolLM2's block with ``blocks`` blocks, 8 rows."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": blocks, "vocab_size": 512})).eval()
+    precision = graph_decode._Precision(torch.bfloat16, torch.float32, torch.bfloat16, False, torch.bfloat16)
+    step = graph_decode._Step(model, precision, torch.device("cuda"))
+    rows, config = 8, model.config
+    cache = static_cache.StaticKVCache(layers=blocks, kv_heads=config.num_key_value_heads,
+                                       head_dim=config.hidden_size // config.num_attention_heads, rows=rows,
+                                       length=256, steps=8, kv_dtype=torch.bfloat16, device="cpu")
+    cache.begin(rows=rows, width=100, mask=torch.ones(rows, 100), positions=torch.full((rows,), 100),
+                budgets=[8] * rows, uniforms=None)
+    sampling = graph_decode._Sampling(("greedy",), lambda ids, scores: scores, False, 1.0, torch.tensor([2]), None)
+    operations = _Operations()
+    with torch.no_grad(), _OneNormCall(operations), operations:
+        graph_decode._sample(cache, step.forward(cache, rows, 256, None), rows, sampling)
+    return sum(operations.counts.values())
+
+
+def test_a_step_on_cuda_is_twenty_operations_a_block():
+    """At 1-8 rows a step's time is its kernels' count more than its bytes (docs/gpu.md), and a captured graph
+    still launches them one after the other. A block: its two norms, the q|k|v, output, gate|up and down
+    products, the rotation, the key and value writes, the attention, SwiGLU, two residual adds and the casts
+    of the products' inputs (20); the step around the blocks (embedding, rotary tables, mask, final norm,
+    head, sampling) 40. SmolLM2's 30 blocks: 640 operations a step."""
+    two, three = _step_operations(2), _step_operations(3)
+    per_block = three - two
+    assert per_block <= 20, per_block
+    assert two - 2 * per_block <= 40, two - 2 * per_block
 
 
 def test_a_step_reads_nothing_from_the_device(tiny_model, monkeypatch):
