@@ -484,11 +484,11 @@ def main() -> None:
         print(f"llama.cpp: {binary.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
               f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
     if model is not None:
-        from spader_pipeline.modeling.decode_step import fused_decode_step
+        from spader_pipeline.modeling.decode_step import fused_decode_step_applies
         from spader_pipeline.modeling.precision import bf16_inference
 
         with bf16_inference(model, args.device, bf16):
-            fused = fused_decode_step(model) is not None
+            fused = fused_decode_step_applies(model)
         before = {"python": "decoding steps through the Python step (the C++ step off), the same bf16 cache",
                   "packed": "weights packed, decoding steps through the model's forward over an fp32 cache",
                   "unpacked": "decoding steps through the model's forward over an fp32 cache, autocast's own "
