@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
 
-from spader_pipeline.bf16_switch import cpu_has_bf16
 from spader_pipeline.modeling import graph_decode, packed_linear, static_cache
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.boundary import capture_block_output
@@ -28,6 +27,7 @@ from spader_pipeline.modeling.decode_attention import bf16_decode_attention_avai
 from spader_pipeline.modeling.decode_step import decoding_path
 from spader_pipeline.modeling.graph_decode import static_decode_stats, static_decoder
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.packed_linear import packing_available
 from spader_pipeline.modeling.precision import bf16_inference
 
 #: fp32 (no autocast): the static step's attention is one SDPA call per key/value head over its group of query
@@ -72,16 +72,17 @@ def _decode(model, *, sample: bool, bf16: bool, capture: bool = False, budgets=(
     return runs, states, torch.rand(4)
 
 
-@pytest.fixture(params=["as_here", "packed"])
+@pytest.fixture(params=["packed", "unpacked"])
 def host_products(request, monkeypatch) -> str:
-    """The host loop's products as this machine picks them, and with oneDNN's packed weights on (the C++
-    step's and :class:`FusedDecodeStep`'s, where this machine's check leaves them off: the static step then
-    takes the same packed products)."""
+    """The host loop's products with oneDNN's packed weights (a CPU with a bf16 unit: the C++ step's and
+    :class:`FusedDecodeStep`'s, or each module's packed weight) and without (autocast's own products, as a
+    CPU without one computes them): the static step takes the same products either way."""
     if request.param == "packed":
-        if not (cpu_has_bf16() is True and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        if not packing_available():
             pytest.skip("no bf16 unit or no oneDNN packing here")
-        monkeypatch.setattr(packed_linear, "_packing_matches_autocast", lambda: True)
         assert decoding_path("cpu", True)["decode.packed_weights"] == "on"
+    else:
+        monkeypatch.setattr(packed_linear, "PACK_WEIGHTS", False)
     return request.param
 
 

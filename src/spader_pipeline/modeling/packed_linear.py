@@ -6,9 +6,13 @@ reorder costs as much as the product itself: SmolLM2-135M's projections and head
 18.5 ms a pass on one thread against 9.8 ms from weights reordered once
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s frozen CPU graphs use;
 docs/performance.md). :func:`packed_bf16_linears` gives a model's linear layers that layout for the
-length of an inference block. The product is the same oneDNN bf16 kernel on the same bf16 values, so
-the outputs are bit-identical to autocast's (``tests/modeling/test_modeling_packed_linear.py``),
-at any number of rows: prefill and decoding alike.
+length of an inference block. The product is oneDNN's bf16 product of the same bf16 values with fp32
+sums, as autocast's is; whether its sums go in the same order is the machine's
+(:func:`packing_matches_autocast`): on an AVX-512 bf16 AMD they do at any number of rows (the same bits);
+on an Intel Xeon with AMX the packed layout blocks the sums of more than 32 rows otherwise, and about one
+output in 20,000 rounds its last bf16 bit the other way (``tests/modeling/test_modeling_packed_linear.py``
+holds both). Packing is used wherever the CPU has a bf16 unit: decoding from a model's own forward costs
+twice as much a step (docs/performance.md), and nothing the trainer computes reads the two side by side.
 
 The reordered copies are kept per model between blocks and re-made only for a weight that changed since
 (its tensor's version counter, which every in-place write bumps: an optimizer step, ``copy_``,
@@ -29,7 +33,8 @@ import torch
 
 from spader_pipeline.bf16_switch import cpu_has_bf16
 
-__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packed_product", "packed_weights", "packing_available"]
+__all__ = ["PACK_WEIGHTS", "packed_bf16_linears", "packed_product", "packed_weights", "packing_available",
+           "packing_matches_autocast"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +48,36 @@ _PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[torch.nn.Linear, 
 
 
 def packing_available() -> bool:
-    """Whether this torch and CPU pack bf16 weights for oneDNN: the ops exist, oneDNN is built in, the
-    CPU has a bf16 unit (where it lacks one, bf16 autocast is off by default and oneDNN would emulate),
-    and the packed products equal autocast's here (:func:`_packing_matches_autocast`)."""
+    """Whether this torch and CPU pack bf16 weights for oneDNN: the ops exist, oneDNN is built in, and the
+    CPU has a bf16 unit (where it lacks one, bf16 autocast is off by default and oneDNN would emulate)."""
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise") and cpu_has_bf16() is True and _packing_matches_autocast())
+            and hasattr(ops, "_linear_pointwise") and cpu_has_bf16() is True)
+
+
+#: the shapes :func:`packing_matches_autocast` checks (SmolLM2's k/v, gate and down projections) and the rows
+#: (a decoding step's to a prefill's); an AMX Xeon's packed sums part from autocast's above 32 rows
+MATCH_CHECK_SHAPES = ((192, 576), (1536, 576), (576, 1536))
+MATCH_CHECK_ROWS = (1, 16, 33, 48, 64, 300)
 
 
 @functools.lru_cache(maxsize=1)
-def _packing_matches_autocast() -> bool:
+def packing_matches_autocast() -> bool:
     """Whether packed products are autocast's bit for bit on this machine, checked once per process on
-    a few shapes and row counts. oneDNN picks its kernel by the CPU's instruction set (AMX, AVX-512) and
-    the shapes, so the packed layout could take another kernel, whose sums round differently, on a CPU
-    the equality was not measured on; there the linear layers keep autocast's path."""
+    :data:`MATCH_CHECK_SHAPES` at :data:`MATCH_CHECK_ROWS`. oneDNN picks how it blocks a product's sums by
+    the CPU's instruction set (AMX, AVX-512) and the shape; where the packed layout's blocking differs, a few
+    outputs in 10^5 round their last bf16 bit the other way. Tests that compare packed products with
+    autocast's ask this to choose ``==`` or that bound."""
+    if not packing_available():
+        return False
     generator = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((192, 576), (1536, 576), (576, 1536)):
+    for out_features, in_features in MATCH_CHECK_SHAPES:
         weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        for rows in (1, 16, 300):
+        for rows in MATCH_CHECK_ROWS:
             x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
             if not torch.equal(packed_product(x, (packed, None)), torch.nn.functional.linear(x, weight)):
-                logger.info("bf16 weights not packed: oneDNN's packed products differ from autocast's on this CPU")
+                logger.info("oneDNN's packed bf16 products round a few outputs otherwise than autocast's here")
                 return False
     return True
 
@@ -105,8 +118,8 @@ def packed_weights(model: torch.nn.Module, modules: tuple[torch.nn.Linear, ...])
 @contextlib.contextmanager
 def packed_bf16_linears(model: torch.nn.Module, enabled: bool | None = None) -> Iterator[int]:
     """While active, ``model``'s fp32 CPU ``nn.Linear`` layers compute ``x @ W.T + b`` from bf16 weights
-    packed for oneDNN: under CPU bf16 autocast and without grad, where autocast would run the same
-    kernel on the same bf16 values (other calls, e.g. with grad enabled, run the layer as it is).
+    packed for oneDNN: under CPU bf16 autocast and without grad, where autocast would compute the same
+    products of the same bf16 values (other calls, e.g. with grad enabled, run the layer as it is).
 
     Yields the number of layers packed (0 where :func:`packing_available` is false, or ``enabled``, by
     default :data:`PACK_WEIGHTS`, is false).
