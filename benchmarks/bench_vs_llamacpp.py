@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
-        [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|host|none] [--jobs 2]
+        [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|autocast|host|none] [--jobs 2]
         [--device cpu|cuda]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
@@ -39,7 +39,10 @@ Columns (median over ``--repeats``; the two engines alternate which goes first i
   fused step (:mod:`~spader_pipeline.modeling.decode_step`) and over an fp32 cache instead of a bf16
   one (:mod:`~spader_pipeline.modeling.decode_attention`); ``--before unpacked``, that and autocast's
   own linear layers (each bf16 weight reordered for oneDNN at every call) instead of weights packed once
-  (:mod:`~spader_pipeline.modeling.packed_linear`); ``--before host`` (on a GPU), every decoding step
+  (:mod:`~spader_pipeline.modeling.packed_linear`); ``--before autocast``, autocast's own linear layers and
+  nothing else changed (without packed weights the fused and C++ steps step aside, so every decoding step runs
+  the model's forward, over the same bf16 cache and attention: a CPU whose weights are not packed);
+  ``--before host`` (on a GPU), every decoding step
   through the model's forward with the host reading each step's tokens instead of the static step in CUDA
   graphs (:mod:`~spader_pipeline.modeling.graph_decode`); ``--before none`` skips it. Absent where nothing is
   packed (no bf16 unit).
@@ -79,7 +82,7 @@ ENGINES = ("llamacpp", "ours", "before")
 #: with the native decoding attention, the fused step in C++, the static step's switch: auto, on a GPU)
 VARIANTS = {"ours": (True, True, True, True, "auto"), "python": (True, True, True, False, "auto"),
             "packed": (True, False, False, False, "auto"), "unpacked": (False, False, False, False, "auto"),
-            "host": (True, True, True, True, "off")}
+            "autocast": (False, True, True, True, "auto"), "host": (True, True, True, True, "off")}
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 WORK = ROOT / "build/llamacpp"
 SOURCE = WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
@@ -294,7 +297,8 @@ def run_ours(model: Any, rows: list[int], threads: int, prompt: int, new: int, b
     instead of the C++ one (:mod:`~spader_pipeline.modeling.native_step`); ``packed``: weights packed for oneDNN, but every decoding step through the model's forward (no
     :mod:`~spader_pipeline.modeling.decode_step`) over an fp32 cache (no
     :mod:`~spader_pipeline.modeling.decode_attention`); ``unpacked``: that, and autocast's own linear
-    layers (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call); ``host`` (a GPU's
+    layers (no :mod:`~spader_pipeline.modeling.packed_linear`: the reorder at every call); ``autocast``: only
+    the packing off (so no fused step either), the bf16 cache and attention kept; ``host`` (a GPU's
     before): every decoding step through the model's forward, the host reading each step's tokens, instead of
     the static step captured in CUDA graphs (:mod:`~spader_pipeline.modeling.graph_decode`)."""
     from spader_pipeline.modeling import (
@@ -432,11 +436,12 @@ def main() -> None:
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
     only.add_argument("--build-only", action="store_true",
                       help="build llama-batched-bench (for --device) and stop (e.g. while the model folder is made)")
-    parser.add_argument("--before", choices=("python", "packed", "unpacked", "host", "none"), default="python",
+    parser.add_argument("--before", choices=("python", "packed", "unpacked", "autocast", "host", "none"),
+                        default="python",
                         help="our decoder before a change, timed in the same run: python (the Python decoding "
                              "step instead of the C++ one), packed (weights packed; decoding "
                              "steps through the model's forward over an fp32 cache), unpacked (and autocast's own "
-                             "linear layers), host (on a GPU: decoding steps through the model's forward, not the "
+                             "linear layers), autocast (only the packing off), host (on a GPU: decoding steps through the model's forward, not the "
                              "static step in CUDA graphs), none")
     # --smoke: our side only (llama.cpp's build takes minutes), on the tiny model of benchmarks/smoke.py
     args = smoke.parse_args(parser, rows="1,2", threads="1", prompt_tokens=16, new_tokens=4, repeats=1,
@@ -493,6 +498,8 @@ def main() -> None:
                   "packed": "weights packed, decoding steps through the model's forward over an fp32 cache",
                   "unpacked": "decoding steps through the model's forward over an fp32 cache, autocast's own "
                               "linear layers (each weight reordered for oneDNN at every product)",
+                  "autocast": "autocast's own linear layers, so decoding steps through the model's forward, over "
+                              "the same bf16 cache",
                   "host": "decoding steps through the model's forward, the host reading each step's tokens"}.get(
             args.before)
         from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
