@@ -7,12 +7,14 @@ reorder costs as much as the product itself: SmolLM2-135M's projections and head
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout ``torch.compile``'s frozen CPU graphs use;
 docs/performance.md). :func:`packed_bf16_linears` gives a model's linear layers that layout for the
 length of an inference block. The product is oneDNN's bf16 product of the same bf16 values with fp32
-sums, as autocast's is; whether its sums go in the same order is the machine's
-(:func:`packing_matches_autocast`): on an AVX-512 bf16 AMD they do at any number of rows (the same bits);
-on an Intel Xeon with AMX the packed layout blocks the sums of more than 32 rows otherwise, and about one
-output in 20,000 rounds its last bf16 bit the other way (``tests/modeling/test_modeling_packed_linear.py``
-holds both). Packing is used wherever the CPU has a bf16 unit: decoding from a model's own forward costs
-twice as much a step (docs/performance.md), and nothing the trainer computes reads the two side by side.
+sums, as autocast's is; whether it sums them in the same order is the machine's
+(:func:`packing_matches_autocast`): on an AVX-512 bf16 AMD it does at any number of rows (the same bits);
+on an Intel Xeon with AMX the packed layout blocks the sums of more than 32 rows otherwise, and a few
+outputs in 10^5 round their last bf16 bit the other way (``tests/modeling/test_modeling_packed_linear.py``
+holds both). Packing is used wherever the CPU has a bf16 unit: without it the fused decoding step does not
+apply, and a step through the model's own forward costs up to twice as much (docs/performance.md); the
+trainer's update computes what it trains on with autocast's own products either way (from the rollout's
+boundary states, the frozen blocks' outputs as the packed products rounded them).
 
 The reordered copies are kept per model between blocks and re-made only for a weight that changed since
 (its tensor's version counter, which every in-place write bumps: an optimizer step, ``copy_``,
