@@ -54,10 +54,11 @@ def _decode(model, ids, mask):
 @pytest.mark.parametrize("shape", [(192, 576), (1536, 576), (576, 1536), (49152, 576), (96, 48), (16, 48)],
                          ids=lambda shape: f"{shape[0]}x{shape[1]}")
 def test_packed_products_are_autocasts_up_to_their_sums_order(shape):
-    """Both are oneDNN's bf16 products of the same bf16 values with fp32 sums, rounded to bf16: where the
-    packed layout blocks the sums otherwise (an AMX Xeon above 32 rows, narrow shapes), an output differs by
-    what another order of fp32 sums moves it (at most ``in`` fp32 roundings of the terms' magnitude) and
-    one bf16 rounding step (2^-7 of the value), never more; where this machine's check says they match, the same bits."""
+    """Both are oneDNN's bf16 products of the same bf16 values with fp32 sums, rounded to bf16. Where the
+    packed layout blocks the sums otherwise (an AMX Xeon above 32 rows, narrow shapes), an output moves by
+    what another order of fp32 sums moves it (at most ``in`` fp32 roundings of the terms' magnitudes) and
+    one bf16 rounding step (2^-7 of the value), never more; where this machine's check found them to
+    match, the same bits."""
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
