@@ -7,9 +7,12 @@ attention (``spader_native::decode_attention``, modeling/native/decode_step.cpp)
 values. Both are timed on the same cache views (SmolLM2-135M's attention shape: 9 query heads over 3
 key/value heads of 64; ``--length`` cached positions in a buffer with spare room), per row count and
 thread count, as the median of ``--repeats`` runs of ``--calls`` calls; the largest difference between
-the two is printed beside them.
+the two is printed beside them. The calls attend over ``--layers`` caches in turn, as a decoding step
+reads each of its layers' once: at 30 layers (SmolLM2's) and 32 rows the caches outgrow the CPU's, so
+each call reads its keys and values from memory as it does in a step; ``--layers 1`` times one cache that
+stays in the CPU's caches.
 
-    python benchmarks/bench_decode_attention.py [--rows 1 16 64] [--threads 1 2] [--length 513] [--smoke]
+    python benchmarks/bench_decode_attention.py [--rows 1 16 64] [--threads 1 2] [--length 513] [--layers 30] [--smoke]
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ from spader_pipeline.modeling.native_step import native_available
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
 
-def time_calls(inputs: tuple, native: bool, calls: int, repeats: int) -> float:
-    """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run)."""
+def time_calls(layers: list[tuple], native: bool, calls: int, repeats: int) -> float:
+    """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run),
+    call ``i`` over ``layers[i % len(layers)]``."""
     with torch.no_grad():
-        for _ in range(calls):
-            decode_attention(*inputs, native=native)
+        for call in range(calls):
+            decode_attention(*layers[call % len(layers)], native=native)
         runs = []
         for _ in range(repeats):
             started = time.perf_counter()
-            for _ in range(calls):
-                decode_attention(*inputs, native=native)
+            for call in range(calls):
+                decode_attention(*layers[call % len(layers)], native=native)
             runs.append((time.perf_counter() - started) / calls * 1e6)
     return statistics.median(runs)
 
@@ -46,30 +50,34 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--length", type=int, default=513, help="cached positions (a 512-token prompt's first step)")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=30, help="caches attended over in turn (SmolLM2 has 30 layers)")
+    parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
-    args = smoke.parse_args(parser, rows=[1, 4], threads=[1], length=33, calls=3, repeats=1)
+    args = smoke.parse_args(parser, rows=[1, 4], threads=[1], length=33, layers=2, calls=3, repeats=1)
     if not native_available() and args.smoke:
         print("the native extension does not build here: nothing to compare (smoke: not an error)")
         return
     if not native_available():
         raise SystemExit("the native extension does not build here: nothing to compare")
-    print(f"per layer, {HEADS} query heads over {KV_HEADS} key/value heads of {DIM}, {args.length} cached positions; "
-          f"torch {torch.__version__}")
+    print(f"per layer, {HEADS} query heads over {KV_HEADS} key/value heads of {DIM}, {args.length} cached positions, "
+          f"{args.layers} layers' caches in turn; torch {torch.__version__}")
     print("rows | threads | fp32 SDPA µs | native µs | SDPA / native | largest difference")
     generator = torch.Generator().manual_seed(0)
     for rows in args.rows:
         query = torch.randn(rows, HEADS, 1, DIM, generator=generator)
-        spare = args.length + 64
-        keys = torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
-        values = torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
-        inputs = (query, keys, values, None, 0.125)
+
+        def cache_view(rows: int = rows) -> torch.Tensor:  # a layer's keys or values, in a buffer with spare room
+            spare = args.length + 64
+            return torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
+
+        layers = [(query, cache_view(), cache_view(), None, 0.125) for _ in range(args.layers)]
         with torch.no_grad():
-            difference = (decode_attention(*inputs, native=True) - decode_attention(*inputs, native=False)).abs().max().item()
+            difference = max((decode_attention(*inputs, native=True) - decode_attention(*inputs, native=False)).abs().max().item()
+                             for inputs in layers[:2])
         for threads in args.threads:
             torch.set_num_threads(threads)
-            sdpa = time_calls(inputs, False, args.calls, args.repeats)
-            native = time_calls(inputs, True, args.calls, args.repeats)
+            sdpa = time_calls(layers, False, args.calls, args.repeats)
+            native = time_calls(layers, True, args.calls, args.repeats)
             print(f"{rows:4d} | {threads:7d} | {sdpa:12.1f} | {native:9.1f} | {sdpa / native:13.2f} | {difference:.1e}")
 
 

@@ -41,6 +41,19 @@ inline void widen_row(const uint16_t* row, float* out, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) out[d] = widen(row[d]);
 }
 
+// How many positions ahead of the one it reads an attention loop asks for the cache's rows. A decoding
+// step reads every layer's keys and values once (hundreds of MB at 32 rows of ~800 positions), far more
+// than the CPU's caches hold; with the next rows requested early the loop stops waiting on memory for each
+// one (~1.3x on an AMX Xeon, one or two threads). It changes which rows are in the cache, not a value.
+constexpr int64_t kPrefetchPositions = 16;
+
+// Ask for the `dim` bf16 values at `row` (each 64-byte line of them) to be brought into the cache.
+inline void prefetch_row(const uint16_t* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(uint16_t)); offset += 64)
+    __builtin_prefetch(bytes + offset, 0, 3);
+}
+
 // sum_d a[d] * b[d] in fp32 over 16 running sums (one vector register's lanes), then added pairwise.
 inline float dot(const float* a, const float* b, int64_t dim) {
   float lanes[16] = {0.f};
@@ -70,6 +83,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
         continue;
       }
       const uint16_t* row = keys + position * key_stride;
+      if (position + kPrefetchPositions < length) prefetch_row(row + kPrefetchPositions * key_stride, dim);
       for (int64_t c = 0; c < chunks; ++c)
         key[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
@@ -88,6 +102,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
       for (int64_t g = 0; g < group; ++g) out[g * width + position] = minus_inf;
       continue;
     }
+    if (position + kPrefetchPositions < length) prefetch_row(keys + (position + kPrefetchPositions) * key_stride, dim);
     widen_row(keys + position * key_stride, wide, dim);
     for (int64_t g = 0; g < group; ++g) out[g * width + position] = dot(q + g * dim, wide, dim);
   }
@@ -107,6 +122,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
     for (int64_t position = 0; position < length; ++position) {
       if (mask != nullptr && !mask[position]) continue;
       const uint16_t* row = values + position * value_stride;
+      if (position + kPrefetchPositions < length) prefetch_row(row + kPrefetchPositions * value_stride, dim);
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
@@ -121,6 +137,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
 #endif
   for (int64_t position = 0; position < length; ++position) {
     if (mask != nullptr && !mask[position]) continue;
+    if (position + kPrefetchPositions < length) prefetch_row(values + (position + kPrefetchPositions) * value_stride, dim);
     widen_row(values + position * value_stride, wide, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float w = p[g * width + position];
