@@ -43,8 +43,9 @@ inline void widen_row(const uint16_t* row, float* out, int64_t dim) {
 
 // How many positions ahead of the one it reads an attention loop asks for the cache's rows. A decoding
 // step reads every layer's keys and values once (hundreds of MB at 32 rows of ~800 positions), far more
-// than the CPU's caches hold; with the next rows requested early the loop stops waiting on memory for each
-// one (~1.3x on an AMX Xeon, one or two threads). It changes which rows are in the cache, not a value.
+// than the CPU's caches hold; with the next rows requested early the loop does not wait on memory for
+// each one (docs/results.md, "Measurements behind the defaults"). It changes which rows are in the
+// cache, never a value.
 constexpr int64_t kPrefetchPositions = 16;
 
 // Ask for the `dim` bf16 values at `row` (each 64-byte line of them) to be brought into the cache.
