@@ -8,7 +8,7 @@ values. Both are timed on the same cache views (SmolLM2-135M's attention shape: 
 key/value heads of 64; ``--length`` cached positions in a buffer with spare room), per row count and
 thread count, as the median of ``--repeats`` runs of ``--calls`` calls; the largest difference between
 the two is printed beside them. The calls attend over ``--layers`` caches in turn, as a decoding step
-reads each of its layers' once: at 30 layers (SmolLM2's) and 32 rows the caches outgrow the CPU's, so
+reads each of its layers' caches once: at 30 layers (SmolLM2's) and 32 rows the caches outgrow the CPU's, so
 each call reads its keys and values from memory as it does in a step; ``--layers 1`` times one cache that
 stays in the CPU's caches.
 
