@@ -48,9 +48,11 @@ inline void widen_row(const uint16_t* row, float* out, int64_t dim) {
 // cache, never a value.
 constexpr int64_t kPrefetchPositions = 16;
 
-// Ask for the `dim` bf16 values at `row` (each 64-byte line of them) to be brought into the cache.
-inline void prefetch_row(const uint16_t* row, int64_t dim) {
-  const char* bytes = reinterpret_cast<const char*>(row);
+// Ask for the row kPrefetchPositions after `position` of `rows` (`length` rows of `dim` bf16 values,
+// `stride` apart), each 64-byte line of it, to be brought into the cache; nothing past the last row.
+inline void prefetch_ahead(const uint16_t* rows, int64_t stride, int64_t position, int64_t length, int64_t dim) {
+  if (position + kPrefetchPositions >= length) return;
+  const char* bytes = reinterpret_cast<const char*>(rows + (position + kPrefetchPositions) * stride);
   for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(uint16_t)); offset += 64)
     __builtin_prefetch(bytes + offset, 0, 3);
 }
@@ -84,7 +86,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
         continue;
       }
       const uint16_t* row = keys + position * key_stride;
-      if (position + kPrefetchPositions < length) prefetch_row(row + kPrefetchPositions * key_stride, dim);
+      prefetch_ahead(keys, key_stride, position, length, dim);
       for (int64_t c = 0; c < chunks; ++c)
         key[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
@@ -103,7 +105,7 @@ void group_scores(const float* q, const uint16_t* keys, int64_t key_stride, cons
       for (int64_t g = 0; g < group; ++g) out[g * width + position] = minus_inf;
       continue;
     }
-    if (position + kPrefetchPositions < length) prefetch_row(keys + (position + kPrefetchPositions) * key_stride, dim);
+    prefetch_ahead(keys, key_stride, position, length, dim);
     widen_row(keys + position * key_stride, wide, dim);
     for (int64_t g = 0; g < group; ++g) out[g * width + position] = dot(q + g * dim, wide, dim);
   }
@@ -123,7 +125,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
     for (int64_t position = 0; position < length; ++position) {
       if (mask != nullptr && !mask[position]) continue;
       const uint16_t* row = values + position * value_stride;
-      if (position + kPrefetchPositions < length) prefetch_row(row + kPrefetchPositions * value_stride, dim);
+      prefetch_ahead(values, value_stride, position, length, dim);
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
@@ -138,7 +140,7 @@ void group_values(const float* p, const uint16_t* values, int64_t value_stride, 
 #endif
   for (int64_t position = 0; position < length; ++position) {
     if (mask != nullptr && !mask[position]) continue;
-    if (position + kPrefetchPositions < length) prefetch_row(values + (position + kPrefetchPositions) * value_stride, dim);
+    prefetch_ahead(values, value_stride, position, length, dim);
     widen_row(values + position * value_stride, wide, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float w = p[g * width + position];
