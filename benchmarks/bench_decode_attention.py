@@ -30,6 +30,13 @@ from spader_pipeline.modeling.native_step import native_available
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
 
+def cache_view(rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """A layer's bf16 keys or values ``[rows, KV_HEADS, length, DIM]``: a view of a buffer with spare room, as
+    the cache's."""
+    buffer = torch.randn(rows, KV_HEADS, length + 64, DIM, generator=generator).to(torch.bfloat16)
+    return buffer[:, :, :length]
+
+
 def time_calls(layers: list[tuple], native: bool, calls: int, repeats: int) -> float:
     """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run),
     call ``i`` over ``layers[i % len(layers)]``."""
@@ -65,12 +72,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for rows in args.rows:
         query = torch.randn(rows, HEADS, 1, DIM, generator=generator)
-
-        def cache_view(rows: int = rows) -> torch.Tensor:  # a layer's keys or values, in a buffer with spare room
-            spare = args.length + 64
-            return torch.randn(rows, KV_HEADS, spare, DIM, generator=generator).to(torch.bfloat16)[:, :, : args.length]
-
-        layers = [(query, cache_view(), cache_view(), None, 0.125) for _ in range(args.layers)]
+        layers = [(query, cache_view(rows, args.length, generator), cache_view(rows, args.length, generator), None, 0.125)
+                  for _ in range(args.layers)]
         with torch.no_grad():
             difference = max((decode_attention(*inputs, native=True) - decode_attention(*inputs, native=False)).abs().max().item()
                              for inputs in layers[:2])
