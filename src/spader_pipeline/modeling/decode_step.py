@@ -25,7 +25,7 @@ gradients, a forward hook it does not know) it gives ``None`` and the caller run
 
 Where the C++ extension builds (:mod:`~spader_pipeline.modeling.native_step`) and the cache is a
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache` over bf16 keys and values, the step's
-blocks run in C++ as one call: the same operator calls, so the same bits.
+blocks run in C++ as one call: the same operations rounded the same way, so the same bits.
 
 Which of these paths a machine decodes with is :func:`decoding_path`'s answer, recorded with a run
 (the method run's MLflow parameters, the checkpoints' settings, the portable report's environment).
@@ -145,10 +145,9 @@ class FusedDecodeStep:
         self.final_norm = _residual_norm(body.norm, fused_norm)
         self.head = packed_weights(model, (model.lm_head,))
         self.captured = CAPTURED_BLOCK.get(model, (None, None))[0]
-        self.native = (self._native_arguments(model, fused_norm) if native_step.NATIVE_STEP and native_available()
-                       else None)
+        self.native = self._native_arguments(model) if native_step.NATIVE_STEP and native_available() else None
 
-    def _native_arguments(self, model: torch.nn.Module, fused_norm: bool) -> dict[str, Any] | None:
+    def _native_arguments(self, model: torch.nn.Module) -> dict[str, Any] | None:
         """The C++ step's weights, norms and constants (:mod:`~spader_pipeline.modeling.native_step`),
         or ``None`` where it does not cover this model: a bias, or norms or scales that differ by block."""
         blocks = self.body.layers
@@ -168,7 +167,7 @@ class FusedDecodeStep:
             "weights": [w for layer in self.layers for w, _ in (layer[1], layer[5], layer[7], layer[8])] + [self.head[0]],
             "norms": [*norms, self.body.norm.weight], "heads": self.heads, "kv_heads": self.kv_heads,
             "eps": self.body.norm.variance_epsilon, "head_norm_eps": per_head[0].variance_epsilon if head_norms else 0.0,
-            "scaling": self.layers[0][4], "fused_norm": fused_norm, "head_norms": head_norms,
+            "scaling": self.layers[0][4], "head_norms": head_norms,
         }
 
     def _native_cache(self, cache: Any) -> bool:

@@ -3,20 +3,21 @@
 At one decoding row a step of SmolLM2 is mostly not arithmetic: around the products that read its
 bf16 weights, the Python step (:class:`~spader_pipeline.modeling.decode_step.FusedDecodeStep`: some
 900 operator calls, the cache's bookkeeping, an attention per block) took nearly as long again
-(docs/performance.md, results.md). ``native/decode_step.cpp`` runs the same operator calls in C++, one
-call per step, and attends over the bf16 cache with its own two loops around ATen's softmax:
+(docs/performance.md, results.md). ``native/decode_step.cpp`` computes the same step in C++, one call
+per step, and attends over the bf16 cache with its own two loops around ATen's softmax:
 
 * ``spader_native::decode_step``: :meth:`FusedDecodeStep.__call__` after the embedding and the
-  rotary tables: the same ATen operators (the packed oneDNN products, ``rms_norm`` or the norm's
-  written-out formula, the rotary embedding, SiLU) on the same tensors in the same order, so the
-  logits are the Python step's bit for bit, and the cache's new positions written in place
-  (:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.reserve`);
+  rotary tables, rounding for rounding, so the logits are the Python step's bit for bit: the same
+  packed oneDNN products, ATen's own sum (the norms' means), SiLU and softmax, and the elementwise rest
+  (residual additions, the norms' scaling, the rotary embedding, bf16 casts, SwiGLU's product) as
+  loops of its own that round each operation as ATen's kernels do (built without fused multiply-adds);
+  the cache's new positions written in place (:meth:`~spader_pipeline.modeling.kv_cache.GrowingKVCache.reserve`);
 * ``spader_native::decode_attention``: one query position per row over a bf16 cache, fp32
   arithmetic, each key/value head's keys and values read once for its group of query heads. The
   model's own decoding forward (``sdpa_gqa``'s decoding branch) attends with it too, so both paths
   agree bit for bit.
 
-It is built with ``torch.utils.cpp_extension`` (``-O3 -march=native``, OpenMP as torch's own) into
+It is built with ``torch.utils.cpp_extension`` (:data:`CFLAGS`, OpenMP as torch's own) into
 torch's extension directory (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``),
 under a name keyed by the source, torch's version, Python and the CPU's flags: the first process on a
 machine builds it (concurrent processes wait on a lock that a killed builder does not leave behind),
@@ -74,9 +75,10 @@ STEP_ENV = "SPADER_DECODE_STEP"
 #: check the Python step in the same process; the attention follows ``decode_attention.BF16_CACHE``)
 NATIVE_STEP = env_choice(STEP_ENV, {"cpp": True, "python": False}, "cpp")
 SOURCE = Path(__file__).with_name("native") / "decode_step.cpp"
-#: -march=native: the build is for this machine (its name carries the CPU's flags); OpenMP as torch's
-#: (the library binds to the libgomp torch loaded)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+#: -march=native: the build is for this machine (its name carries the CPU's flags); -ffp-contract=off: a
+#: product and a sum are rounded apart, as ATen's elementwise kernels round them, unless the source asks for
+#: a fused multiply-add (the attention's loops); OpenMP as torch's (the library binds to the libgomp torch loaded)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 #: the attention's largest difference from fp32 SDPA on the same bf16 keys and values allowed by the
 #: availability check: reassociation of fp32 sums only
