@@ -274,6 +274,7 @@ inline uint16_t narrow(float value) { return c10::BFloat16(value).x; }
 // pending is undefined.
 void add_in_place(const at::Tensor& x, const at::Tensor& pending) {
   if (!pending.defined()) return;
+  TORCH_CHECK(pending.is_contiguous() && pending.numel() == x.numel(), "decode_step: a product's output, [n, hidden]");
   float* data = x.data_ptr<float>();
   const auto* add = reinterpret_cast<const uint16_t*>(pending.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < x.numel(); ++i) data[i] = data[i] + widen(add[i]);
@@ -364,14 +365,16 @@ at::Tensor narrowed(const at::Tensor& x) {
 // SwiGLU's product silu(gate) * up in bf16 (ATen's bf16 product: fp32, rounded to bf16), from ATen's own
 // silu of the gate (its exp); gate_up bf16 [n, 2 I] -> bf16 [n, I].
 at::Tensor gated(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous(), "decode_step: the gate|up product's output, contiguous");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  const at::Tensor activated = at::silu(gate_up.slice(1, 0, inner));  // bf16 [n, I], contiguous
+  const at::Tensor activated = at::silu(gate_up.slice(1, 0, inner)).contiguous();  // bf16 [n, I]
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
   const auto* a = reinterpret_cast<const uint16_t*>(activated.data_ptr<at::BFloat16>());
   const auto* up = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t row = 0; row < rows; ++row)
-    for (int64_t j = 0; j < inner; ++j) o[row * inner + j] = narrow(widen(a[row * inner + j]) * widen(up[row * 2 * inner + inner + j]));
+    for (int64_t j = 0; j < inner; ++j)
+      o[row * inner + j] = narrow(widen(a[row * inner + j]) * widen(up[row * 2 * inner + inner + j]));
   return out;
 }
 
