@@ -415,18 +415,19 @@ std::tuple<at::Tensor, at::Tensor> decode_step(
     check_cache(key_caches[block], value_caches[block], rows, heads, dim);
     const at::Tensor qkv = packed_product(add_and_norm(x, pending, norm[0], eps), weight[0]).view({rows, heads + 2 * kv_heads, dim});
     const auto* value_bits = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>()) + (heads + kv_heads) * dim;
+    // the query and key heads rotated from `source` ([n, >= H + H_kv, D] as `layout`), the cache written
+    const auto rotate = [&](const auto* source, const at::Tensor& layout) {
+      return rotate_and_store(source, layout.stride(0), layout.stride(1), value_bits, qkv.stride(0), qkv.stride(1),
+                              cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>(), key_caches[block], value_caches[block],
+                              last, rows, heads, kv_heads, dim, static_cast<float>(scaling), fp32);
+    };
     at::Tensor queries;
     if (head_norms) {
       const at::Tensor qk = at::cat({written_norm(qkv.slice(1, 0, heads), norm[2], head_norm_eps),
                                      written_norm(qkv.slice(1, heads, heads + kv_heads), norm[3], head_norm_eps)}, 1).contiguous();
-      queries = rotate_and_store(qk.data_ptr<float>(), qk.stride(0), qk.stride(1), value_bits, qkv.stride(0), qkv.stride(1),
-                                 cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>(), key_caches[block], value_caches[block],
-                                 last, rows, heads, kv_heads, dim, static_cast<float>(scaling), fp32);
+      queries = rotate(qk.data_ptr<float>(), qk);
     } else {
-      queries = rotate_and_store(reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>()), qkv.stride(0), qkv.stride(1),
-                                 value_bits, qkv.stride(0), qkv.stride(1), cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>(),
-                                 key_caches[block], value_caches[block], last, rows, heads, kv_heads, dim,
-                                 static_cast<float>(scaling), fp32);
+      queries = rotate(reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>()), qkv);
     }
     const at::Tensor out = attend(queries.data_ptr<float>(), key_caches[block], value_caches[block], mask_data, rows, heads, fp32);
     pending = packed_product(narrowed(out), weight[1]);
