@@ -38,18 +38,16 @@ def cache_view(rows: int, length: int, generator: torch.Generator) -> torch.Tens
 
 
 def time_calls(layers: list[tuple], native: bool, calls: int, repeats: int) -> float:
-    """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run),
-    call ``i`` over ``layers[i % len(layers)]``."""
+    """Median µs per ``decode_attention`` call over ``repeats`` runs of ``calls`` calls (after a warm-up run,
+    not counted), call ``i`` over ``layers[i % len(layers)]``."""
+    runs = []
     with torch.no_grad():
-        for call in range(calls):
-            decode_attention(*layers[call % len(layers)], native=native)
-        runs = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):
             started = time.perf_counter()
             for call in range(calls):
                 decode_attention(*layers[call % len(layers)], native=native)
             runs.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(runs)
+    return statistics.median(runs[1:])
 
 
 def main() -> None:
