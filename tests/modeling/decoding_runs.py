@@ -11,10 +11,18 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 
 def parting(run, other) -> list[tuple[int, float]]:
     """Per row of each turn (a run: per turn ``(tokens, log_probs, ...)``, each per row): how many tokens the two
-    runs share before they part, and the largest change of a log-probability over those."""
-    shared = []
+    runs share before they part, and the largest change of a log-probability over those. A row that parted in a
+    turn shares nothing in its later turns: their contexts differ from there (a sampled run's later turns read
+    other tokens), so their log-probabilities are not the same quantity."""
+    shared, parted = [], set()
     for (tokens, log_probs, *_), (other_tokens, other_log_probs, *_) in zip(run, other, strict=True):
-        for row, other_row, logs, other_logs in zip(tokens, other_tokens, log_probs, other_log_probs, strict=True):
+        rows = zip(tokens, other_tokens, log_probs, other_log_probs, strict=True)
+        for index, (row, other_row, logs, other_logs) in enumerate(rows):
+            if index in parted:
+                shared.append((0, 0.0))
+                continue
             same = next((i for i, (a, b) in enumerate(zip(row, other_row, strict=False)) if a != b), min(len(row), len(other_row)))
             shared.append((same, max((abs(a - b) for a, b in zip(logs[:same], other_logs[:same], strict=True)), default=0.0)))
+            if same < max(len(row), len(other_row)):
+                parted.add(index)
     return shared
