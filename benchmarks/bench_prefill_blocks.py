@@ -5,8 +5,9 @@ search's observation) on top of its cached context. :func:`~spader_pipeline.mode
 runs that prefill in blocks of rows of similar length when :func:`~spader_pipeline.modeling.batching.
 padding_blocks` models it cheaper than padding every row to the longest: a block costs its padded token
 positions plus a fixed ``overhead_tokens`` a forward. On a CPU a forward's fixed cost is small
-(``PREFILL_BLOCK_COST``, 32 tokens); on a GPU a small model's forward is ~1,000 kernel launches, ~20 ms
-(``GPU_PREFILL_BLOCK_COST``, 16,384 tokens), so the CPU's cost cuts a wide batch into dozens of forwards.
+(``PREFILL_BLOCK_COST``, 32 tokens); on a GPU a forward's cost is that of ~240,000 positions (fitted to
+this benchmark on an H200: ``GPU_PREFILL_BLOCK_COST``), so the CPU's cost cuts a wide batch into dozens of
+forwards there and the GPU's keeps it whole.
 This times the three on the same turn: the CPU's cost, the GPU's, and one padded forward (the
 straightforward way), with the forwards each ran and the token positions they computed.
 

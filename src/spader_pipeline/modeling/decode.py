@@ -60,10 +60,11 @@ ROW_WISE_PROCESSORS = frozenset({
 #: continued turn's prefill on a CPU (``decode_batch``'s and ``HFGenerator``'s default there): a forward's
 #: fixed cost is small beside a padded token's (measured: docs/results.md, Benchmarks)
 PREFILL_BLOCK_COST = (128, 32)
-#: the same on a GPU, where a forward of a small model is bound by its ~1,000 kernel launches: ~20 ms for
-#: SmolLM2 on an H200 (docs/gpu.md), the time its ~300 TFLOP/s take for ~20,000 token positions (the CPU's
-#: cost would cut a 768-row turn's prefill into ~60 forwards: benchmarks/bench_prefill_blocks.py)
-GPU_PREFILL_BLOCK_COST = (128, 16384)
+#: the same on a GPU, measured on an H200 (benchmarks/bench_prefill_blocks.py, SmolLM2's shape, 768 rows over
+#: 512 cached positions, 60-420 new tokens a row; docs/results.md): 3 forwards over 225,810 positions took
+#: 1,126 ms and one padded forward over 322,560 took 670 ms, so a forward there costs ~240,000 positions'
+#: time (a fit of the two); a rollout's continued turn is one forward unless padding would waste more
+GPU_PREFILL_BLOCK_COST = (128, 262144)
 #: most tokens (rows x padded width) one forward of a fresh cache's prefill takes on a CPU; a longer batch
 #: is prefilled in chunks of rows (llama.cpp's micro-batch is 512 tokens too). A bigger forward's
 #: activations outgrow the CPU's caches and, past glibc's mmap threshold (the Makefile sets 4 MB), are
