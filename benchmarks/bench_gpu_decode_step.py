@@ -25,7 +25,8 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
 
 Each under bf16 autocast over fp32 weights (as the trainer decodes) and with bf16 weights. Rows per
 second = rows / step. The capture counts and seconds (modeling.graph_decode.static_decode_stats) are
-printed last; ``--profile`` adds torch.profiler's top operations of one ``graph`` call.
+printed last; ``--profile`` adds torch.profiler's top kernels of a step at the last row count, on ``graph``
+and ``static`` (:func:`profile_step`).
 
     python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768
     python benchmarks/bench_gpu_decode_step.py --smoke   (2 blocks, 2 rows, on the CPU where there is no GPU)
@@ -85,6 +86,32 @@ def time_path(model, path: str, rows: int, width: int, steps: int, autocast: boo
     short = _decode_seconds(model, rows, width, steps, autocast)
     long = _decode_seconds(model, rows, width, 3 * steps, autocast)
     return (long - short) / (2 * steps)
+
+
+@torch.no_grad()
+def profile_step(model, path: str, rows: int, width: int, steps: int, autocast: bool,
+                 top: int = 15) -> list[tuple[str, float, float]]:
+    """torch.profiler's view of one decoding step on ``path``: each kernel's (on CUDA; each operator's on a
+    CPU) self time and calls in a ``3 * steps`` call less a ``steps`` call, over ``2 * steps``, so the prefill,
+    the setup and the captures cancel as in :func:`time_path`. Returns ``(name, ms a step, calls a step)``,
+    the ``top`` largest; on ``graph`` the kernels are the replays' (what CUPTI records of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS[path]
+    _decode_seconds(model, rows, width, 3 * steps, autocast)  # the buckets' graphs captured
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    totals = []
+    for count in (steps, 3 * steps):
+        with profile(activities=activities) as prof:
+            _decode_seconds(model, rows, width, count, autocast)
+        totals.append({event.key: ((getattr(event, "self_device_time_total", None) or getattr(
+            event, "self_cuda_time_total", 0)) if cuda else event.self_cpu_time_total, event.count)
+            for event in prof.key_averages()})
+    short, long = totals
+    per_step = [(name, (micros - short.get(name, (0, 0))[0]) / (2 * steps) / 1e3,
+                 (calls - short.get(name, (0, 0))[1]) / (2 * steps)) for name, (micros, calls) in long.items()]
+    return sorted(per_step, key=lambda entry: -entry[1])[:top]
 
 
 def time_quantum(model, quantum: int, rows: int, width: int, steps: int, autocast: bool) -> float:
@@ -203,13 +230,14 @@ def main() -> None:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-    if args.profile and device == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS["graph"]
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _decode_seconds(fp32, args.rows[-1], args.width, 8, True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    if args.profile:
+        for path in ("graph", "static") if device == "cuda" else ("static",):
+            entries = profile_step(fp32, path, args.rows[-1], args.width, args.steps, True)
+            print(f"\n{path}, {args.rows[-1]} rows, fp32 + autocast: the top {'kernels' if device == 'cuda' else 'operators'} "
+                  f"of a decoding step (self time, {3 * args.steps} steps less {args.steps})")
+            print(f"{'ms a step':>10} {'calls':>7}  name")
+            for name, millis, calls in entries:
+                print(f"{millis:10.3f} {calls:7.1f}  {name[:110]}")
     stats = graph_decode.static_decode_stats()
     print(f"\nms per decoding step; tokens/s = rows / step. Graphs captured: {stats['captures']} in "
           f"{stats['capture_seconds']:.1f} s (each bucket's first step included); static caches allocated: "

@@ -19,9 +19,13 @@
 #                  rollout's boundary states copied out of the cache, per row against on the device; a
 #                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's; the warm
 #                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
-#     graphtests   bare machine: the gpu-marked tests of the static step (~1.5 min)
+#     graphtests   bare machine: the gpu-marked tests of the static step (~30 s)
+#     profile      bare machine: the graphs' step at 768 rows, timed, and torch.profiler's top kernels of a step on
+#                  the graphs and op by op (~1 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
-#                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (~7 min)
+#                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
+#     update       installed: the RL update alone, one pass over whole rows against the shared instruction
+#                  encoded once, with torch.profiler's top operations (~1.5 min)
 #     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
 #                  session (~3.5 min; VERL_K="fit_on_one_gpu and grpo" for GRPO alone)
 #     llamacpp     installed, llama.cpp built: its step beside ours at 1, 8, 256, 768 rows (~1.5 min)
@@ -138,6 +142,15 @@ decode() {
   return "$rc"
 }
 
+# the graphs' step at 768 rows (the issue's 100,000 tokens/s), timed, then where its time goes, kernel by kernel
+profile() {
+  mkdir -p "$OUT"
+  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py --rows 768 --width 512 \
+    --steps 24 --paths graph --weights fp32+autocast --profile 2>&1 | grep -v "Loading weights\|USDT" |
+    tee "$OUT"/profile_step.log
+  return "${PIPESTATUS[0]}"
+}
+
 graphtests() {
   mkdir -p "$OUT"
   PYTHONPATH="$PWD/src" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
@@ -155,12 +168,14 @@ onegpu() {
     tee "$OUT"/generator_tests.log; exit "${PIPESTATUS[0]}")
   local tests_rc=$?
   [ "$rc" = 0 ] && rc=$tests_rc
-  # the RL update alone (~30 s; it imports verl): the shared instruction encoded once against one pass
-  (environment && python3 benchmarks/bench_update.py --device cuda --repeats 2 --profile 2>&1 |
-    tee "$OUT"/update.log; exit "${PIPESTATUS[0]}")
-  local update_rc=$?
-  [ "$rc" = 0 ] && rc=$update_rc
   return "$rc"
+}
+
+# the RL update alone (it imports verl): the shared instruction encoded once against one pass over whole rows
+update() {
+  assemble || return 1
+  (environment && mkdir -p "$OUT" && python3 benchmarks/bench_update.py --device cuda --repeats 2 --profile 2>&1 |
+    tee "$OUT"/update.log; exit "${PIPESTATUS[0]}")
 }
 
 verl() {
@@ -216,7 +231,7 @@ rehearse() {
   "$bare" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   # a failed bare step is reported at the end; the payload's half still runs (as a lease goes on past a failed step)
   echo "-- 1. the bare steps"
-  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 \
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 --profile \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights"
   [ "${PIPESTATUS[0]}" = 0 ] || bare_failed+=" bench_gpu_decode_step"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || bare_failed+=" bench_state_capture"
@@ -261,12 +276,12 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
   [ -z "$bare_failed" ] || { echo "the bare steps failed:$bare_failed (above)" >&2; return 1; }
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 stage | rehearse | STEP... (receive decode graphtests onegpu verl llamacpp)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 stage | rehearse | STEP... (receive decode graphtests profile onegpu update verl llamacpp)" >&2; exit 2; }
 status=0
 for name in "$@"; do
   case "$name" in
-    stage|rehearse|receive|decode|graphtests|onegpu|verl|llamacpp) ;;
-    *) echo "unknown step $name: stage | rehearse | receive decode graphtests onegpu verl llamacpp" >&2; exit 2 ;;
+    stage|rehearse|receive|decode|graphtests|profile|onegpu|update|verl|llamacpp) ;;
+    *) echo "unknown step $name: stage | rehearse | receive decode graphtests profile onegpu update verl llamacpp" >&2; exit 2 ;;
   esac
   echo "== $name ($(date +%T))"
   "$name"
