@@ -21,7 +21,8 @@
 #                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step (~30 s)
 #     profile      bare machine: the graphs' step at 768 rows, timed, and torch.profiler's top kernels of a step on
-#                  the graphs and op by op (~1 min)
+#                  the graphs and op by op; the step's attention at 768 rows by way (SDPA's kernels, batched
+#                  products, flex_attention compiled) against its bytes (~2 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
@@ -148,7 +149,12 @@ profile() {
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py --rows 768 --width 512 \
     --steps 24 --paths graph --weights fp32+autocast --profile 2>&1 | grep -v "Loading weights\|USDT" |
     tee "$OUT"/profile_step.log
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_attention.py --rows 768 --lengths 576 --flex 2>&1 |
+    tee "$OUT"/attention.log
+  local attention_rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$attention_rc
+  return "$rc"
 }
 
 graphtests() {
@@ -234,6 +240,7 @@ rehearse() {
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 --profile \
     --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights"
   [ "${PIPESTATUS[0]}" = 0 ] || bare_failed+=" bench_gpu_decode_step"
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_attention.py --smoke || bare_failed+=" bench_gpu_attention"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || bare_failed+=" bench_state_capture"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_prefill_blocks.py --smoke || bare_failed+=" bench_prefill_blocks"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_sft_boundary.py --smoke || bare_failed+=" bench_sft_boundary"
