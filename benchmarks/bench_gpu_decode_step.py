@@ -247,8 +247,9 @@ def main() -> None:
     print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}")
     for r in results:
         cells = [f"{1e3 * r[c]:10.2f}" if r.get(c) else f"{'-':>10}" for c in columns]
-        best = min(r[p] for p in ours if r.get(p))
-        print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {r['rows'] / best:11.0f}")
+        best = min((r[p] for p in ours if r.get(p)), default=None)  # none: the CPU, where there are no graphs
+        rate = f"{r['rows'] / best:11.0f}" if best else f"{'-':>11}"
+        print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {rate}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                                                "torch": torch.__version__, "bandwidth": bandwidth, "flops": flops,
