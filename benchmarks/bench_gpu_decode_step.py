@@ -198,6 +198,8 @@ def main() -> None:
                         help="also time the static step attending over length buckets of these many positions")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=8,
+                        help="--profile's window: a 3x call less a 1x call of this many steps (each kernel an event)")
     args = smoke.parse_args(parser, rows=[2], width=16, steps=3, length_quanta=[8])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for --smoke: no graphs there
     shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
@@ -232,9 +234,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
     if args.profile:
         for path in ("graph", "static") if device == "cuda" else ("static",):
-            entries = profile_step(fp32, path, args.rows[-1], args.width, args.steps, True)
+            entries = profile_step(fp32, path, args.rows[-1], args.width, args.profile_steps, True)
             print(f"\n{path}, {args.rows[-1]} rows, fp32 + autocast: the top {'kernels' if device == 'cuda' else 'operators'} "
-                  f"of a decoding step (self time, {3 * args.steps} steps less {args.steps})")
+                  f"of a decoding step (self time, {3 * args.profile_steps} steps less {args.profile_steps})")
             print(f"{'ms a step':>10} {'calls':>7}  name")
             for name, millis, calls in entries:
                 print(f"{millis:10.3f} {calls:7.1f}  {name[:110]}")
