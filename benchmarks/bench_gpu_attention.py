@@ -13,6 +13,8 @@ way's calls captured in one CUDA graph and replayed (as the step runs), so the t
   (``torch.nn.attention.sdpa_kernel``); a kernel that refuses the inputs is reported so;
 - ``bmm``: the scores as one batched product over rows x heads (``[rows * 3, 3, 64] @ [rows * 3, 64, L]``),
   the mask added, softmax in fp32, then the product with the values;
+- ``triton``: modeling/triton_attention.py (``SPADER_DECODE_ATTENTION=triton``): one program per row and
+  key/value head, the group's query heads one tile, the positions held up to the last row's end;
 - ``flex`` (``--flex``): ``torch.nn.attention.flex_attention`` compiled, each row's length as its mask
   (a block mask: blocks past a row's length are skipped, not read), the grouped heads in place
   (``enable_gqa``);
@@ -55,7 +57,8 @@ def layer_inputs(rows: int, length: int, bucket: int, device: str, generator: to
     keep = torch.arange(bucket, device=device)[None, :] < lengths[:, None]
     mask = torch.where(keep[:, None, None, :], 0.0, torch.full((), -torch.inf, device=device)).to(torch.bfloat16)
     query = torch.randn(rows, KV_HEADS, GROUP, DIM, generator=generator, device=device).to(torch.bfloat16)
-    return {"query": query, "keys": cache(), "values": cache(), "mask": mask, "lengths": lengths}
+    return {"query": query, "keys": cache(), "values": cache(), "mask": mask, "lengths": lengths, "valid": keep,
+            "end": lengths.max().reshape(1)}
 
 
 def reference(inputs: dict, scale: float) -> torch.Tensor:
@@ -78,6 +81,14 @@ def bmm(inputs: dict, scale: float) -> torch.Tensor:
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.bmm(probs.view(rows * KV_HEADS, GROUP, bucket), values.reshape(rows * KV_HEADS, bucket, DIM))
     return out.view(rows, KV_HEADS, GROUP, DIM)
+
+
+def triton_kernel(inputs: dict, scale: float) -> torch.Tensor:
+    """modeling/triton_attention.py: the positions held, none past the longest row's end (the step's cursor)."""
+    from spader_pipeline.modeling.triton_attention import grouped_decode_attention
+
+    return grouped_decode_attention(inputs["query"], inputs["keys"], inputs["values"], inputs["valid"], inputs["end"],
+                                    scale)
 
 
 def no_mask(inputs: dict, scale: float) -> torch.Tensor:
@@ -177,6 +188,10 @@ def main() -> None:
     ways: dict[str, Callable] = {"sdpa": sdpa, "bmm": bmm, "no mask": no_mask}
     if graphs:
         ways |= {f"sdpa-{kernel}": forced(kernel) for kernel in ("efficient", "cudnn", "math")}
+    from spader_pipeline.modeling.triton_attention import available
+
+    if available() and graphs:  # not Triton's interpreter: its products of bf16 tiles are wrong
+        ways["triton"] = triton_kernel
     generator = torch.Generator(device).manual_seed(0)  # the caches drawn where they live (GBs at 768 rows)
     print(f"{'rows':>5} {'length':>6} {'bucket':>6} {'way':>15} {'ms a step':>10} {'GB/s':>8} {'x floor':>8} "
           f"{'largest diff':>12}")

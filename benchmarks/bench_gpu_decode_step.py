@@ -12,6 +12,8 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
   tokens (the path before the static step: ``SPADER_STATIC_DECODE=off``);
 - ``static``: the static step (modeling/graph_decode.py) launched op by op;
 - ``graph``: the static step captured in CUDA graphs (the default on CUDA);
+- ``triton`` (in ``--paths``): the graphs with the step's attention as one Triton kernel
+  (``SPADER_DECODE_ATTENTION=triton``, modeling/triton_attention.py);
 - ``hf_static`` (``--hf-generate``): transformers' ``generate(cache_implementation="static")`` (its forward
   compiled with CUDA graphs), greedy, per step with the prefill subtracted (a run of 1 new token against
   one of ``steps + 1``), and its first call's seconds (the compilation);
@@ -54,8 +56,14 @@ from spader_pipeline.modeling.precision import bf16_inference
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
-#: path -> (SPADER_STATIC_DECODE, SPADER_CUDA_GRAPHS)
-PATHS = {"host": ("off", True), "static": ("on", False), "graph": ("on", True)}
+#: path -> (SPADER_STATIC_DECODE, SPADER_CUDA_GRAPHS, SPADER_DECODE_ATTENTION)
+PATHS = {"host": ("off", True, "sdpa"), "static": ("on", False, "sdpa"), "graph": ("on", True, "sdpa"),
+         "triton": ("on", True, "triton")}
+
+
+def select(path: str) -> None:
+    """The module switches of ``path`` (:data:`PATHS`)."""
+    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS, static_cache.DECODE_ATTENTION = PATHS[path]
 
 
 def sync() -> None:
@@ -81,7 +89,7 @@ def _decode_seconds(model, rows: int, width: int, steps: int, autocast: bool) ->
 def time_path(model, path: str, rows: int, width: int, steps: int, autocast: bool) -> float:
     """Seconds per step of ``decode_batch`` on ``path`` (:data:`PATHS`): the difference of a ``3 * steps``
     and a ``steps`` call over ``2 * steps``, after an untimed ``3 * steps`` call (its graphs captured)."""
-    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS[path]
+    select(path)
     _decode_seconds(model, rows, width, 3 * steps, autocast)
     short = _decode_seconds(model, rows, width, steps, autocast)
     long = _decode_seconds(model, rows, width, 3 * steps, autocast)
@@ -97,7 +105,7 @@ def profile_step(model, path: str, rows: int, width: int, steps: int, autocast: 
     the ``top`` largest; on ``graph`` the kernels are the replays' (what CUPTI records of them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS = PATHS[path]
+    select(path)
     _decode_seconds(model, rows, width, 3 * steps, autocast)  # the buckets' graphs captured
     cuda = model.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -189,7 +197,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 768])
     parser.add_argument("--width", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--paths", default="host,static,graph", help="of host, static, graph (comma-separated)")
+    parser.add_argument("--paths", default="host,static,graph", help="of host, static, graph, triton (comma-separated)")
     parser.add_argument("--bf16-paths", default=None, help="the paths with bf16 weights (default: --paths)")
     parser.add_argument("--weights", default="fp32+autocast,bf16", help="of fp32+autocast, bf16 (comma-separated)")
     parser.add_argument("--hf-generate", type=int, nargs="*", default=[],
@@ -203,7 +211,7 @@ def main() -> None:
     args = smoke.parse_args(parser, rows=[2], width=16, steps=3, length_quanta=[8])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for --smoke: no graphs there
     shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
-    on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p != "graph"]
+    on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p not in ("graph", "triton")]
                  for name in (f"fp32+autocast,{args.paths}", f"bf16,{args.bf16_paths or args.paths}")}
     torch.manual_seed(0)
     fp32 = LlamaForCausalLM(LlamaConfig(**shape)).to(device).eval().requires_grad_(False)
@@ -233,7 +241,8 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
     if args.profile:
-        for path in ("graph", "static") if device == "cuda" else ("static",):
+        profiled = ["graph", *(["triton"] if "triton" in args.paths.split(",") else []), "static"]
+        for path in profiled if device == "cuda" else ("static",):
             entries = profile_step(fp32, path, args.rows[-1], args.width, args.profile_steps, True)
             print(f"\n{path}, {args.rows[-1]} rows, fp32 + autocast: the top {'kernels' if device == 'cuda' else 'operators'} "
                   f"of a decoding step (self time, {3 * args.profile_steps} steps less {args.profile_steps})")

@@ -19,10 +19,10 @@
 #                  rollout's boundary states copied out of the cache, per row against on the device; a
 #                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's; the warm
 #                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
-#     graphtests   bare machine: the gpu-marked tests of the static step (~30 s)
-#     profile      bare machine: the graphs' step at 768 rows, timed, and torch.profiler's top kernels of a step on
-#                  the graphs and op by op; the step's attention at 768 rows by way (SDPA's kernels, batched
-#                  products, flex_attention compiled) against its bytes (~2 min)
+#     graphtests   bare machine: the gpu-marked tests of the static step and the Triton attention (~40 s)
+#     profile      bare machine: the graphs' step at 768 rows with SDPA and with the Triton attention, timed,
+#                  and torch.profiler's top kernels of a step on each and op by op; the step's attention at 768
+#                  rows by way (SDPA's kernels, batched products, Triton, flex_attention) against its bytes (~2 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
@@ -147,7 +147,7 @@ decode() {
 profile() {
   mkdir -p "$OUT"
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py --rows 768 --width 512 \
-    --steps 24 --paths graph --weights fp32+autocast --profile 2>&1 | grep -v "Loading weights\|USDT" |
+    --steps 24 --paths graph,triton --weights fp32+autocast --profile 2>&1 | grep -v "Loading weights\|USDT" |
     tee "$OUT"/profile_step.log
   local rc=${PIPESTATUS[0]}
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_attention.py --rows 768 --lengths 576 --flex 2>&1 |
@@ -159,8 +159,9 @@ profile() {
 
 graphtests() {
   mkdir -p "$OUT"
-  PYTHONPATH="$PWD/src" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
-    tests/modeling/test_modeling_graph_decode_cuda.py 2>&1 | tee "$OUT"/graph_tests.log
+  PYTHONPATH="$PWD/src" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -s \
+    tests/modeling/test_modeling_graph_decode_cuda.py tests/modeling/test_modeling_triton_attention.py 2>&1 |
+    tee "$OUT"/graph_tests.log
   return "${PIPESTATUS[0]}"
 }
 
@@ -247,6 +248,9 @@ rehearse() {
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || bare_failed+=" the static step's tests"
+  # the Triton attention through Triton's interpreter (CI's CPU torch has no Triton)
+  TRITON_INTERPRET=1 PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider \
+    tests/modeling/test_modeling_triton_attention.py || bare_failed+=" the Triton attention's tests"
   echo "-- 2. the payload"
   rm -rf "$dir" && mkdir -p "$dir"/stage && cp .gpu/g[0-9]*/payload.tar.part-* "$dir"/stage/ && cp .gpu/g1/parts "$dir"/stage/ || return 1
   (PATH="$venv/bin:$PATH" STAGE=$dir/stage SITE=$dir/site && assemble) || return 1

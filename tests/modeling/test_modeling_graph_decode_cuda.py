@@ -97,6 +97,27 @@ def test_the_graphs_tokens_and_log_probs_are_the_eager_steps_and_the_models(mode
         assert sum(same for same, _ in shared) >= expected
 
 
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_triton_attention_gives_sdpas_tokens_in_graphs(model, sample, monkeypatch):
+    """The graphs with the step's attention as one Triton kernel (modeling/triton_attention.py) against the
+    graphs with SDPA: other bf16 kernels (the probabilities rounded to bf16 before their product with the
+    values, as flash attention does), so within the host loop's bound, every bucket captured."""
+    pytest.importorskip("triton")
+    runs = {}
+    for way in ("sdpa", "triton"):
+        _as("graph", monkeypatch)
+        monkeypatch.setattr(static_cache, "DECODE_ATTENTION", way)
+        assert decoding_path("cuda", True)["decode.attention"] == way
+        runs[way] = _decode(model, sample=sample)[0]
+        assert not graph_decode._graphs_failed
+    shared = parting(runs["triton"], runs["sdpa"])
+    tokens = sum(len(row) for run in runs["sdpa"] for row in run[0])
+    print(f"triton vs sdpa: {sum(s for s, _ in shared)} of {tokens} tokens shared, largest log-probability change "
+          f"{max(c for _, c in shared):.4f}")
+    assert max(change for _, change in shared) <= HOST_BOUND
+    assert sum(same for same, _ in shared) >= (0.9 * tokens if not sample else 1)
+
+
 def test_each_bucket_is_captured_once_per_process(model, monkeypatch):
     _as("graph", monkeypatch)
     _decode(model, sample=False)

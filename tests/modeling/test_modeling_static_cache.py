@@ -1,10 +1,14 @@
-"""The static cache's sizes and bookkeeping (modeling/static_cache.py), and a GrowingKVCache living in its
-buffers (kv_cache.py: move_storage, own_storage)."""
+"""The static cache's sizes and bookkeeping (modeling/static_cache.py), a GrowingKVCache living in its
+buffers (kv_cache.py: move_storage, own_storage), and the static step's attention as the switches choose
+and ``decoding_path`` reports it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from spader_pipeline.modeling import static_cache, triton_attention
+from spader_pipeline.modeling.decode_step import decoding_path
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.static_cache import (
     LENGTH_QUANTUM,
@@ -86,3 +90,21 @@ def test_a_growing_cache_moves_into_static_buffers_once_and_out_again():
     assert cache.layers[0]._key_buffer.data_ptr() not in static.pointers()
     static.keys[0].zero_()
     assert torch.equal(cache.layers[0].keys[:, :, :5], keys[[2, 0]]) and cache.get_seq_length() == 6
+
+
+def test_the_static_steps_attention_is_chosen_and_reported(monkeypatch):
+    """On CUDA the static step attends with SDPA, or with the Triton kernel where ``SPADER_DECODE_ATTENTION``
+    chooses it and Triton runs; the CPU's autocast keeps its own attention; another value is refused."""
+    assert decoding_path("cuda", True)["decode.attention"] == "sdpa"
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    assert static_cache.static_attention_name() == "sdpa"
+    assert decoding_path("cuda", True)["decode.attention"] == "sdpa"  # no Triton here: SDPA, and said so
+    monkeypatch.setattr(triton_attention, "available", lambda: True)
+    assert decoding_path("cuda", True)["decode.attention"] == "triton"
+    assert decoding_path("cuda", True, bf16_weights=True)["decode.attention"] == "triton"
+    assert decoding_path("cpu", False)["decode.attention"] == "sdpa"  # the static step is off on a CPU by default
+    assert decoding_path("cpu", True)["decode.attention"] in ("cpp", "sdpa")
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SPADER_DECODE_ATTENTION"):
+        decoding_path("cuda", True)

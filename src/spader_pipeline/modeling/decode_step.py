@@ -53,7 +53,7 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 from spader_pipeline.modeling.precision import resolve_bf16
-from spader_pipeline.modeling.static_cache import static_step_name
+from spader_pipeline.modeling.static_cache import static_attention_name, static_step_name
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "decoding_path",
            "fused_decode_step", "fused_decode_step_applies"]
@@ -280,8 +280,9 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
       (:class:`FusedDecodeStep`), ``transformers`` (the model's own forward), or where the static step is
       selected (:mod:`~spader_pipeline.modeling.graph_decode`; by default on CUDA) ``graph`` (captured in
       CUDA graphs) or ``static`` (launched op by op);
-    * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache) or ``sdpa`` (SDPA; on the
-      CPU in fp32 over the widened cache);
+    * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache), ``sdpa`` (SDPA; on the
+      CPU in fp32 over the widened cache) or, the static step's on CUDA under ``SPADER_DECODE_ATTENTION``,
+      ``triton`` (:mod:`~spader_pipeline.modeling.triton_attention`);
     * ``decode.kv_cache``: the keys' precision in the cache, ``bf16`` (stored in bf16 for the native
       attention, held in fp32 for SDPA) or ``fp32``;
     * ``decode.packed_weights``: ``on`` where the products read weights packed for oneDNN once
@@ -295,11 +296,13 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     """
     device = resolve_device(device)
     static = static_step_name(device)  # the static step (graph_decode) where it is selected for this device
-    if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
-        return {"decode.step": static or "transformers", "decode.attention": "sdpa", "decode.kv_cache": "bf16",
-                "decode.packed_weights": "off"}
     cpu = torch.device(device).type == "cpu"
     autocast = resolve_bf16(bf16, device)
+    # the static step on CUDA (on a CPU: a model in its own dtype) attends with SDPA or the Triton kernel
+    sdpa = static_attention_name() if static and (not cpu or bf16_weights or not autocast) else "sdpa"
+    if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
+        return {"decode.step": static or "transformers", "decode.attention": sdpa, "decode.kv_cache": "bf16",
+                "decode.packed_weights": "off"}
     packed = cpu and autocast and packed_linear.PACK_WEIGHTS and packing_available()
     fused = packed and FUSED_DECODE_STEP
     native = cpu and autocast and native_available()
@@ -307,7 +310,7 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     return {
         "decode.step": static or ("cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused
                                   else "transformers"),
-        "decode.attention": "cpp" if native and bf16_keys else "sdpa",
+        "decode.attention": "cpp" if native and bf16_keys else sdpa,
         "decode.kv_cache": "bf16" if bf16_keys else "fp32",
         "decode.packed_weights": "on" if packed else "off",
     }

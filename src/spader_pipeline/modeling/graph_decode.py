@@ -22,6 +22,8 @@ step as one CUDA graph over bf16 weights (9.4 ms), and so does transformers' com
   are the query positions of one SDPA call over that head's keys (``[rows, H_kv, H / H_kv, D]``), the
   shape of a decoding step of any grouped model; on a CPU under autocast it is the CPU's own decoding
   attention (:func:`~spader_pipeline.modeling.decode_attention.decode_attention`, fp32 over the cache);
+  with ``SPADER_DECODE_ATTENTION=triton``, one Triton kernel that reads no position past the step's last
+  (:mod:`~spader_pipeline.modeling.triton_attention`);
 * **sampling and log-probabilities on the device**: the logits processors that read only the scores
   (:data:`GRAPH_PROCESSORS`), the inverse-CDF draw from uniform numbers drawn for the whole turn at its
   start (the same numbers, row by row, as the host loop draws step by step), each token's log-probability,
@@ -79,6 +81,8 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 from spader_pipeline.modeling.sampling import sample_categorical, token_log_probs
 from spader_pipeline.modeling.static_cache import StaticKVCache, allocation_length, length_bucket, row_bucket
+from spader_pipeline.modeling.triton_attention import fits as triton_fits
+from spader_pipeline.modeling.triton_attention import grouped_decode_attention
 
 __all__ = ["GRAPH_PROCESSORS", "SYNC_CHECK", "StaticOutcome", "decode_static", "release_static_decoders",
            "static_decode_stats", "static_decoder"]
@@ -276,7 +280,7 @@ class _Step:
             return mask
         return torch.where(mask[:, None, None, :], 0.0, torch.full((), -torch.inf, dtype=dtype, device=mask.device))
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any,
                 scaling: float) -> torch.Tensor:
         """One query position per row: ``query`` ``[n, H, D]`` over ``keys``/``values`` ``[n, H_kv, L, D]``
         where ``mask`` (:meth:`_attention_mask`); returns ``[n, H * D]``."""
@@ -286,20 +290,30 @@ class _Step:
             return decode_attention(query.float()[:, :, None], keys, values, mask, scaling).reshape(rows, heads * dim)
         # query heads j*G .. j*G+G-1 read key/value head j (transformers' repeat_kv): G query positions of head j
         grouped = query.to(dtype).reshape(rows, self.kv_heads, heads // self.kv_heads, dim)
-        out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask, scale=scaling)
+        if isinstance(mask, tuple):  # the Triton kernel: the positions held, up to the step's last one
+            valid, end = mask
+            out = grouped_decode_attention(grouped, keys.to(dtype), values.to(dtype), valid, end, scaling)
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask,
+                                                 scale=scaling)
         return out.reshape(rows, heads * dim)
 
-    def forward(self, cache: StaticKVCache, rows: int, length: int, captured: int | None) -> torch.Tensor:
+    def forward(self, cache: StaticKVCache, rows: int, length: int, captured: int | None,
+                attention: str = "sdpa") -> torch.Tensor:
         """Feed each of the first ``rows`` rows its ``token`` at ``position``, writing its keys, values (and the
-        captured block's output) at ``cursor``, attending over the first ``length`` positions; advance
-        ``position`` and ``cursor``. Returns the logits ``[rows, V]``."""
+        captured block's output) at ``cursor``, attending over the first ``length`` positions (``attention``
+        ``triton``: up to ``cursor``, :mod:`~spader_pipeline.modeling.triton_attention`); advance ``position``
+        and ``cursor``. Returns the logits ``[rows, V]``."""
         precision, heads, kv_heads, dim = self.precision, self.heads, self.kv_heads, self.head_dim
         half = dim // 2
         x = F.embedding(cache.token[:rows], self.embed)  # [n, hidden]: the residual stream
         cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         cache.valid[:rows].index_fill_(1, cache.cursor, True)
-        mask = self._attention_mask(cache.valid[:rows, :length])
+        if attention == "triton" and precision.attention is not None:
+            mask = (cache.valid[:rows, :length], cache.cursor + 1)
+        else:
+            mask = self._attention_mask(cache.valid[:rows, :length])
         # the query and the new keys cast together where the attention reads them in the cache's dtype
         joint_cast = precision.attention is not None and precision.attention == precision.kv
         states = cache.states[:rows, 0] if captured is not None else None
@@ -506,13 +520,16 @@ class _Decoder:
     def runner(self, rows: int, length: int, sampling: _Sampling) -> Any:
         """The step at ``rows`` x ``length`` for ``sampling``, captured once where graphs are on."""
         graphs = _use_graphs(self.device)
-        key = (rows, length, sampling.key, graphs)
+        attention = static_cache.static_attention_name() if self.precision.attention is not None else "cpu"
+        if attention == "triton" and not triton_fits(self.step.heads // self.step.kv_heads, self.step.head_dim):
+            attention = "sdpa"  # a shape the kernel does not take (the tests' tiny models' heads of 8)
+        key = (rows, length, sampling.key, attention, graphs)
         if key not in self.runners:
             _STATS["buckets"] += 1
             cache, step = self.cache, self.step
 
             def one_step() -> None:
-                _sample(cache, step.forward(cache, rows, length, sampling.captured), rows, sampling)
+                _sample(cache, step.forward(cache, rows, length, sampling.captured, attention), rows, sampling)
 
             if graphs:
                 if self.pool is None:

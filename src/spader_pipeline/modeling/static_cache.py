@@ -20,8 +20,10 @@ Sizes are buckets, so a few captured graphs serve every batch:
   once per view's shape while the allocation lasts.
 
 The switches: :data:`STATIC_DECODE` (``SPADER_STATIC_DECODE``: ``auto``, the static step on CUDA; ``on``,
-on any device, the CPU running the same step without graphs, as the tests do; ``off``) and
-:data:`CUDA_GRAPHS` (``SPADER_CUDA_GRAPHS=off``: the same static step, launched op by op).
+on any device, the CPU running the same step without graphs, as the tests do; ``off``),
+:data:`CUDA_GRAPHS` (``SPADER_CUDA_GRAPHS=off``: the same static step, launched op by op) and
+:data:`DECODE_ATTENTION` (``SPADER_DECODE_ATTENTION``: ``sdpa``, or ``triton`` for the step's attention as
+one Triton kernel, :mod:`~spader_pipeline.modeling.triton_attention`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import os
 
 import torch
 
-__all__ = ["CUDA_GRAPHS", "LENGTH_QUANTUM", "ROW_BUCKETS", "STATIC_DECODE", "SYNC_EVERY", "StaticKVCache",
-           "allocation_length", "length_bucket", "row_bucket", "static_decode_selected", "static_step_name"]
+__all__ = ["CUDA_GRAPHS", "DECODE_ATTENTION", "LENGTH_QUANTUM", "ROW_BUCKETS", "STATIC_DECODE", "SYNC_EVERY",
+           "StaticKVCache", "allocation_length", "length_bucket", "row_bucket", "static_attention_name",
+           "static_decode_selected", "static_step_name"]
 
 STATIC_DECODE_ENV = "SPADER_STATIC_DECODE"
 CUDA_GRAPHS_ENV = "SPADER_CUDA_GRAPHS"
@@ -40,6 +43,11 @@ CUDA_GRAPHS_ENV = "SPADER_CUDA_GRAPHS"
 STATIC_DECODE = os.environ.get(STATIC_DECODE_ENV, "auto").strip().lower()
 #: capture the static step in CUDA graphs on CUDA (off: the same step, launched op by op)
 CUDA_GRAPHS = os.environ.get(CUDA_GRAPHS_ENV, "on").strip().lower() != "off"
+DECODE_ATTENTION_ENV = "SPADER_DECODE_ATTENTION"
+#: the static step's attention where it is SDPA's (CUDA; a CPU decoding a model in its own fp32 or bf16):
+#: ``sdpa`` (over the length bucket, an additive mask) or ``triton`` (one kernel that reads the grouped heads
+#: once and no position past the step's last; where Triton runs, else ``sdpa``)
+DECODE_ATTENTION = os.environ.get(DECODE_ATTENTION_ENV, "sdpa").strip().lower()
 #: decoding steps between two reads of which rows ended (the only reads from the device while decoding)
 SYNC_EVERY = 8
 #: rows of a step: its graph's batch sizes (vLLM captures its decoding graphs per batch size the same way)
@@ -61,6 +69,19 @@ def static_step_name(device: torch.device | str) -> str | None:
     if not static_decode_selected(device):
         return None
     return "graph" if CUDA_GRAPHS and torch.device(device).type == "cuda" else "static"
+
+
+def static_attention_name() -> str:
+    """The static step's SDPA-kind attention under :data:`DECODE_ATTENTION`: ``triton`` where chosen and Triton
+    runs here (:func:`~spader_pipeline.modeling.triton_attention.available`), else ``sdpa``."""
+    if DECODE_ATTENTION not in ("sdpa", "triton"):
+        raise ValueError(f"{DECODE_ATTENTION_ENV}={DECODE_ATTENTION!r}: use sdpa or triton")
+    if DECODE_ATTENTION == "triton":
+        from spader_pipeline.modeling import triton_attention
+
+        if triton_attention.available():
+            return "triton"
+    return "sdpa"
 
 
 def row_bucket(rows: int) -> int:

@@ -1,0 +1,126 @@
+"""A decoding step's attention as one Triton kernel: each row's query heads over its cached keys and values,
+reading the grouped key/value heads once and no position past the step's last one.
+
+The static step (:mod:`~spader_pipeline.modeling.graph_decode`) attends one query position per row over a
+length bucket of the static cache, ``[rows, H_kv, L, D]``, with a mask of the positions each row holds
+(its left padding and a turn's padding are holes). SDPA takes that as an additive mask, so it cannot use
+flash's kernel, and it reads the bucket's whole length, up to ``L - cursor - 1`` positions past the last
+one written (a bucket of 256 over ~560 real positions reads ~200 more). Here one program per row and
+key/value head (the flash-decoding layout of vLLM's and SGLang's Triton kernels, without their split of
+the positions: at hundreds of rows the rows alone fill the GPU):
+
+- the group's ``H / H_kv`` query heads are the rows of one ``[16, D]`` tile (padded to the 16 rows a
+  tensor-core product needs), so each key and value is read once for the group;
+- positions are read in blocks of ``BLOCK_N`` up to ``end`` (the step's last position + 1, read from the
+  device, so a captured graph stays valid as the cursor moves), each block's mask applied to its scores;
+- the softmax is the online one (running maximum and sum in fp32), the probabilities cast to the values'
+  dtype for their product, as flash attention computes; the output is ``out / sum`` in the query's dtype.
+
+Numerics: within bf16's rounding of SDPA's kernels, not equal to them (another summation order); the
+gpu-marked tests hold it to the same bound as SDPA's path. ``available()``: Triton importable and (on a
+CPU) its interpreter on (``TRITON_INTERPRET=1``), which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["BLOCK_N", "GROUP_ROWS", "available", "fits", "grouped_decode_attention"]
+
+#: positions a program reads per iteration
+BLOCK_N = 64
+#: the query tile's rows: a tensor-core product needs 16 (Qwen3-8B's group of 4, SmolLM2's 3, fit)
+GROUP_ROWS = 16
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports here (with a CUDA device, or its CPU interpreter on)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fits(group: int, head_dim: int) -> bool:
+    """Whether the kernel takes a model's shape: a group of at most :data:`GROUP_ROWS` query heads per
+    key/value head, a head dimension that is a power of two of at least 16 (a tensor-core product's)."""
+    return group <= GROUP_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_attention_kernel(query, keys, values, valid, end, out, scale,
+                                query_row, query_head, query_group, key_row, key_head, key_position,
+                                value_row, value_head, value_position, valid_row, out_row, out_head, out_group,
+                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        groups = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, DIM)
+        q = tl.load(query + row * query_row + head * query_head + groups[:, None] * query_group + dims[None, :],
+                    mask=groups[:, None] < GROUP, other=0.0)
+        stop = tl.load(end)
+        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+        key_base = keys + row * key_row + head * key_head
+        value_base = values + row * value_row + head * value_head
+        start = 0
+        while start < stop:  # a while, not a range over a loaded bound: Triton's interpreter runs it too
+            positions = start + tl.arange(0, BLOCK)
+            inside = positions < stop
+            held = tl.load(valid + row * valid_row + positions, mask=inside, other=0) != 0
+            k = tl.load(key_base + positions[:, None] * key_position + dims[None, :], mask=inside[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
+            scores = tl.where(held[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, 1))
+            # a group row with nothing held yet keeps -inf: exp(-inf - -inf) is nan, so shift by 0 there
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+            rescale = tl.exp(best - shift)
+            probs = tl.exp(scores - shift[:, None])
+            total = total * rescale + tl.sum(probs, 1)
+            v = tl.load(value_base + positions[:, None] * value_position + dims[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+            best = new_best
+            start += BLOCK
+        result = acc / total[:, None]
+        tl.store(out + row * out_row + head * out_head + groups[:, None] * out_group + dims[None, :],
+                 result.to(out.dtype.element_ty), mask=groups[:, None] < GROUP)
+
+    return decode_attention_kernel
+
+
+def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                             end: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query position per row over the first ``end`` cached positions it holds.
+
+    query ``[n, H_kv, G, D]`` (key/value head ``j``'s query heads ``j*G .. j*G+G-1``, as transformers' ``repeat_kv``
+    pairs them); keys, values ``[n, H_kv, L, D]`` (the last dimension contiguous: views of a cache with room
+    for more positions are fine); valid bool ``[n, L]`` (the positions each row attends to); end long ``[1]`` on
+    the device (positions ``>= end`` are not read; ``end <= L``); every row must hold a position below
+    ``end``. Returns ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
+    """
+    rows, kv_heads, group, dim = query.shape
+    if not fits(group, dim):
+        raise ValueError(f"grouped_decode_attention: group {group} (at most {GROUP_ROWS}), head dim {dim} "
+                         "(a power of two, at least 16)")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError("grouped_decode_attention: the head dimension must be contiguous")
+    out = torch.empty_like(query)
+    valid = valid if valid.stride(-1) == 1 else valid.contiguous()
+    _kernel()[(rows, kv_heads)](
+        query, keys, values, valid.view(torch.uint8), end, out, scale,
+        query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), valid.stride(0), out.stride(0), out.stride(1),
+        out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=BLOCK_N)
+    return out

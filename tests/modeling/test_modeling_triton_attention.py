@@ -1,0 +1,126 @@
+"""The decoding step's attention as one Triton kernel (modeling/triton_attention.py): fp32 attention's result
+over the positions each row holds, up to the step's last one and not past it, over cache views with room
+for more positions; and the static step with it gives SDPA's tokens.
+
+Where Triton runs: a CUDA GPU, or a CPU with Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is
+imported; ``gpu_issue63.sh rehearse`` runs these so in the GPU machine's torch). CI's CPU torch has no
+Triton: these skip there. The interpreter's products of bf16 tiles are wrong (it multiplies their bits), so
+there the kernel is checked in fp16 and fp32; on a GPU in bf16 too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from decoding_runs import SMOLLM2_135M, parting
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+
+from spader_pipeline.modeling import graph_decode, static_cache, triton_attention
+from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode import decode_batch
+from spader_pipeline.modeling.decode_step import decoding_path
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+
+pytestmark = pytest.mark.skipif(not triton_attention.available(),
+                                reason="needs Triton: a CUDA GPU, or its interpreter (TRITON_INTERPRET=1)")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+#: the largest difference from fp32 attention by the inputs' dtype: the probabilities are cast to it before
+#: their product with the values (flash attention's rounding)
+BOUNDS = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
+
+
+def _inputs(rows: int, length: int, group: int, dtype: torch.dtype, generator: torch.Generator):
+    """query ``[rows, 3, group, 64]``; keys and values views ``[rows, 3, length, 64]`` of buffers 32 positions
+    longer; every position held but row 0's first 70 (a whole block with nothing held) and row 1's 30-39."""
+
+    def cache() -> torch.Tensor:
+        return torch.randn(rows, 3, length + 32, 64, generator=generator).to(DEVICE, dtype)[:, :, :length]
+
+    query = torch.randn(rows, 3, group, 64, generator=generator).to(DEVICE, dtype)
+    valid = torch.ones(rows, length, dtype=torch.bool, device=DEVICE)
+    valid[0, :70] = False
+    if rows > 1:
+        valid[1, 30:40] = False
+    return query, cache(), cache(), valid
+
+
+def _fp32_attention(query, keys, values, valid, end: int, scale: float) -> torch.Tensor:
+    held = valid.clone()
+    held[:, end:] = False
+    scores = query.float() @ keys.float().transpose(-1, -2) * scale
+    scores = scores.masked_fill(~held[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("rows", "length", "end", "group"),
+                         [(3, 192, 150, 3), (2, 128, 128, 4), (1, 128, 90, 1), (2, 256, 129, 16)])
+def test_the_kernel_is_fp32_attention_over_the_held_positions(rows, length, end, group, dtype):
+    query, keys, values, valid = _inputs(rows, length, group, dtype, torch.Generator().manual_seed(rows + end))
+    out = triton_attention.grouped_decode_attention(query, keys, values, valid, torch.tensor([end], device=DEVICE),
+                                                    0.125)
+    assert out.shape == query.shape and out.dtype == dtype
+    expected = _fp32_attention(query, keys, values, valid, end, 0.125)
+    assert (out.float() - expected).abs().amax().item() <= BOUNDS[dtype]
+
+
+def test_no_position_past_the_end_is_read():
+    """Keys and values past ``end`` are NaN: a kernel that read them would carry a NaN into every row."""
+    query, keys, values, valid = _inputs(2, 192, 3, torch.float32, torch.Generator().manual_seed(3))
+    keys[:, :, 100:] = float("nan")
+    values[:, :, 100:] = float("nan")
+    out = triton_attention.grouped_decode_attention(query, keys, values, valid, torch.tensor([100], device=DEVICE),
+                                                    0.125)
+    assert torch.isfinite(out).all()
+    expected = _fp32_attention(query, keys[:, :, :100], values[:, :, :100], valid[:, :100], 100, 0.125)
+    assert (out - expected).abs().amax().item() <= 1e-5
+
+
+def test_shapes_it_does_not_take_are_refused():
+    query, keys, values, valid = _inputs(1, 128, 3, torch.float32, torch.Generator().manual_seed(0))
+    assert triton_attention.fits(3, 64) and not triton_attention.fits(3, 8) and not triton_attention.fits(17, 64)
+    with pytest.raises(ValueError, match="head dim"):
+        triton_attention.grouped_decode_attention(query[..., :8], keys[..., :8], values[..., :8], valid,
+                                                  torch.tensor([128], device=DEVICE), 0.125)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU's static step, through the interpreter (the GPU's: "
+                    "test_modeling_graph_decode_cuda.py)")
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_static_step_with_the_kernel_gives_sdpas_tokens(sample, monkeypatch):
+    """SmolLM2's attention shape (2 blocks, a small vocabulary) in fp32 on the CPU, the static step forced on:
+    two turns (rows of different lengths and padding, ending on token 2 or their budget) with the kernel and
+    with SDPA give the same tokens, log-probabilities within fp32's rounding."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 256})).eval()
+    model.requires_grad_(False)
+    assert use_gqa_attention(model)
+    monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
+    calls = []
+    kernel = graph_decode.grouped_decode_attention
+    monkeypatch.setattr(graph_decode, "grouped_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    runs = {}
+    for way in ("sdpa", "triton"):
+        monkeypatch.setattr(static_cache, "DECODE_ATTENTION", way)
+        assert decoding_path("cpu", False)["decode.attention"] == way
+        ids = torch.randint(3, 256, (4, 20), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :6] = 0
+        cache, common = GrowingKVCache(), dict(eos_ids={2}, pad_id=0, processors=LogitsProcessorList(),
+                                               do_sample=sample, log_prob_temperature=1.0)
+        torch.manual_seed(5)
+        first = decode_batch(model, ids, mask, cache, [12, 4, 12, 8], **common)
+        where = {row: k for k, row in enumerate(first.cache_rows)}
+        cache.batch_select_indices(torch.tensor([where[row] for row in range(4)]))
+        extra = torch.randint(3, 256, (4, 70), generator=torch.Generator().manual_seed(1))
+        second = decode_batch(model, torch.cat([first.ids, extra], 1), torch.cat([first.mask, torch.ones_like(extra)], 1),
+                              cache, [8] * 4, **common)
+        runs[way] = [(run.tokens, run.log_probs) for run in (first, second)]
+        assert bool(calls) == (way == "triton")  # the kernel decoded where chosen, and only there
+        calls.clear()
+    assert [run[0] for run in runs["triton"]] == [run[0] for run in runs["sdpa"]]
+    assert max(change for _, change in parting(runs["triton"], runs["sdpa"])) <= 1e-5
