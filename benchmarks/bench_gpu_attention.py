@@ -14,7 +14,9 @@ way's calls captured in one CUDA graph and replayed (as the step runs), so the t
 - ``bmm``: the scores as one batched product over rows x heads (``[rows * 3, 3, 64] @ [rows * 3, 64, L]``),
   the mask added, softmax in fp32, then the product with the values;
 - ``triton``: modeling/triton_attention.py (``SPADER_DECODE_ATTENTION=triton``): one program per row and
-  key/value head, the group's query heads one tile, the positions held up to the last row's end;
+  key/value head, the group's query heads one tile, the positions held up to the last row's end (a loop
+  up to a bound read on the device); ``triton-length``: its loop over the bucket's length instead (a
+  constant trip count, which the compiler can pipeline), the blocks past the end masked;
 - ``flex`` (``--flex``): ``torch.nn.attention.flex_attention`` compiled, each row's length as its mask
   (a block mask: blocks past a row's length are skipped, not read), the grouped heads in place
   (``enable_gqa``);
@@ -83,12 +85,16 @@ def bmm(inputs: dict, scale: float) -> torch.Tensor:
     return out.view(rows, KV_HEADS, GROUP, DIM)
 
 
-def triton_kernel(inputs: dict, scale: float) -> torch.Tensor:
-    """modeling/triton_attention.py: the positions held, none past the longest row's end (the step's cursor)."""
+def triton_kernel(over_length: bool) -> Callable[[dict, float], torch.Tensor]:
+    """modeling/triton_attention.py: the positions held, none past the longest row's end (the step's cursor);
+    ``over_length``: its loop over the bucket's length, the blocks past the end masked."""
     from spader_pipeline.modeling.triton_attention import grouped_decode_attention
 
-    return grouped_decode_attention(inputs["query"], inputs["keys"], inputs["values"], inputs["valid"], inputs["end"],
-                                    scale)
+    def call(inputs: dict, scale: float) -> torch.Tensor:
+        return grouped_decode_attention(inputs["query"], inputs["keys"], inputs["values"], inputs["valid"],
+                                        inputs["end"], scale, over_length=over_length)
+
+    return call
 
 
 def no_mask(inputs: dict, scale: float) -> torch.Tensor:
@@ -191,7 +197,7 @@ def main() -> None:
     from spader_pipeline.modeling.triton_attention import available
 
     if available() and graphs:  # not Triton's interpreter: its products of bf16 tiles are wrong
-        ways["triton"] = triton_kernel
+        ways |= {"triton": triton_kernel(False), "triton-length": triton_kernel(True)}
     generator = torch.Generator(device).manual_seed(0)  # the caches drawn where they live (GBs at 768 rows)
     print(f"{'rows':>5} {'length':>6} {'bucket':>6} {'way':>15} {'ms a step':>10} {'GB/s':>8} {'x floor':>8} "
           f"{'largest diff':>12}")

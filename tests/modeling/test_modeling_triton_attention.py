@@ -56,25 +56,27 @@ def _fp32_attention(query, keys, values, valid, end: int, scale: float) -> torch
     return torch.softmax(scores, dim=-1) @ values.float()
 
 
+@pytest.mark.parametrize("over_length", [False, True], ids=["to-end", "over-length"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize(("rows", "length", "end", "group"),
                          [(3, 192, 150, 3), (2, 128, 128, 4), (1, 128, 90, 1), (2, 256, 129, 16)])
-def test_the_kernel_is_fp32_attention_over_the_held_positions(rows, length, end, group, dtype):
+def test_the_kernel_is_fp32_attention_over_the_held_positions(rows, length, end, group, dtype, over_length):
     query, keys, values, valid = _inputs(rows, length, group, dtype, torch.Generator().manual_seed(rows + end))
     out = triton_attention.grouped_decode_attention(query, keys, values, valid, torch.tensor([end], device=DEVICE),
-                                                    0.125)
+                                                    0.125, over_length=over_length)
     assert out.shape == query.shape and out.dtype == dtype
     expected = _fp32_attention(query, keys, values, valid, end, 0.125)
     assert (out.float() - expected).abs().amax().item() <= BOUNDS[dtype]
 
 
-def test_no_position_past_the_end_is_read():
+@pytest.mark.parametrize("over_length", [False, True], ids=["to-end", "over-length"])
+def test_no_position_past_the_end_is_read(over_length):
     """Keys and values past ``end`` are NaN: a kernel that read them would carry a NaN into every row."""
     query, keys, values, valid = _inputs(2, 192, 3, torch.float32, torch.Generator().manual_seed(3))
     keys[:, :, 100:] = float("nan")
     values[:, :, 100:] = float("nan")
     out = triton_attention.grouped_decode_attention(query, keys, values, valid, torch.tensor([100], device=DEVICE),
-                                                    0.125)
+                                                    0.125, over_length=over_length)
     assert torch.isfinite(out).all()
     expected = _fp32_attention(query, keys[:, :, :100], values[:, :, :100], valid[:, :100], 100, 0.125)
     assert (out - expected).abs().amax().item() <= 1e-5

@@ -54,54 +54,13 @@ def fits(group: int, head_dim: int) -> bool:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode_attention_kernel(query, keys, values, valid, end, out, scale,
-                                query_row, query_head, query_group, key_row, key_head, key_position,
-                                value_row, value_head, value_position, valid_row, out_row, out_head, out_group,
-                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                                BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        groups = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, DIM)
-        q = tl.load(query + row * query_row + head * query_head + groups[:, None] * query_group + dims[None, :],
-                    mask=groups[:, None] < GROUP, other=0.0)
-        stop = tl.load(end)
-        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-        key_base = keys + row * key_row + head * key_head
-        value_base = values + row * value_row + head * value_head
-        start = 0
-        while start < stop:  # a while, not a range over a loaded bound: Triton's interpreter runs it too
-            positions = start + tl.arange(0, BLOCK)
-            inside = positions < stop
-            held = tl.load(valid + row * valid_row + positions, mask=inside, other=0) != 0
-            k = tl.load(key_base + positions[:, None] * key_position + dims[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
-            scores = tl.where(held[None, :], scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, 1))
-            # a group row with nothing held yet keeps -inf: exp(-inf - -inf) is nan, so shift by 0 there
-            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-            rescale = tl.exp(best - shift)
-            probs = tl.exp(scores - shift[:, None])
-            total = total * rescale + tl.sum(probs, 1)
-            v = tl.load(value_base + positions[:, None] * value_position + dims[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
-            best = new_best
-            start += BLOCK
-        result = acc / total[:, None]
-        tl.store(out + row * out_row + head * out_head + groups[:, None] * out_group + dims[None, :],
-                 result.to(out.dtype.element_ty), mask=groups[:, None] < GROUP)
+    from spader_pipeline.modeling.triton_decode_kernel import decode_attention_kernel
 
     return decode_attention_kernel
 
 
 def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                             end: torch.Tensor, scale: float) -> torch.Tensor:
+                             end: torch.Tensor, scale: float, *, over_length: bool = False) -> torch.Tensor:
     """Attention of one query position per row over the first ``end`` cached positions it holds.
 
     query ``[n, H_kv, G, D]`` (key/value head ``j``'s query heads ``j*G .. j*G+G-1``, as transformers' ``repeat_kv``
@@ -109,6 +68,9 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     for more positions are fine); valid bool ``[n, L]`` (the positions each row attends to); end long ``[1]`` on
     the device (positions ``>= end`` are not read; ``end <= L``); every row must hold a position below
     ``end``. Returns ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
+    ``over_length``: loop over the view's ``L`` positions (a kernel compiled per ``L``), those past ``end``
+    masked and not loaded, instead of up to ``end`` (which runs faster on a GPU is a benchmark's question:
+    bench_gpu_attention.py).
     """
     rows, kv_heads, group, dim = query.shape
     if not fits(group, dim):
@@ -122,5 +84,6 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         query, keys, values, valid.view(torch.uint8), end, out, scale,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), valid.stride(0), out.stride(0), out.stride(1),
-        out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=BLOCK_N)
+        out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=BLOCK_N,
+        LENGTH=keys.shape[2] if over_length else 0)
     return out
