@@ -96,7 +96,9 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
-        ("packed_linear", "native_step"),  # oneDNN's weight layout; the decoding step and attention in C++
+        ("triton_decode_kernel",),  # the decoding attention's Triton kernel (the module imports Triton)
+        ("packed_linear", "native_step", "triton_attention"),  # oneDNN's weight layout; the decoding step and
+                                                                # attention in C++; the attention in Triton
         ("decode_attention",),  # the bf16 cache's decoding attention
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged", "sampling", "static_cache"),  # each one concern of running a model
