@@ -126,3 +126,39 @@ def test_the_static_step_with_the_kernel_gives_sdpas_tokens(sample, monkeypatch)
         calls.clear()
     assert [run[0] for run in runs["triton"]] == [run[0] for run in runs["sdpa"]]
     assert max(change for _, change in parting(runs["triton"], runs["sdpa"])) <= 1e-5
+
+
+AHEAD_OF_TIME = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from spader_pipeline.modeling.triton_decode_kernel import decode_attention_kernel as kernel
+names = list(inspect.signature(kernel.fn).parameters)
+pointers, constants = {"query", "keys", "values", "out"}, {"GROUP", "GROUP_PAD", "DIM", "BLOCK", "LENGTH",
+                                                           "PRECISION", "INTERPRETED"}
+signature = {name: "*bf16" if name in pointers else "*u8" if name == "valid" else "*i64" if name == "end"
+             else "fp32" if name == "scale" else "constexpr" if name in constants else "i32" for name in names}
+values = {"GROUP": 3, "GROUP_PAD": 16, "DIM": 64, "BLOCK": 64, "LENGTH": 0, "PRECISION": None, "INTERPRETED": False}
+# as a launch specialises them: pointers and the strides (multiples of 16 here) divisible by 16
+aligned = [name for name in names if signature[name] in ("*bf16", "*u8", "*i64", "i32") and name != "query_group"]
+source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()},
+                   attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(json.dumps({"mma": "mma.sync" in ptx or "wgmma" in ptx, "async_copies": ptx.count("cp.async")}))
+"""
+
+
+def test_the_kernel_builds_for_hopper_with_tensor_cores_and_pipelined_loads():
+    """Triton's own compiler, ahead of time for sm_90 (the H200's; no GPU needed, so a CPU checks it before a
+    lease): bf16 products on the tensor cores, and the loop's loads asynchronous copies (pipelined), which a
+    while loop over the same blocks would not be."""
+    import json
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # the real compiler
+    done = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert built["mma"] and built["async_copies"] > 0

@@ -12,7 +12,10 @@ the positions: at hundreds of rows the rows alone fill the GPU):
 - the group's ``H / H_kv`` query heads are the rows of one ``[16, D]`` tile (padded to the 16 rows a
   tensor-core product needs), so each key and value is read once for the group;
 - positions are read in blocks of ``BLOCK_N`` up to ``end`` (the step's last position + 1, read from the
-  device, so a captured graph stays valid as the cursor moves), each block's mask applied to its scores;
+  device, so a captured graph stays valid as the cursor moves), each block's mask applied to its scores:
+  a loop the compiler pipelines (its loads asynchronous copies into shared memory, checked in the sm_90
+  build's PTX); Triton's interpreter, which cannot run a range over a loaded bound, runs the same blocks
+  in a while loop;
 - the softmax is the online one (running maximum and sum in fp32), the probabilities cast to the values'
   dtype for their product, as flash attention computes; the output is ``out / sum`` in the query's dtype.
 
@@ -85,5 +88,8 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), valid.stride(0), out.stride(0), out.stride(1),
         out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=BLOCK_N,
-        LENGTH=keys.shape[2] if over_length else 0)
+        LENGTH=keys.shape[2] if over_length else 0,
+        # fp32 products in fp32 (Triton's default for fp32 tiles is TF32: 10 bits), as SDPA's fp32 kernels
+        PRECISION="ieee" if query.dtype == torch.float32 else None,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
     return out

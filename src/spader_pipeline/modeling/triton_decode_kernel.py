@@ -7,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def attend_block(q, key_base, value_base, valid_base, start, stop, key_position, value_position, scale, best,
-                 total, acc, DIM: tl.constexpr, BLOCK: tl.constexpr):
+                 total, acc, DIM: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     """One block of ``BLOCK`` positions from ``start`` into the online softmax (``best``, ``total``, ``acc``);
     positions at or past ``stop`` are neither loaded nor attended."""
     dims = tl.arange(0, DIM)
@@ -15,7 +15,7 @@ def attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
     inside = positions < stop
     held = tl.load(valid_base + positions, mask=inside, other=0) != 0
     k = tl.load(key_base + positions[:, None] * key_position + dims[None, :], mask=inside[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK], fp32
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK], fp32
     scores = tl.where(held[None, :], scores, float("-inf"))
     new_best = tl.maximum(best, tl.max(scores, 1))
     # a group row with nothing held yet keeps -inf: exp(-inf - -inf) is nan, so shift by 0 there
@@ -24,7 +24,7 @@ def attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
     probs = tl.exp(scores - shift[:, None])
     total = total * rescale + tl.sum(probs, 1)
     v = tl.load(value_base + positions[:, None] * value_position + dims[None, :], mask=inside[:, None], other=0.0)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
     return new_best, total, acc
 
 @triton.jit
@@ -32,7 +32,7 @@ def decode_attention_kernel(query, keys, values, valid, end, out, scale,
                             query_row, query_head, query_group, key_row, key_head, key_position,
                             value_row, value_head, value_position, valid_row, out_row, out_head, out_group,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-                            LENGTH: tl.constexpr):
+                            LENGTH: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     groups = tl.arange(0, GROUP_PAD)
@@ -46,16 +46,23 @@ def decode_attention_kernel(query, keys, values, valid, end, out, scale,
     key_base = keys + row * key_row + head * key_head
     value_base = values + row * value_row + head * value_head
     valid_base = valid + row * valid_row
-    if LENGTH > 0:  # a range over the view's length (a constant: a kernel per length), blocks past stop masked:
-        for start in range(0, LENGTH, BLOCK):  # a loop of known trip count, which the compiler pipelines
+    if LENGTH > 0:  # a range over the view's length (a constant: a kernel per length), blocks past stop masked
+        for start in range(0, LENGTH, BLOCK):
             best, total, acc = attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
-                                            value_position, scale, best, total, acc, DIM, BLOCK)
-    else:  # up to stop, no block past it (a while: a range over a loaded bound fails in Triton's interpreter)
+                                            value_position, scale, best, total, acc, DIM, BLOCK,
+                                            PRECISION)
+    elif INTERPRETED:  # Triton's interpreter: a range over a loaded bound fails there, a while runs
         start = 0
         while start < stop:
             best, total, acc = attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
-                                            value_position, scale, best, total, acc, DIM, BLOCK)
+                                            value_position, scale, best, total, acc, DIM, BLOCK,
+                                            PRECISION)
             start += BLOCK
+    else:  # up to stop, no block past it: a range the compiler pipelines (a while it does not)
+        for start in range(0, stop, BLOCK):
+            best, total, acc = attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
+                                            value_position, scale, best, total, acc, DIM, BLOCK,
+                                            PRECISION)
     result = acc / total[:, None]
     tl.store(out + row * out_row + head * out_head + groups[:, None] * out_group + dims[None, :],
              result.to(out.dtype.element_ty), mask=groups[:, None] < GROUP)
