@@ -22,7 +22,8 @@
 #     graphtests   bare machine: the gpu-marked tests of the static step and the Triton attention (~40 s)
 #     profile      bare machine: the graphs' step at 768 rows with SDPA and with the Triton attention, timed,
 #                  and torch.profiler's top kernels of a step on each and op by op; the step's attention at 768
-#                  rows by way (SDPA's kernels, batched products, Triton, flex_attention) against its bytes (~2 min)
+#                  rows by way (SDPA's kernels, batched products, Triton; flex_attention with --flex, ~45 s more
+#                  to compile, left out) against its bytes (~2.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
@@ -162,7 +163,7 @@ faster = bool(row.get("triton") and row.get("graph") and row["triton"] < 0.97 * 
 print("triton" if faster and sys.argv[2] == "0" else "sdpa")
 PY
   echo "the one-GPU run's attention: $(cat "$STAGE"/attention)"
-  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_attention.py --rows 768 --lengths 576 --flex 2>&1 |
+  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_attention.py --rows 768 --lengths 576 2>&1 |
     tee "$OUT"/attention.log
   local attention_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$attention_rc
