@@ -229,7 +229,11 @@ def main() -> None:
             row = {"weights": weights, "rows": rows, "width": args.width, "steps": args.steps,
                    "floor": floor_seconds(shape, rows, args.width + 2 * args.steps, bandwidth, flops)}
             for path in on_device[weights]:
-                row[path] = time_path(model, path, rows, args.width, args.steps, autocast)
+                try:
+                    row[path] = time_path(model, path, rows, args.width, args.steps, autocast)
+                except Exception as error:  # noqa: BLE001 - a path that fails (a new kernel) is said; the others run
+                    print(f"{path} at {rows} rows failed: {type(error).__name__}: {error}"[:300], flush=True)
+                    row[path] = None
             for quantum in args.length_quanta:
                 row[f"q{quantum}"] = time_quantum(model, quantum, rows, args.width, args.steps, autocast)
             if weights == "bf16" and rows in args.hf_generate:
@@ -243,7 +247,11 @@ def main() -> None:
     if args.profile:
         profiled = ["graph", *(["triton"] if "triton" in args.paths.split(",") else []), "static"]
         for path in profiled if device == "cuda" else ("static",):
-            entries = profile_step(fp32, path, args.rows[-1], args.width, args.profile_steps, True)
+            try:
+                entries = profile_step(fp32, path, args.rows[-1], args.width, args.profile_steps, True)
+            except Exception as error:  # noqa: BLE001 - as above
+                print(f"the profile of {path} failed: {type(error).__name__}: {error}"[:300], flush=True)
+                continue
             print(f"\n{path}, {args.rows[-1]} rows, fp32 + autocast: the top {'kernels' if device == 'cuda' else 'operators'} "
                   f"of a decoding step (self time, {3 * args.profile_steps} steps less {args.profile_steps})")
             print(f"{'ms a step':>10} {'calls':>7}  name")
