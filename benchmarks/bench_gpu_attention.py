@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections.abc import Callable
 
 import smoke
 import torch
 import torch.nn.functional as F
 from bench_gpu_decode_step import device_rates
+from timing import interleaved_medians
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS
@@ -167,13 +167,7 @@ def timed(way: Callable[[dict, float], torch.Tensor], layers: list[dict], scale:
         run = graph.replay  # noqa: F811 - the pass, replayed
         run()
         synchronize()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        synchronize()
-        samples.append(time.perf_counter() - started)
-    return sorted(samples)[len(samples) // 2]
+    return interleaved_medians({"pass": run}, repeats, sync=synchronize)[0]["pass"]
 
 
 def main() -> None:
@@ -219,8 +213,9 @@ def main() -> None:
                 seconds = timed(way, layers, scale, args.repeats, graphs)
             except Exception as error:  # noqa: BLE001 - a kernel that refuses the inputs: said, the others run
                 print(f"{args.rows:5d} {length:6d} {bucket:6d} {name:>15} refused: {type(error).__name__}: {error}"[:220])
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize() if graphs else None
+                if graphs:
+                    with contextlib.suppress(Exception):  # the failed way's queued work, if any
+                        torch.cuda.synchronize()
                 continue
             shown = f"{difference:12.2e}" if difference is not None else f"{'-':>12}"
             print(f"{args.rows:5d} {length:6d} {bucket:6d} {name:>15} {1e3 * seconds:10.3f} "

@@ -310,7 +310,7 @@ class _Step:
         cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         cache.valid[:rows].index_fill_(1, cache.cursor, True)
-        if attention == "triton" and precision.attention is not None:
+        if attention == "triton":  # the runner names it only where the attention is SDPA's kind
             mask = (cache.valid[:rows, :length], cache.cursor + 1)
         else:
             mask = self._attention_mask(cache.valid[:rows, :length])

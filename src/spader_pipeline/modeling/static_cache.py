@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from spader_pipeline.modeling import triton_attention
+
 __all__ = ["CUDA_GRAPHS", "DECODE_ATTENTION", "LENGTH_QUANTUM", "ROW_BUCKETS", "STATIC_DECODE", "SYNC_EVERY",
            "StaticKVCache", "allocation_length", "length_bucket", "row_bucket", "static_attention_name",
            "static_decode_selected", "static_step_name"]
@@ -76,12 +78,7 @@ def static_attention_name() -> str:
     runs here (:func:`~spader_pipeline.modeling.triton_attention.available`), else ``sdpa``."""
     if DECODE_ATTENTION not in ("sdpa", "triton"):
         raise ValueError(f"{DECODE_ATTENTION_ENV}={DECODE_ATTENTION!r}: use sdpa or triton")
-    if DECODE_ATTENTION == "triton":
-        from spader_pipeline.modeling import triton_attention
-
-        if triton_attention.available():
-            return "triton"
-    return "sdpa"
+    return "triton" if DECODE_ATTENTION == "triton" and triton_attention.available() else "sdpa"
 
 
 def row_bucket(rows: int) -> int:

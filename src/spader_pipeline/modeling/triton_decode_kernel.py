@@ -27,6 +27,7 @@ def attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
     acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
     return new_best, total, acc
 
+
 @triton.jit
 def decode_attention_kernel(query, keys, values, valid, end, out, scale,
                             query_row, query_head, query_group, key_row, key_head, key_position,
