@@ -27,8 +27,8 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
 
 Each under bf16 autocast over fp32 weights (as the trainer decodes) and with bf16 weights. Rows per
 second = rows / step. The capture counts and seconds (modeling.graph_decode.static_decode_stats) are
-printed last; ``--profile`` adds torch.profiler's top kernels of a step at the last row count, on ``graph``
-and ``static`` (:func:`profile_step`).
+printed last; ``--profile`` adds torch.profiler's top kernels of a step at the last row count, on ``graph``,
+``triton`` (where in ``--paths``) and ``static`` (:func:`profile_step`).
 
     python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768
     python benchmarks/bench_gpu_decode_step.py --smoke   (2 blocks, 2 rows, on the CPU where there is no GPU)
