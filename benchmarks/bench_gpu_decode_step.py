@@ -21,6 +21,11 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
   length buckets of ``N`` positions instead of ``static_cache.LENGTH_QUANTUM`` (256): a bucket reads its
   masked tail too (the default's 768 positions where ~560 are real here), and a finer one captures more
   buckets a run;
+- ``llamacpp`` (``--llamacpp BINARY``): llama.cpp's ``llama-batched-bench`` (every layer on the GPU) over
+  the same random weights, written as a bf16 GGUF (``bench_vs_llamacpp.synthetic_gguf``), ``--width`` prompt
+  tokens and ``--llamacpp-steps`` decoding steps a row, its decoding seconds over its steps (median of
+  ``--llamacpp-repeats`` runs); it decodes at most 256 sequences at once (``LLAMA_MAX_SEQ``), so at 768 rows
+  its 256-sequence step, marked ``*`` (a batch of 768 would take three);
 - ``floor``: the bytes a step must read (the weights once, every row's keys and values) over the
   device's copy bandwidth, measured here (a 2 GiB copy), and the products' FLOPs at the bf16 peak the
   device reaches on a large product, measured too; the larger of the two.
@@ -30,7 +35,8 @@ second = rows / step. The capture counts and seconds (modeling.graph_decode.stat
 printed last; ``--profile`` adds torch.profiler's top kernels of a step at the last row count, on ``graph``,
 ``triton`` (where in ``--paths``) and ``static`` (:func:`profile_step`).
 
-    python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768
+    python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768 \
+        [--llamacpp build/llamacpp/cmake-0.3.36-cuda-sm90/bin/llama-batched-bench]
     python benchmarks/bench_gpu_decode_step.py --smoke   (2 blocks, 2 rows, on the CPU where there is no GPU)
 """
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -192,6 +199,38 @@ def floor_seconds(config: dict, rows: int, positions: int, bandwidth: float, flo
     return max(2 * (weights + cache) / bandwidth, 2 * weights * rows / flops)
 
 
+def time_llamacpp(model, binary: Path, results: list[dict], width: int, steps: int, repeats: int) -> None:
+    """llama.cpp's decoding step (seconds) at each row count of ``results`` (the rows of ``model``'s
+    weights), over ``model``'s weights as a bf16 GGUF: into each row as ``llamacpp`` (and
+    ``llamacpp_sequences`` where capped); a failure is said and leaves the column empty."""
+    import tempfile
+
+    import bench_vs_llamacpp
+
+    rows = sorted({r["rows"] for r in results if r["weights"] == "fp32+autocast"})
+    cuda = torch.cuda.is_available()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            gguf = bench_vs_llamacpp.synthetic_gguf(model, Path(folder) / "model.bf16.gguf")
+            print(f"llama.cpp: {binary}, the model as {gguf.stat().st_size / 2**20:.0f} MiB of bf16 GGUF "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+            runs = []
+            for _ in range(repeats):
+                run = bench_vs_llamacpp.run_batched_bench(binary, gguf, rows, os.cpu_count() or 1, width, steps,
+                                                          cuda=cuda)
+                steps_ms = ", ".join(f"{n}: {r['step_ms']:.2f}" for n, r in run["rows"].items())
+                print(f"  llama.cpp ms a step: {steps_ms}; {run['settings']}", flush=True)
+                runs.append(run)
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - llama.cpp's failure leaves our figures standing
+        print(f"llama.cpp failed: {type(error).__name__}: {error}"[:2000], flush=True)
+        return
+    for r in results:
+        if r["weights"] == "fp32+autocast":
+            r["llamacpp"] = statistics.median(run["rows"][r["rows"]]["step_ms"] for run in runs) / 1e3
+            r["llamacpp_sequences"] = runs[0]["rows"][r["rows"]].get("sequences")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 768])
@@ -206,6 +245,9 @@ def main() -> None:
                         help="also time the static step attending over length buckets of these many positions")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--llamacpp", default=None, help="a llama-batched-bench to time at the same shape and weights")
+    parser.add_argument("--llamacpp-steps", type=int, default=64, help="its decoding steps a row")
+    parser.add_argument("--llamacpp-repeats", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=8,
                         help="--profile's window: a 3x call less a 1x call of this many steps (each kernel an event)")
     args = smoke.parse_args(parser, rows=[2], width=16, steps=3, length_quanta=[8])
@@ -244,6 +286,8 @@ def main() -> None:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if args.llamacpp:
+        time_llamacpp(fp32, Path(args.llamacpp), results, args.width, args.llamacpp_steps, args.llamacpp_repeats)
     if args.profile:
         profiled = ["graph", *(["triton"] if "triton" in args.paths.split(",") else []), "static"]
         for path in profiled if device == "cuda" else ("static",):
@@ -262,13 +306,18 @@ def main() -> None:
           f"{stats['capture_seconds']:.1f} s (each bucket's first step included); static caches allocated: "
           f"{stats['allocations']}; replays {stats['replays']}")
     ours = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta)]
-    columns = [*ours, "hf_static", "floor"]
-    print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}")
+    columns = [*ours, "hf_static", "llamacpp", "floor"]
+    print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}"
+          + (f" {'llama.cpp/best':>14}" if args.llamacpp else ""))
     for r in results:
-        cells = [f"{1e3 * r[c]:10.2f}" if r.get(c) else f"{'-':>10}" for c in columns]
+        cells = [(f"{1e3 * r[c]:9.2f}" + ("*" if c == "llamacpp" and r.get("llamacpp_sequences") else " "))
+                 if r.get(c) else f"{'-':>10}" for c in columns]
         best = min((r[p] for p in ours if r.get(p)), default=None)  # none: the CPU, where there are no graphs
         rate = f"{r['rows'] / best:11.0f}" if best else f"{'-':>11}"
-        print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {rate}")
+        ratio = f" {r['llamacpp'] / best:14.2f}" if best and r.get("llamacpp") else ""
+        print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {rate}{ratio}")
+    if any(r.get("llamacpp_sequences") for r in results):
+        print("* llama.cpp's step at its most sequences at once (LLAMA_MAX_SEQ), not at the row count")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                                                "torch": torch.__version__, "bandwidth": bandwidth, "flops": flops,

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_vs_llamacpp.py [--rows 1,4,16,32,64] [--threads 1,2] [--repeats 2]
         [--prompt-tokens 512] [--new-tokens 64] [--model-dir data/06_models/base_model] [--json PATH]
         [--ours-only | --llamacpp-only | --build-only] [--before python|packed|unpacked|autocast|host|none] [--jobs 2]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--cuda-arch 90] [--cuda-toolkit DIR] [--llamacpp-binary PATH]
 
 Issue 57: how far is the project's decoder (:func:`~spader_pipeline.modeling.decode.decode_batch` over a
 :class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`, what the rollouts run) from a dedicated CPU
@@ -18,6 +18,10 @@ steps of one token per row, no early stop.
   folder); llama.cpp is never a dependency of the project. The converter runs on the project venv's
   torch, transformers and numpy with the tree's ``gguf-py`` first on ``PYTHONPATH``; the one module
   the venv lacks, ``sentencepiece``, is installed into ``build/llamacpp/pydeps`` (not into the venv).
+  On a GPU (``--device cuda``) it is built with ``GGML_CUDA`` for the GPU found, or, with ``--cuda-arch 90``,
+  for that compute capability on a machine without one (the lent H200's binary is built ahead of its
+  lease this way: ``scripts/gpu_wheels.sh``'s ``prebuild_llamacpp_cuda``), then taken with
+  ``--llamacpp-binary``.
 * **ours**: the model from ``load_model_and_tokenizer``, under bf16 autocast when ``resolve_bf16("auto")``
   turns it on for this CPU (each weight cast once per call, :func:`~spader_pipeline.modeling.precision.
   bf16_inference`, as a rollout turn runs), ``torch.set_num_threads(threads)``; greedy, no
@@ -133,14 +137,22 @@ def llama_max_seq() -> int:
     return int(found.group(1))
 
 
-def build_batched_bench(jobs: int, cuda: bool = False) -> Path:
+def build_batched_bench(jobs: int, cuda: bool = False, cuda_arch: str | None = None,
+                        cuda_toolkit: Path | None = None) -> Path:
     """``llama-batched-bench`` built for this CPU (``GGML_NATIVE``), or with ``cuda`` for the GPU
-    (``GGML_CUDA``: needs the CUDA toolkit's ``nvcc``), once each."""
-    cmake_dir = CUDA_CMAKE_DIR if cuda else CMAKE_DIR
+    (``GGML_CUDA``: needs the CUDA toolkit's ``nvcc``), once each.
+
+    ``cuda_arch`` (a compute capability, ``"90"`` for an H100/H200) builds for that GPU instead of the one
+    found, so the build needs none: llama.cpp's CPU code then for any x86-64 (``GGML_NATIVE`` off), the
+    result one binary (static ``ggml``/``llama``; CUDA's runtime and cuBLAS linked dynamically, found where it
+    runs). ``cuda_toolkit``: the toolkit's root where ``nvcc`` on PATH is not the one to build with."""
+    cmake_dir = (CUDA_CMAKE_DIR.with_name(f"{CUDA_CMAKE_DIR.name}-sm{cuda_arch}") if cuda and cuda_arch
+                 else CUDA_CMAKE_DIR if cuda else CMAKE_DIR)
     binary = cmake_dir / "bin/llama-batched-bench"
     if binary.is_file():
         return binary
-    if cuda and shutil.which("nvcc") is None:
+    nvcc = (cuda_toolkit / "bin/nvcc") if cuda_toolkit else shutil.which("nvcc")
+    if cuda and (nvcc is None or not Path(nvcc).is_file()):
         raise SystemExit("llama.cpp's CUDA build needs nvcc (the CUDA toolkit), not found on PATH; "
                          "--ours-only times our decoder alone")
     tree = llamacpp_tree()
@@ -148,7 +160,12 @@ def build_batched_bench(jobs: int, cuda: bool = False) -> Path:
     log = WORK / "build.log"
     log.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not make's -w
-    _run(["cmake", "-S", tree, "-B", cmake_dir, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    target = ["-DGGML_NATIVE=ON"]
+    if cuda and cuda_arch:
+        target = ["-DGGML_NATIVE=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}", "-DBUILD_SHARED_LIBS=OFF"]
+    if cuda and cuda_toolkit:
+        target += [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCUDAToolkit_ROOT={cuda_toolkit}"]
+    _run(["cmake", "-S", tree, "-B", cmake_dir, "-DCMAKE_BUILD_TYPE=Release", *target,
           f"-DGGML_CUDA={'ON' if cuda else 'OFF'}", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
           "-DLLAMA_BUILD_TESTS=OFF"], log, env=env)
     _run(["cmake", "--build", cmake_dir, "--config", "Release", "--target", "llama-batched-bench", "-j", jobs],
@@ -187,6 +204,106 @@ def converted_gguf(folder: Path) -> Path:
     return out
 
 
+def _gguf_module() -> Any:
+    """``gguf``: the installed package, else the llama.cpp tree's ``gguf-py`` (a bare GPU machine)."""
+    if importlib.util.find_spec("gguf") is None:
+        sys.path.insert(0, str(llamacpp_tree() / "gguf-py"))
+    import gguf
+
+    return gguf
+
+
+def _interleaved_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A query or key projection ``[heads * D, in]`` with each head's rows reordered from transformers'
+    rotary layout (first half, second half) to GGUF llama's (pairs), as llama.cpp's converter stores them."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def synthetic_gguf(model: Any, path: Path) -> Path:
+    """``model`` (a transformers Llama-family ``*ForCausalLM``, its weights whatever they are: random for
+    a benchmark of speed) as a bf16 GGUF of llama.cpp's ``llama`` architecture at ``path``, with a
+    placeholder vocabulary of its size (an SPM one: ``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens, then
+    ``t<i>``; a speed benchmark feeds token ids, never text).
+
+    What a model folder and the tree's converter would give for the same weights (names, the query and key
+    rows in GGUF's rotary layout, norms in fp32, no ``output`` where the embeddings are tied), without a
+    tokenizer or a model folder: so a bare GPU machine times llama.cpp at our benchmark's shape and weights.
+    Tied embeddings only (SmolLM2's); biases, QK norms and rotary scaling are refused."""
+    gguf = _gguf_module()
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if (not config.tie_word_embeddings or getattr(config, "attention_bias", False) or theta is None
+            or rope.get("rope_type", "default") != "default" or getattr(config, "mlp_bias", False)):
+        raise ValueError("synthetic_gguf: a Llama with tied embeddings, no biases, plain rotary embedding")
+    vocab = config.vocab_size
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    per_block = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for block in range(config.num_hidden_layers):
+        for ours, theirs in per_block.items():
+            names[f"model.layers.{block}.{ours}.weight"] = f"blk.{block}.{theirs}.weight"
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if set(state) != set(names):
+        raise ValueError(f"synthetic_gguf: tensors not of a plain Llama: {sorted(set(state) ^ set(names))[:6]}")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    specials = ["<unk>", "<s>", "</s>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(len(tokens), vocab)]
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.NORMAL] * (vocab - len(specials) - 256))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens[:vocab])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(types[:vocab])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in state.items():
+        tensor = tensor.detach().float().cpu()
+        if name.endswith("q_proj.weight"):
+            tensor = _interleaved_rotary(tensor, heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _interleaved_rotary(tensor, kv_heads)
+        if tensor.dim() == 1:  # norms stay fp32, as the converter keeps them
+            writer.add_tensor(names[name], tensor.numpy())
+        else:
+            writer.add_tensor(names[name], tensor.to(torch.bfloat16).view(torch.int16).numpy().view("uint16"),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _with_cuda_libraries(environ: Any) -> dict[str, str]:
+    """``environ`` with CUDA's libraries on ``LD_LIBRARY_PATH``: those of NVIDIA's wheels beside this
+    interpreter's torch (``nvidia/*/lib``) first, then the toolkit's (``/usr/local/cuda/lib64``), so a
+    ``llama-batched-bench`` built elsewhere (``--cuda-arch``) finds a cuBLAS and runtime of its major version."""
+    spec = importlib.util.find_spec("nvidia")
+    bases = (spec.submodule_search_locations or []) if spec else []
+    wheels = [str(d) for base in bases for d in sorted(Path(base).glob("*/lib"))]
+    paths = [*wheels, "/usr/local/cuda/lib64", *filter(None, environ.get("LD_LIBRARY_PATH", "").split(os.pathsep))]
+    return {**environ, "LD_LIBRARY_PATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def run_batched_bench(binary: Path, gguf: Path, rows: list[int], threads: int, prompt: int, new: int,
                       cuda: bool = False) -> dict[str, Any]:
     """One ``llama-batched-bench`` sweep over ``rows``; per row count its prefill/decoding rates
@@ -198,7 +315,8 @@ def run_batched_bench(binary: Path, gguf: Path, rows: list[int], threads: int, p
     cmd = [binary, *(["-ngl", 999] if cuda else []), "-m", gguf, "-c", context, "-b", 2048, "-ub", 512,
            "-npp", prompt, "-ntg", new,
            "-npl", ",".join(map(str, sweep)), "-t", threads, "-tb", threads, "-lv", 4]  # -lv 4: what auto chose
-    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False,
+                         env=_with_cuda_libraries(os.environ) if cuda else None)
     text = out.stdout + out.stderr
     if out.returncode != 0:
         raise SystemExit(f"llama-batched-bench failed ({out.returncode}):\n{text[-3000:]}")
@@ -436,6 +554,13 @@ def main() -> None:
     only.add_argument("--llamacpp-only", action="store_true", help="skip our decoder")
     only.add_argument("--build-only", action="store_true",
                       help="build llama-batched-bench (for --device) and stop (e.g. while the model folder is made)")
+    parser.add_argument("--cuda-arch", default=None,
+                        help="with --device cuda: build llama.cpp for this compute capability (90: H100/H200) "
+                             "instead of the GPU found; the build then needs no GPU")
+    parser.add_argument("--cuda-toolkit", default=None, help="the CUDA toolkit to build with (default: nvcc on PATH)")
+    parser.add_argument("--llamacpp-binary", default=None,
+                        help="a llama-batched-bench built elsewhere (e.g. --build-only --cuda-arch 90 on a machine "
+                             "without a GPU) instead of building one")
     parser.add_argument("--before", choices=("python", "packed", "unpacked", "autocast", "host", "none"),
                         default="python",
                         help="our decoder before a change, timed in the same run: python (the Python decoding "
@@ -450,8 +575,14 @@ def main() -> None:
         args.model_dir = str(smoke.model_dir())
     rows = [int(n) for n in args.rows.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    def batched_bench() -> Path:
+        if args.llamacpp_binary:
+            return Path(args.llamacpp_binary).resolve()
+        return build_batched_bench(args.jobs, cuda=args.device == "cuda", cuda_arch=args.cuda_arch,
+                                   cuda_toolkit=Path(args.cuda_toolkit).resolve() if args.cuda_toolkit else None)
+
     if args.build_only:
-        build_batched_bench(args.jobs, cuda=args.device == "cuda")
+        print(batched_bench(), flush=True)
         return
     folder = Path(args.model_dir)
     folder = folder if folder.is_absolute() or folder.exists() else ROOT / folder
@@ -462,7 +593,7 @@ def main() -> None:
                and not (e in ("ours", "before") and args.llamacpp_only) and not (e == "before" and args.before == "none")]
     gguf = binary = None
     if "llamacpp" in engines:
-        binary = build_batched_bench(args.jobs, cuda=args.device == "cuda")
+        binary = batched_bench()
         gguf = converted_gguf(folder)
     model = pad_id = None
     bf16 = False
@@ -479,15 +610,17 @@ def main() -> None:
             engines.remove("before")  # nothing is packed nor fused here: "ours" is already the model's forward
 
     cpu = cpu_info()
-    features = native_features() if "llamacpp" in engines else []
+    features = native_features() if "llamacpp" in engines and not args.llamacpp_binary else []
     load_before = os.getloadavg()
     print(f"CPU: {cpu['model_name']} (family {cpu['family']}, model {cpu['model']}), {cpu['cores']} cores; "
           f"avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}, AMX: {' '.join(cpu['amx']) or 'no'}; "
           f"torch {torch.__version__}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}",
           flush=True)
     if gguf is not None:
-        print(f"llama.cpp: {binary.relative_to(ROOT)} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist), "
-              f"-march=native: {', '.join(features) or '?'}; model {gguf.relative_to(ROOT)}", flush=True)
+        built = (f"built elsewhere ({binary})" if args.llamacpp_binary
+                 else f"{binary.relative_to(ROOT)}, -march=native: {', '.join(features) or '?'}")
+        print(f"llama.cpp: llama-batched-bench of the llama-cpp-python {LLAMA_CPP_PYTHON} sdist, {built}; "
+              f"model {gguf.relative_to(ROOT)}", flush=True)
     if model is not None:
         from spader_pipeline.modeling.decode_step import fused_decode_step_applies
         from spader_pipeline.modeling.precision import bf16_inference
