@@ -16,7 +16,9 @@ way's calls captured in one CUDA graph and replayed (as the step runs), so the t
 - ``triton``: modeling/triton_attention.py (``SPADER_DECODE_ATTENTION=triton``): one program per row and
   key/value head, the group's query heads one tile, the positions held up to the last row's end (a loop
   up to a bound read on the device); ``triton-length``: its loop over the bucket's length instead (a
-  constant trip count, which the compiler can pipeline), the blocks past the end masked;
+  constant trip count, which the compiler can pipeline), the blocks past the end masked; ``triton-b32``,
+  ``-b128``, ``-w2``, ``-w8``, ``-s2``, ``-s4``: its launch otherwise (positions an iteration, warps, the
+  loop's pipelining stages; :data:`TRITON_LAUNCHES`), which the step's defaults should be;
 - ``flex`` (``--flex``): ``torch.nn.attention.flex_attention`` compiled, each row's length as its mask
   (a block mask: blocks past a row's length are skipped, not read), the grouped heads in place
   (``enable_gqa``);
@@ -43,6 +45,9 @@ from bench_gpu_decode_step import device_rates
 from timing import interleaved_medians
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
+#: the Triton kernel's launch other than the step's (64 positions an iteration, 4 warps, 3 stages): probes
+TRITON_LAUNCHES = {"b32": {"block": 32}, "b128": {"block": 128}, "w2": {"warps": 2}, "w8": {"warps": 8},
+                   "s2": {"stages": 2}, "s4": {"stages": 4}}
 GROUP = HEADS // KV_HEADS
 
 
@@ -85,14 +90,15 @@ def bmm(inputs: dict, scale: float) -> torch.Tensor:
     return out.view(rows, KV_HEADS, GROUP, DIM)
 
 
-def triton_kernel(over_length: bool) -> Callable[[dict, float], torch.Tensor]:
+def triton_kernel(over_length: bool, **launch: int) -> Callable[[dict, float], torch.Tensor]:
     """modeling/triton_attention.py: the positions held, none past the longest row's end (the step's cursor);
-    ``over_length``: its loop over the bucket's length, the blocks past the end masked."""
+    ``over_length``: its loop over the bucket's length, the blocks past the end masked; ``launch``: its
+    ``block``, ``warps``, ``stages`` other than the step's."""
     from spader_pipeline.modeling.triton_attention import grouped_decode_attention
 
     def call(inputs: dict, scale: float) -> torch.Tensor:
         return grouped_decode_attention(inputs["query"], inputs["keys"], inputs["values"], inputs["valid"],
-                                        inputs["end"], scale, over_length=over_length)
+                                        inputs["end"], scale, over_length=over_length, **launch)
 
     return call
 
@@ -192,6 +198,7 @@ def main() -> None:
 
     if available() and graphs:  # not Triton's interpreter: its products of bf16 tiles are wrong
         ways |= {"triton": triton_kernel(False), "triton-length": triton_kernel(True)}
+        ways |= {f"triton-{name}": triton_kernel(False, **launch) for name, launch in TRITON_LAUNCHES.items()}
     generator = torch.Generator(device).manual_seed(0)  # the caches drawn where they live (GBs at 768 rows)
     print(f"{'rows':>5} {'length':>6} {'bucket':>6} {'way':>15} {'ms a step':>10} {'GB/s':>8} {'x floor':>8} "
           f"{'largest diff':>12}")

@@ -92,6 +92,17 @@ def test_no_position_past_the_end_is_read(over_length):  # fp32: the same kernel
     assert (out - expected).abs().amax().item() <= 1e-5
 
 
+@pytest.mark.parametrize(("block", "warps", "stages"), [(32, 4, 3), (128, 8, 4), (64, 2, 2)])
+def test_another_launch_gives_the_same_attention(block, warps, stages):
+    """The attention benchmark's other launches (positions an iteration, warps, pipelining stages) compute
+    the same attention (fp32: the interpreter runs the block size, not the warps or stages)."""
+    query, keys, values, valid = _inputs(3, 192, 3, torch.float32, torch.Generator().manual_seed(11))
+    end = torch.tensor([150], device=DEVICE)
+    out = triton_attention.grouped_decode_attention(query, keys, values, valid, end, 0.125, block=block, warps=warps,
+                                                    stages=stages)
+    assert (out - _fp32_attention(query, keys, values, valid, 150, 0.125)).abs().amax().item() <= 1e-5
+
+
 def test_shapes_it_does_not_take_are_refused():
     query, keys, values, valid = _inputs(1, 128, 3, torch.float32, torch.Generator().manual_seed(0))
     assert triton_attention.fits(3, 64) and not triton_attention.fits(3, 8) and not triton_attention.fits(17, 64)
@@ -149,26 +160,38 @@ pointers, constants = {"query", "keys", "values", "out"}, {"GROUP", "GROUP_PAD",
                                                            "PRECISION", "INTERPRETED"}
 signature = {name: "*bf16" if name in pointers else "*u8" if name == "valid" else "*i64" if name == "end"
              else "fp32" if name == "scale" else "constexpr" if name in constants else "i32" for name in names}
-values = {"GROUP": 3, "GROUP_PAD": 16, "DIM": 64, "BLOCK": 64, "LENGTH": 0, "PRECISION": None, "INTERPRETED": False}
 # as a launch specialises them: pointers and the strides (multiples of 16 here) divisible by 16
 aligned = [name for name in names if signature[name] in ("*bf16", "*u8", "*i64", "i32") and name != "query_group"]
-source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()},
-                   attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-print(json.dumps({"mma": "mma.sync" in ptx or "wgmma" in ptx, "async_copies": ptx.count("cp.async")}))
+built = {}
+for block, warps, stages in LAUNCHES:
+    values = {"GROUP": 3, "GROUP_PAD": 16, "DIM": 64, "BLOCK": block, "LENGTH": 0, "PRECISION": None,
+              "INTERPRETED": False}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()},
+                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    built[f"{block}/{warps}/{stages}"] = {"mma": "mma.sync" in ptx or "wgmma" in ptx,
+                                          "async_copies": ptx.count("cp.async")}
+print(json.dumps(built))
 """
+#: (block, warps, stages): the step's launch first, then the attention benchmark's others
+LAUNCHES = [(64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 2, 3), (64, 8, 3), (64, 4, 2), (64, 4, 4)]
 
 
 def test_the_kernel_builds_for_hopper_with_tensor_cores_and_pipelined_loads():
     """Triton's own compiler, ahead of time for sm_90 (the H200's; no GPU needed, so a CPU checks it before a
-    lease): bf16 products on the tensor cores, and the loop's loads asynchronous copies (pipelined), which a
-    while loop over the same blocks would not be."""
+    lease), at the step's launch and the attention benchmark's others: bf16 products on the tensor cores, and
+    the loop's loads asynchronous copies (pipelined), which a while loop over the same blocks would not be."""
     import json
     import subprocess
     import sys
 
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # the real compiler
-    done = subprocess.run([sys.executable, "-c", AHEAD_OF_TIME], env=env, capture_output=True, text=True, timeout=300)
+    script = f"LAUNCHES = {LAUNCHES!r}\n" + AHEAD_OF_TIME
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert built["mma"] and built["async_copies"] > 0
+    assert len(built) == len(LAUNCHES)
+    for launch, ptx in built.items():
+        assert ptx["mma"], launch
+        assert ptx["async_copies"] > 0 or launch.endswith("/1"), launch

@@ -63,7 +63,8 @@ def _kernel():
 
 
 def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                             end: torch.Tensor, scale: float, *, over_length: bool = False) -> torch.Tensor:
+                             end: torch.Tensor, scale: float, *, over_length: bool = False, block: int = BLOCK_N,
+                             warps: int = 4, stages: int = 3) -> torch.Tensor:
     """Attention of one query position per row over the first ``end`` cached positions it holds.
 
     query ``[n, H_kv, G, D]`` (key/value head ``j``'s query heads ``j*G .. j*G+G-1``, as transformers' ``repeat_kv``
@@ -73,7 +74,9 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     ``end``. Returns ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
     ``over_length``: loop over the view's ``L`` positions (a kernel compiled per ``L``), those past ``end``
     masked and not loaded, instead of up to ``end`` (which runs faster on a GPU is a benchmark's question:
-    bench_gpu_attention.py).
+    bench_gpu_attention.py). ``block`` (positions an iteration, a power of two ≥ 16), ``warps`` and ``stages``
+    (the loop's pipelining depth) are the launch's: Triton's defaults here, other values for the benchmark to
+    compare.
     """
     rows, kv_heads, group, dim = query.shape
     if not fits(group, dim):
@@ -87,9 +90,9 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         query, keys, values, valid.view(torch.uint8), end, out, scale,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), valid.stride(0), out.stride(0), out.stride(1),
-        out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=BLOCK_N,
+        out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=block,
         LENGTH=keys.shape[2] if over_length else 0,
         # fp32 products in fp32 (Triton's default for fp32 tiles is TF32: 10 bits), as SDPA's fp32 kernels
         PRECISION="ieee" if query.dtype == torch.float32 else None,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
     return out
