@@ -28,7 +28,7 @@ way's calls captured in one CUDA graph and replayed (as the step runs), so the t
 Each way's output is compared with fp32 attention over the same inputs (largest difference printed).
 Floor: the keys and values of the real positions over the device's copy bandwidth, measured here.
 
-    python benchmarks/bench_gpu_attention.py [--rows 768] [--lengths 576 1280] [--layers 30] [--flex]
+    python benchmarks/bench_gpu_attention.py [--rows 768] [--lengths 576 1280] [--layers 30] [--flex] [--json PATH]
     python benchmarks/bench_gpu_attention.py --smoke    (tiny, on the CPU where there is no GPU; no graphs)
 """
 
@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import smoke
 import torch
@@ -184,6 +186,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--flex", action="store_true", help="also flex_attention, compiled (~20 s a shape)")
+    parser.add_argument("--json", default=None,
+                        help="also write each way's time to this file (a Triton way with its block, warps, stages)")
     args = smoke.parse_args(parser, rows=4, lengths=[96], quantum=64, layers=2, repeats=2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     graphs = device == "cuda"
@@ -196,9 +200,18 @@ def main() -> None:
         ways |= {f"sdpa-{kernel}": forced(kernel) for kernel in ("efficient", "cudnn", "math")}
     from spader_pipeline.modeling.triton_attention import available
 
+    launches: dict[str, tuple[int, int, int]] = {}  # a Triton way's launch: (block, warps, stages)
     if available() and graphs:  # not Triton's interpreter: its products of bf16 tiles are wrong
+        from spader_pipeline.modeling.triton_attention import launch
+
         ways |= {"triton": triton_kernel(False), "triton-length": triton_kernel(True)}
         ways |= {f"triton-{name}": triton_kernel(False, **launch) for name, launch in TRITON_LAUNCHES.items()}
+        launches = {"triton": launch()}
+        for name, change in TRITON_LAUNCHES.items():
+            block, warps, stages = launch()
+            launches[f"triton-{name}"] = (change.get("block", block), change.get("warps", warps),
+                                          change.get("stages", stages))
+    records = []
     generator = torch.Generator(device).manual_seed(0)  # the caches drawn where they live (GBs at 768 rows)
     print(f"{'rows':>5} {'length':>6} {'bucket':>6} {'way':>15} {'ms a step':>10} {'GB/s':>8} {'x floor':>8} "
           f"{'largest diff':>12}")
@@ -225,9 +238,15 @@ def main() -> None:
                         torch.cuda.synchronize()
                 continue
             shown = f"{difference:12.2e}" if difference is not None else f"{'-':>12}"
+            records.append({"rows": args.rows, "length": length, "bucket": bucket, "way": name, "ms": 1e3 * seconds,
+                            "floor_ms": 1e3 * floor, "largest_diff": difference, "launch": launches.get(name)})
             print(f"{args.rows:5d} {length:6d} {bucket:6d} {name:>15} {1e3 * seconds:10.3f} "
                   f"{real_bytes / seconds / 1e9:8.0f} {seconds / floor:8.2f} {shown}", flush=True)
         print(f"{args.rows:5d} {length:6d} {bucket:6d} {'floor':>15} {1e3 * floor:10.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if graphs else "cpu",
+                                               "torch": torch.__version__, "bandwidth": bandwidth,
+                                               "ways": records}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -108,3 +108,23 @@ def test_the_static_steps_attention_is_chosen_and_reported(monkeypatch):
     monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="SPADER_DECODE_ATTENTION"):
         decoding_path("cuda", True)
+
+
+@pytest.mark.parametrize("value", ["64,8", "48,4,3", "64,3,3", "64,4,0", "fast"])
+def test_a_triton_launch_it_cannot_take_is_refused_with_the_form(monkeypatch, value):
+    monkeypatch.setattr(triton_attention, "LAUNCH", value)
+    with pytest.raises(ValueError, match="SPADER_TRITON_LAUNCH.*block,warps,stages"):
+        triton_attention.launch()
+
+
+def test_another_triton_launch_is_taken_and_recorded(monkeypatch):
+    """``SPADER_TRITON_LAUNCH`` (what a lease's attention benchmark found the fastest) is the kernel's launch,
+    and the run's decoding path names it; the default launch is plain ``triton``."""
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "triton")
+    monkeypatch.setattr(triton_attention, "available", lambda: True)
+    assert triton_attention.launch() == triton_attention.DEFAULT_LAUNCH
+    monkeypatch.setattr(triton_attention, "LAUNCH", "128, 8, 2")
+    assert triton_attention.launch() == (128, 8, 2)
+    assert decoding_path("cuda", True)["decode.attention"] == "triton 128/8/2"
+    monkeypatch.setattr(triton_attention, "LAUNCH", "64,4,3")
+    assert decoding_path("cuda", True)["decode.attention"] == "triton"

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from spader_pipeline.modeling import decode_attention as attention_settings
-from spader_pipeline.modeling import native_step, packed_linear
+from spader_pipeline.modeling import native_step, packed_linear, triton_attention
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.decode_attention import decode_attention
 from spader_pipeline.modeling.device import resolve_device
@@ -282,7 +282,8 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
       CUDA graphs) or ``static`` (launched op by op);
     * ``decode.attention``: ``cpp`` (the native attention over the bf16 cache), ``sdpa`` (SDPA; on the
       CPU in fp32 over the widened cache) or, the static step's on CUDA under ``SPADER_DECODE_ATTENTION``,
-      ``triton`` (:mod:`~spader_pipeline.modeling.triton_attention`);
+      ``triton`` (:mod:`~spader_pipeline.modeling.triton_attention`; ``triton 64/8/3`` where
+      ``SPADER_TRITON_LAUNCH`` sets another launch);
     * ``decode.kv_cache``: the keys' precision in the cache, ``bf16`` (stored in bf16 for the native
       attention, held in fp32 for SDPA) or ``fp32``;
     * ``decode.packed_weights``: ``on`` where the products read weights packed for oneDNN once
@@ -300,6 +301,7 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     autocast = resolve_bf16(bf16, device)
     # the static step on CUDA (on a CPU: a model in its own dtype) attends with SDPA or the Triton kernel
     sdpa = static_attention_name() if static and (not cpu or bf16_weights or not autocast) else "sdpa"
+    sdpa = triton_attention.launch_name() if sdpa == "triton" else sdpa  # with its launch where not the default
     if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
         return {"decode.step": static or "transformers", "decode.attention": sdpa, "decode.kv_cache": "bf16",
                 "decode.packed_weights": "off"}

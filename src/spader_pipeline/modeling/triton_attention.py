@@ -31,10 +31,17 @@ import os
 
 import torch
 
-__all__ = ["BLOCK_N", "GROUP_ROWS", "available", "fits", "grouped_decode_attention"]
+__all__ = ["BLOCK_N", "DEFAULT_LAUNCH", "GROUP_ROWS", "LAUNCH", "LAUNCH_ENV", "available", "fits",
+           "grouped_decode_attention", "launch", "launch_name"]
 
 #: positions a program reads per iteration
 BLOCK_N = 64
+#: the kernel's launch: (positions an iteration, warps, the loop's pipelining stages)
+DEFAULT_LAUNCH = (BLOCK_N, 4, 3)
+LAUNCH_ENV = "SPADER_TRITON_LAUNCH"
+#: ``block,warps,stages`` in place of :data:`DEFAULT_LAUNCH` (empty: the default): the launch a lease's
+#: attention benchmark found the fastest on its GPU (``gpu_issue63.sh profile`` sets it for that lease's run)
+LAUNCH = os.environ.get(LAUNCH_ENV, "").strip()
 #: the query tile's rows: a tensor-core product needs 16 (Qwen3-8B's group of 4, SmolLM2's 3, fit)
 GROUP_ROWS = 16
 
@@ -55,6 +62,35 @@ def fits(group: int, head_dim: int) -> bool:
     return group <= GROUP_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def launch() -> tuple[int, int, int]:
+    """:data:`LAUNCH` parsed (``block,warps,stages``), or :data:`DEFAULT_LAUNCH`; a value the kernel cannot take
+    (a block that is not a power of two of at least 16, warps not a power of two up to 16, stages not 1-8)
+    is refused with the expected form."""
+    return _parsed_launch(LAUNCH)
+
+
+@functools.cache
+def _parsed_launch(value: str) -> tuple[int, int, int]:
+    if not value:
+        return DEFAULT_LAUNCH
+    try:
+        block, warps, stages = (int(part) for part in value.split(","))
+    except ValueError:
+        block = warps = stages = 0
+    if not (block >= 16 and block & (block - 1) == 0 and 1 <= warps <= 16 and warps & (warps - 1) == 0
+            and 1 <= stages <= 8):
+        raise ValueError(f"{LAUNCH_ENV}={value!r}: block,warps,stages (e.g. 64,4,3: a block a power of two "
+                         "of at least 16, warps a power of two up to 16, 1-8 stages)")
+    return block, warps, stages
+
+
+def launch_name() -> str:
+    """``triton``, with the launch where it is not :data:`DEFAULT_LAUNCH` (``triton 64/8/3``): what a run's
+    decoding path records."""
+    chosen = launch()
+    return "triton" if chosen == DEFAULT_LAUNCH else "triton " + "/".join(map(str, chosen))
+
+
 @functools.cache
 def _kernel():
     from spader_pipeline.modeling.triton_decode_kernel import decode_attention_kernel
@@ -63,8 +99,9 @@ def _kernel():
 
 
 def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                             end: torch.Tensor, scale: float, *, over_length: bool = False, block: int = BLOCK_N,
-                             warps: int = 4, stages: int = 3) -> torch.Tensor:
+                             end: torch.Tensor, scale: float, *, over_length: bool = False,
+                             block: int | None = None, warps: int | None = None,
+                             stages: int | None = None) -> torch.Tensor:
     """Attention of one query position per row over the first ``end`` cached positions it holds.
 
     query ``[n, H_kv, G, D]`` (key/value head ``j``'s query heads ``j*G .. j*G+G-1``, as transformers' ``repeat_kv``
@@ -75,8 +112,7 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     ``over_length``: loop over the view's ``L`` positions (a kernel compiled per ``L``), those past ``end``
     masked and not loaded, instead of up to ``end`` (which runs faster on a GPU is a benchmark's question:
     bench_gpu_attention.py). ``block`` (positions an iteration, a power of two ≥ 16), ``warps`` and ``stages``
-    (the loop's pipelining depth) are the launch's: Triton's defaults here, other values for the benchmark to
-    compare.
+    (the loop's pipelining depth): the launch, each by default :func:`launch`'s.
     """
     rows, kv_heads, group, dim = query.shape
     if not fits(group, dim):
@@ -84,6 +120,8 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
                          "(a power of two, at least 16)")
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError("grouped_decode_attention: the head dimension must be contiguous")
+    chosen = launch()
+    block, warps, stages = block or chosen[0], warps or chosen[1], stages or chosen[2]
     out = torch.empty_like(query)
     valid = valid if valid.stride(-1) == 1 else valid.contiguous()
     _kernel()[(rows, kv_heads)](
