@@ -39,10 +39,12 @@ def test_a_call_begins_with_its_rows_going_and_the_rest_ended():
     cache = _cache()
     cache.done.zero_()
     cache.valid.fill_(True)
+    cache.first.fill_(9)
     mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
     cache.begin(rows=2, width=3, mask=mask, positions=torch.tensor([3, 2]), budgets=[5, 2],
                 uniforms=torch.full((5, 2), 0.5))
     assert cache.valid[:2, :3].long().tolist() == mask.tolist() and not cache.valid[:, 3:].any() and not cache.valid[2:].any()
+    assert cache.first.tolist() == [0, 1, 0, 0]  # each row's first held position: its left padding ends there
     assert cache.done.tolist() == [False, False, True, True] and cache.budget.tolist() == [5, 2, 0, 0]
     assert cache.position.tolist() == [3, 2, 0, 0] and int(cache.cursor) == 3 and int(cache.step) == 0
     assert cache.fits(rows=4, length=16, steps=6, states_width=8) and not cache.fits(rows=5, length=16, steps=6,
@@ -54,7 +56,7 @@ def test_compaction_exchanges_rows_in_every_buffer_up_to_the_positions_written()
     cache = _cache()
     for number, buffer in enumerate([*cache.keys, *cache.values, cache.states]):
         buffer.copy_(torch.arange(buffer.numel()).reshape(buffer.shape) + number)
-    for buffer in (cache.token, cache.position, cache.budget, cache.count):
+    for buffer in (cache.token, cache.position, cache.budget, cache.count, cache.first):
         buffer.copy_(torch.arange(4))
     cache.tokens.copy_(torch.arange(4)[:, None].expand(-1, cache.steps))
     cache.uniforms.copy_(torch.arange(4.0)[None].expand(cache.steps, -1))
@@ -63,7 +65,7 @@ def test_compaction_exchanges_rows_in_every_buffer_up_to_the_positions_written()
     for old, new in zip(before, [*cache.keys, *cache.values, cache.states], strict=True):
         assert torch.equal(new[0, :, :5], old[3, :, :5]) and torch.equal(new[3, :, :5], old[0, :, :5])
         assert torch.equal(new[:, :, 5:], old[:, :, 5:]) and torch.equal(new[1:3], old[1:3])  # the rest as it was
-    assert cache.token.tolist() == cache.count.tolist() == [3, 1, 2, 0]
+    assert cache.token.tolist() == cache.count.tolist() == cache.first.tolist() == [3, 1, 2, 0]
     assert cache.tokens[:, 0].tolist() == [3, 1, 2, 0] and cache.uniforms[0].tolist() == [3.0, 1.0, 2.0, 0.0]
 
 

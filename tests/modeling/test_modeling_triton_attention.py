@@ -103,6 +103,23 @@ def test_another_launch_gives_the_same_attention(block, warps, stages):
     assert (out - _fp32_attention(query, keys, values, valid, 150, 0.125)).abs().amax().item() <= 1e-5
 
 
+def test_no_position_before_a_rows_first_is_read():
+    """With ``first`` (each row's first held position: a right-aligned row's left padding ends there), the
+    blocks wholly before it are skipped: NaN keys and values there reach no row, and the attention is the
+    same as over every held position."""
+    query, keys, values, valid = _inputs(3, 192, 3, torch.float32, torch.Generator().manual_seed(5))
+    valid[2, :130] = False  # row 2: two whole blocks of left padding and part of a third
+    first = valid.to(torch.uint8).argmax(dim=1)
+    expected = _fp32_attention(query, keys, values, valid, 180, 0.125)
+    for row in range(3):
+        keys[row, :, : int(first[row]) // 64 * 64] = float("nan")
+        values[row, :, : int(first[row]) // 64 * 64] = float("nan")
+    out = triton_attention.grouped_decode_attention(query, keys, values, valid, torch.tensor([180], device=DEVICE),
+                                                    0.125, first=first)
+    assert int(first[0]) == 70 and int(first[2]) == 130 and torch.isfinite(out).all()
+    assert (out - expected).abs().amax().item() <= 1e-5
+
+
 def test_shapes_it_does_not_take_are_refused():
     query, keys, values, valid = _inputs(1, 128, 3, torch.float32, torch.Generator().manual_seed(0))
     assert triton_attention.fits(3, 64) and not triton_attention.fits(3, 8) and not triton_attention.fits(17, 64)
@@ -125,14 +142,14 @@ def test_the_static_step_with_the_kernel_gives_sdpas_tokens(sample, monkeypatch)
     monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
     calls = []
     kernel = graph_decode.grouped_decode_attention
-    monkeypatch.setattr(graph_decode, "grouped_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    monkeypatch.setattr(graph_decode, "grouped_decode_attention", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
     runs = {}
     for way in ("sdpa", "triton"):
         monkeypatch.setattr(static_cache, "DECODE_ATTENTION", way)
         assert decoding_path("cpu", False)["decode.attention"] == way
-        ids = torch.randint(3, 256, (4, 20), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(3, 256, (4, 80), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
-        mask[1, :6] = 0
+        mask[1, :70] = 0  # a whole block of left padding, which the kernel skips (``first``)
         cache, common = GrowingKVCache(), dict(eos_ids={2}, pad_id=0, processors=LogitsProcessorList(),
                                                do_sample=sample, log_prob_temperature=1.0)
         torch.manual_seed(5)
@@ -157,15 +174,15 @@ from triton.compiler import ASTSource
 from spader_pipeline.modeling.triton_decode_kernel import decode_attention_kernel as kernel
 names = list(inspect.signature(kernel.fn).parameters)
 pointers, constants = {"query", "keys", "values", "out"}, {"GROUP", "GROUP_PAD", "DIM", "BLOCK", "LENGTH",
-                                                           "PRECISION", "INTERPRETED"}
-signature = {name: "*bf16" if name in pointers else "*u8" if name == "valid" else "*i64" if name == "end"
+                                                           "PRECISION", "INTERPRETED", "HAS_FIRST"}
+signature = {name: "*bf16" if name in pointers else "*u8" if name == "valid" else "*i64" if name in ("end", "first")
              else "fp32" if name == "scale" else "constexpr" if name in constants else "i32" for name in names}
 # as a launch specialises them: pointers and the strides (multiples of 16 here) divisible by 16
 aligned = [name for name in names if signature[name] in ("*bf16", "*u8", "*i64", "i32") and name != "query_group"]
 built = {}
 for block, warps, stages in LAUNCHES:
     values = {"GROUP": 3, "GROUP_PAD": 16, "DIM": 64, "BLOCK": block, "LENGTH": 0, "PRECISION": None,
-              "INTERPRETED": False}
+              "INTERPRETED": False, "HAS_FIRST": True}  # as the static step launches it
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()},
                        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),

@@ -290,9 +290,9 @@ class _Step:
             return decode_attention(query.float()[:, :, None], keys, values, mask, scaling).reshape(rows, heads * dim)
         # query heads j*G .. j*G+G-1 read key/value head j (transformers' repeat_kv): G query positions of head j
         grouped = query.to(dtype).reshape(rows, self.kv_heads, heads // self.kv_heads, dim)
-        if isinstance(mask, tuple):  # the Triton kernel: the positions held, up to the step's last one
-            valid, end = mask
-            out = grouped_decode_attention(grouped, keys.to(dtype), values.to(dtype), valid, end, scaling)
+        if isinstance(mask, tuple):  # the Triton kernel: the positions held, from each row's first to the last
+            valid, end, first = mask
+            out = grouped_decode_attention(grouped, keys.to(dtype), values.to(dtype), valid, end, scaling, first=first)
         else:
             out = F.scaled_dot_product_attention(grouped, keys.to(dtype), values.to(dtype), attn_mask=mask,
                                                  scale=scaling)
@@ -311,7 +311,7 @@ class _Step:
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         cache.valid[:rows].index_fill_(1, cache.cursor, True)
         if attention == "triton":  # the runner names it only where the attention is SDPA's kind
-            mask = (cache.valid[:rows, :length], cache.cursor + 1)
+            mask = (cache.valid[:rows, :length], cache.cursor + 1, cache.first[:rows])
         else:
             mask = self._attention_mask(cache.valid[:rows, :length])
         # the query and the new keys cast together where the attention reads them in the cache's dtype

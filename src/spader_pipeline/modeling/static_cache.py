@@ -114,7 +114,8 @@ class StaticKVCache:
 
     Per layer ``keys[l]``/``values[l]`` ``[rows, H_kv, length, D]`` (``kv_dtype``), zeros when allocated;
     ``states`` ``[rows, 1, length, H]`` (``states_dtype``) where ``states_width`` is given. Row state:
-    ``valid`` bool ``[rows, length]`` (attendable positions), ``token``/``position`` long ``[rows]`` (the
+    ``valid`` bool ``[rows, length]`` (attendable positions), ``first`` long ``[rows]`` (each row's first
+    attendable position: its left padding ends there), ``token``/``position`` long ``[rows]`` (the
     token each row feeds next and its logical position), ``cursor`` long ``[1]`` (the physical position
     the next step writes), ``step`` long ``[1]`` (the index of the token the next sampling draws),
     ``budget``/``count`` long ``[rows]`` (most tokens; tokens sampled before the row ended), ``done`` bool
@@ -139,6 +140,7 @@ class StaticKVCache:
 
         self.valid = torch.zeros((rows, length), dtype=torch.bool, device=device)
         self.token, self.position, self.budget, self.count = longs(rows), longs(rows), longs(rows), longs(rows)
+        self.first = longs(rows)
         self.cursor, self.step = longs(1), longs(1)
         self.done = torch.ones(rows, dtype=torch.bool, device=device)
         self.tokens = longs(rows, steps)
@@ -176,6 +178,8 @@ class StaticKVCache:
         number per row; ``None``: greedy). The rows past ``rows`` start as ended."""
         self.valid.zero_()
         self.valid[:rows, :width] = mask.to(device=self.device, dtype=torch.bool)
+        self.first.zero_()
+        self.first[:rows] = self.valid[:rows, :width].to(torch.uint8).argmax(dim=1)  # argmax: the first True
         self.token.zero_()
         self.position.zero_()
         self.position[:rows] = positions.to(self.device)
@@ -199,8 +203,8 @@ class StaticKVCache:
         sources = torch.tensor(fillers + holes, device=self.device)
         for buffer in [*self.keys, *self.values, *([self.states] if self.states is not None else [])]:
             buffer[rows, :, :positions] = buffer[sources, :, :positions]
-        for buffer in (self.valid, self.token, self.position, self.budget, self.done, self.count, self.tokens,
-                       self.log_probs):
+        for buffer in (self.valid, self.first, self.token, self.position, self.budget, self.done, self.count,
+                       self.tokens, self.log_probs):
             buffer[rows] = buffer[sources]
         self.uniforms[:, rows] = self.uniforms[:, sources]
 

@@ -11,8 +11,9 @@ the positions: at hundreds of rows the rows alone fill the GPU):
 
 - the group's ``H / H_kv`` query heads are the rows of one ``[16, D]`` tile (padded to the 16 rows a
   tensor-core product needs), so each key and value is read once for the group;
-- positions are read in blocks of ``BLOCK_N`` up to ``end`` (the step's last position + 1, read from the
-  device, so a captured graph stays valid as the cursor moves), each block's mask applied to its scores:
+- positions are read in blocks of ``BLOCK_N`` from the block of each row's first held position (its left
+  padding skipped) up to ``end`` (the step's last position + 1); both read from the device, so a captured
+  graph stays valid as the cursor moves and rows change places; each block's mask applied to its scores:
   a loop the compiler pipelines (its loads asynchronous copies into shared memory, checked in the sm_90
   build's PTX); Triton's interpreter, which cannot run a range over a loaded bound, runs the same blocks
   in a while loop;
@@ -99,8 +100,8 @@ def _kernel():
 
 
 def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                             end: torch.Tensor, scale: float, *, over_length: bool = False,
-                             block: int | None = None, warps: int | None = None,
+                             end: torch.Tensor, scale: float, *, first: torch.Tensor | None = None,
+                             over_length: bool = False, block: int | None = None, warps: int | None = None,
                              stages: int | None = None) -> torch.Tensor:
     """Attention of one query position per row over the first ``end`` cached positions it holds.
 
@@ -108,7 +109,8 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     pairs them); keys, values ``[n, H_kv, L, D]`` (the last dimension contiguous: views of a cache with room
     for more positions are fine); valid bool ``[n, L]`` (the positions each row attends to); end long ``[1]`` on
     the device (positions ``>= end`` are not read; ``end <= L``); every row must hold a position below
-    ``end``. Returns ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
+    ``end``. ``first`` long ``[n]`` on the device (optional): each row's first held position, the blocks wholly
+    before it not read (a row's left padding: a rollout's rows end together, right-aligned). Returns ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
     ``over_length``: loop over the view's ``L`` positions (a kernel compiled per ``L``), those past ``end``
     masked and not loaded, instead of up to ``end`` (which runs faster on a GPU is a benchmark's question:
     bench_gpu_attention.py). ``block`` (positions an iteration, a power of two ≥ 16), ``warps`` and ``stages``
@@ -125,12 +127,13 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     out = torch.empty_like(query)
     valid = valid if valid.stride(-1) == 1 else valid.contiguous()
     _kernel()[(rows, kv_heads)](
-        query, keys, values, valid.view(torch.uint8), end, out, scale,
+        query, keys, values, valid.view(torch.uint8), end, first if first is not None else end, out, scale,
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), valid.stride(0), out.stride(0), out.stride(1),
         out.stride(2), GROUP=group, GROUP_PAD=GROUP_ROWS, DIM=dim, BLOCK=block,
         LENGTH=keys.shape[2] if over_length else 0,
         # fp32 products in fp32 (Triton's default for fp32 tiles is TF32: 10 bits), as SDPA's fp32 kernels
         PRECISION="ieee" if query.dtype == torch.float32 else None,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", HAS_FIRST=first is not None, num_warps=warps,
+        num_stages=stages)
     return out

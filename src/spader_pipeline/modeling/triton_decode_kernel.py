@@ -29,11 +29,12 @@ def attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
 
 
 @triton.jit
-def decode_attention_kernel(query, keys, values, valid, end, out, scale,
+def decode_attention_kernel(query, keys, values, valid, end, first, out, scale,
                             query_row, query_head, query_group, key_row, key_head, key_position,
                             value_row, value_head, value_position, valid_row, out_row, out_head, out_group,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-                            LENGTH: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                            LENGTH: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+                            HAS_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     groups = tl.arange(0, GROUP_PAD)
@@ -41,6 +42,9 @@ def decode_attention_kernel(query, keys, values, valid, end, out, scale,
     q = tl.load(query + row * query_row + head * query_head + groups[:, None] * query_group + dims[None, :],
                 mask=groups[:, None] < GROUP, other=0.0)
     stop = tl.load(end)
+    begin = 0
+    if HAS_FIRST:  # the row's first held position: the blocks wholly before it (its left padding) are not read
+        begin = tl.load(first + row) // BLOCK * BLOCK
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
@@ -53,14 +57,14 @@ def decode_attention_kernel(query, keys, values, valid, end, out, scale,
                                             value_position, scale, best, total, acc, DIM, BLOCK,
                                             PRECISION)
     elif INTERPRETED:  # Triton's interpreter: a range over a loaded bound fails there, a while runs
-        start = 0
+        start = begin
         while start < stop:
             best, total, acc = attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
                                             value_position, scale, best, total, acc, DIM, BLOCK,
                                             PRECISION)
             start += BLOCK
     else:  # up to stop, no block past it: a range the compiler pipelines (a while it does not)
-        for start in range(0, stop, BLOCK):
+        for start in range(begin, stop, BLOCK):
             best, total, acc = attend_block(q, key_base, value_base, valid_base, start, stop, key_position,
                                             value_position, scale, best, total, acc, DIM, BLOCK,
                                             PRECISION)
