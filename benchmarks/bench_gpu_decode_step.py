@@ -25,7 +25,8 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
   the same random weights, written as a bf16 GGUF (``bench_vs_llamacpp.synthetic_gguf``), ``--width`` prompt
   tokens and ``--llamacpp-steps`` decoding steps a row, its decoding seconds over its steps (median of
   ``--llamacpp-repeats`` runs); it decodes at most 256 sequences at once (``LLAMA_MAX_SEQ``), so at 768 rows
-  its 256-sequence step, marked ``*`` (a batch of 768 would take three);
+  its 256-sequence step, marked ``*`` (a batch of 768 would take three); ``x llama.cpp``: our best path's
+  tokens a second over llama.cpp's;
 - ``floor``: the bytes a step must read (the weights once, every row's keys and values) over the
   device's copy bandwidth, measured here (a 2 GiB copy), and the products' FLOPs at the bf16 peak the
   device reaches on a large product, measured too; the larger of the two.
@@ -311,16 +312,19 @@ def main() -> None:
     ours = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta)]
     columns = [*ours, "hf_static", "llamacpp", "floor"]
     print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}"
-          + (f" {'llama.cpp/best':>14}" if args.llamacpp else ""))
+          + (f" {'x llama.cpp':>11}" if args.llamacpp else ""))
     for r in results:
         cells = [(f"{1e3 * r[c]:9.2f}" + ("*" if c == "llamacpp" and r.get("llamacpp_sequences") else " "))
                  if r.get(c) else f"{'-':>10}" for c in columns]
         best = min((r[p] for p in ours if r.get(p)), default=None)  # none: the CPU, where there are no graphs
         rate = f"{r['rows'] / best:11.0f}" if best else f"{'-':>11}"
-        ratio = f" {r['llamacpp'] / best:14.2f}" if best and r.get("llamacpp") else ""
+        # tokens a second, ours over llama.cpp's (at its most sequences where capped: what it would sustain)
+        theirs = (r.get("llamacpp_sequences") or r["rows"]) / r["llamacpp"] if r.get("llamacpp") else None
+        ratio = f" {r['rows'] / best / theirs:11.2f}" if best and theirs else ""
         print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {rate}{ratio}")
     if any(r.get("llamacpp_sequences") for r in results):
-        print("* llama.cpp's step at its most sequences at once (LLAMA_MAX_SEQ), not at the row count")
+        print("* llama.cpp's step at its most sequences at once (LLAMA_MAX_SEQ), not at the row count; "
+          "x llama.cpp compares tokens a second")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                                                "torch": torch.__version__, "bandwidth": bandwidth, "flops": flops,
