@@ -204,13 +204,13 @@ def main() -> None:
     if available() and graphs:  # not Triton's interpreter: its products of bf16 tiles are wrong
         from spader_pipeline.modeling.triton_attention import launch
 
+        block, warps, stages = launch()
+        launches = {"triton": (block, warps, stages)} | {
+            f"triton-{name}": (change.get("block", block), change.get("warps", warps), change.get("stages", stages))
+            for name, change in TRITON_LAUNCHES.items()}
         ways |= {"triton": triton_kernel(False), "triton-length": triton_kernel(True)}
-        ways |= {f"triton-{name}": triton_kernel(False, **launch) for name, launch in TRITON_LAUNCHES.items()}
-        launches = {"triton": launch()}
-        for name, change in TRITON_LAUNCHES.items():
-            block, warps, stages = launch()
-            launches[f"triton-{name}"] = (change.get("block", block), change.get("warps", warps),
-                                          change.get("stages", stages))
+        ways |= {name: triton_kernel(False, block=b, warps=w, stages=s) for name, (b, w, s) in launches.items()
+                 if name != "triton"}
     records = []
     generator = torch.Generator(device).manual_seed(0)  # the caches drawn where they live (GBs at 768 rows)
     print(f"{'rows':>5} {'length':>6} {'bucket':>6} {'way':>15} {'ms a step':>10} {'GB/s':>8} {'x floor':>8} "

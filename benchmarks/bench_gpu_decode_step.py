@@ -324,7 +324,7 @@ def main() -> None:
         print(f"{r['weights']:14} {r['rows']:5d} " + " ".join(cells) + f" {rate}{ratio}")
     if any(r.get("llamacpp_sequences") for r in results):
         print("* llama.cpp's step at its most sequences at once (LLAMA_MAX_SEQ), not at the row count; "
-          "x llama.cpp compares tokens a second")
+              "x llama.cpp compares tokens a second")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                                                "torch": torch.__version__, "bandwidth": bandwidth, "flops": flops,

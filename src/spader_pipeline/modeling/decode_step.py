@@ -300,10 +300,11 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     cpu = torch.device(device).type == "cpu"
     autocast = resolve_bf16(bf16, device)
     # the static step on CUDA (on a CPU: a model in its own dtype) attends with SDPA or the Triton kernel
-    sdpa = static_attention_name() if static and (not cpu or bf16_weights or not autocast) else "sdpa"
-    sdpa = triton_attention.launch_name() if sdpa == "triton" else sdpa  # with its launch where not the default
+    attention = static_attention_name() if static and (not cpu or bf16_weights or not autocast) else "sdpa"
+    if attention == "triton":  # with its launch where not the default
+        attention = triton_attention.launch_name()
     if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
-        return {"decode.step": static or "transformers", "decode.attention": sdpa, "decode.kv_cache": "bf16",
+        return {"decode.step": static or "transformers", "decode.attention": attention, "decode.kv_cache": "bf16",
                 "decode.packed_weights": "off"}
     packed = cpu and autocast and packed_linear.PACK_WEIGHTS and packing_available()
     fused = packed and FUSED_DECODE_STEP
@@ -312,7 +313,7 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     return {
         "decode.step": static or ("cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused
                                   else "transformers"),
-        "decode.attention": "cpp" if native and bf16_keys else sdpa,
+        "decode.attention": "cpp" if native and bf16_keys else attention,
         "decode.kv_cache": "bf16" if bf16_keys else "fp32",
         "decode.packed_weights": "on" if packed else "off",
     }
