@@ -141,3 +141,15 @@ def test_the_embedded_defaults_folder_is_the_one_from_pretrained_writes(tmp_path
     ours = load_gguf_checkpoint(read_gguf(path), model)["tensors"]
     _same_tensors(ours, transformers_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"])
     assert all(np.isfinite(t.numpy()).all() for t in ours.values())
+
+
+def test_a_transformers_without_the_pieces_converts_through_from_pretrained(tmp_path, monkeypatch, caplog):
+    import transformers.integrations.ggml as ggml
+
+    path = bench_vs_llamacpp.synthetic_gguf(_tiny_llama(), tmp_path / "model.gguf")
+    monkeypatch.delattr(ggml, "convert_gguf_tokenizer")  # bound already where from_pretrained reads it
+    with caplog.at_level("WARNING", logger="spader_pipeline.modeling.packaged"):
+        model, tokenizer = load_gguf(path)
+    assert "through from_pretrained" in caplog.text
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    _same_tensors(model.state_dict(), reference.state_dict())

@@ -121,22 +121,35 @@ def convert_packaged_model(spec: PackagedModel, output_dir: str | Path, *, throu
 def load_gguf(gguf: Path, *, through_transformers: bool = False) -> tuple[Any, Any]:
     """The model (fp32, on the CPU) and fast tokenizer of the GGUF file ``gguf``, as ``from_pretrained(...,
     gguf_file=...)`` gives them. Read once (:func:`~spader_pipeline.modeling.gguf_checkpoint.read_gguf`) where
-    the architecture is one transformers converts without a special case; otherwise, or with
-    ``through_transformers``, by ``from_pretrained`` itself (which reads the file three times)."""
+    the architecture is one transformers converts without a special case; otherwise, with
+    ``through_transformers``, or where this transformers lacks the pieces the reading hands the file to, by
+    ``from_pretrained`` itself (which reads the file three times)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from spader_pipeline.modeling.gguf_checkpoint import load_gguf_checkpoint, plain_architecture, read_gguf
+    from spader_pipeline.modeling.gguf_checkpoint import plain_architecture, read_gguf
 
     contents = None if through_transformers else read_gguf(gguf)
-    if contents is None or not plain_architecture(contents):
-        # The fast tokenizer class directly: AutoTokenizer would parse the GGUF header once more only to
-        # learn the class; the result is the same.
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name), tokenizer
+    if contents is not None and plain_architecture(contents):
+        try:
+            return _read_once(gguf, contents)
+        except ImportError as err:  # another transformers than the pinned one
+            logger.warning("%s: this transformers lacks what reading it once uses (%s); through from_pretrained",
+                           gguf.name, err)
+    # The fast tokenizer class directly: AutoTokenizer would parse the GGUF header once more only to learn the
+    # class; the result is the same.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name), tokenizer
+
+
+def _read_once(gguf: Path, contents: Any) -> tuple[Any, Any]:
+    """:func:`load_gguf` from the file's contents read once (a file of a plain architecture)."""
     import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from transformers.initialization import no_init_weights
     from transformers.integrations.ggml import convert_gguf_tokenizer
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from spader_pipeline.modeling.gguf_checkpoint import load_gguf_checkpoint
 
     parsed = load_gguf_checkpoint(contents)
     config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
