@@ -41,7 +41,8 @@ def searcher(bm25_index):
     searcher.close()
 
 
-def test_a_round_of_concurrent_searches_is_one_first_stage_call_with_each_call_s_own_answer(searcher):
+def test_a_round_of_concurrent_searches_is_one_first_stage_call_of_its_distinct_queries_with_each_call_s_own_answer(
+        searcher):
     expected = [searcher.respond(queries, topk, max_chars) for queries, topk, max_chars in CALLS]
     counted = _Counted(searcher)
     local = LocalSearch(searcher)
@@ -50,7 +51,9 @@ def test_a_round_of_concurrent_searches_is_one_first_stage_call_with_each_call_s
         return await asyncio.gather(*(local.search(q, topk=k, max_chars=m) for q, k, m in CALLS))
 
     assert asyncio.run(round_()) == expected
-    assert counted.calls == [[q for queries, _, _ in CALLS for q in queries]]
+    # "capital city" is asked twice (top 3 and top 1): searched once, each call cut to its own top k
+    assert counted.calls == [list(dict.fromkeys(q for queries, _, _ in CALLS for q in queries))]
+    assert len(counted.calls[0]) == sum(len(queries) for queries, _, _ in CALLS) - 1
     assert asyncio.run(round_()) == expected  # another event loop (asyncio.run again), its own batches
     assert len(counted.calls) == 2
 

@@ -102,16 +102,20 @@ class Searcher:
         """Each request's response body (:func:`~spader_pipeline.retrieval.wire.render_response`), or the
         :class:`RequestError` that refuses it (a budget too small for its echoed queries).
 
-        The requests without a cross-encoder pass share one first-stage call over all their queries at the
-        largest ``topk`` (one sparse product for BM25), each truncated to its own ``topk`` (a top-k' of the
-        same ranking); a reranked request runs on its own, as :meth:`search_hits` runs it.
+        The requests without a cross-encoder pass share one first-stage call over their distinct queries at
+        the largest ``topk`` (one sparse product for BM25; a rollout group's trajectories often search alike),
+        each truncated to its own ``topk`` (a top-k' of the same ranking); a reranked request runs on its
+        own, as :meth:`search_hits` runs it.
         """
         out: list[dict[str, Any] | RequestError] = [{} for _ in requests]
         reranked = [self.wants_rerank(r.use_reranker) for r in requests]
         plain = [i for i, rerank in enumerate(reranked) if not rerank]
         if plain:
             queries = [q for i in plain for q in requests[i].queries]
-            ranked = iter(self.retriever.search(queries, max(requests[i].topk for i in plain)))
+            distinct = list(dict.fromkeys(queries))
+            ranking = dict(zip(distinct, self.retriever.search(distinct, max(requests[i].topk for i in plain)),
+                               strict=True))
+            ranked = iter(ranking[q] for q in queries)
             for i in plain:
                 topk = requests[i].topk
                 hits = [self.hits(rows[:topk], scores[:topk]) for rows, scores in (next(ranked) for _ in requests[i].queries)]
