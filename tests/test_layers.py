@@ -96,7 +96,8 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
-        ("triton_decode_kernel",),  # the decoding attention's Triton kernel (the module imports Triton)
+        ("triton_decode_kernel", "gguf_checkpoint"),  # the decoding attention's Triton kernel (the module imports
+                                                      # Triton); a GGUF file read once, as transformers reads it
         ("packed_linear", "native_step", "triton_attention"),  # oneDNN's weight layout; the decoding step and
                                                                 # attention in C++; the attention in Triton
         ("decode_attention",),  # the bf16 cache's decoding attention
