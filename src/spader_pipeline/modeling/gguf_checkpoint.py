@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFContents", "GGUFTensorInfo", "PLAIN_ARCHITECTURES", "load_gguf_checkpoint", "plain_architecture",
-           "read_gguf"]
+__all__ = ["GGUFContents", "GGUFTensorInfo", "PLAIN_ARCHITECTURES", "gguf_tensors", "load_gguf_checkpoint",
+           "plain_architecture", "read_gguf"]
 
 #: architectures transformers converts without a case of its own (renames, defaults, tensors read from
 #: other tensors): the settings and tensors here are transformers' for these only
@@ -189,7 +189,7 @@ def _settings(contents: GGUFContents) -> dict[str, dict[str, Any]]:
         prefix, _, rest = key.partition(".")
         value = contents.value(key)
         for parameter, renames in GGUF_TO_TRANSFORMERS_MAPPING.items():
-            renamed = renames.get(prefix, {}).get(rest, -1) if prefix in renames else -1
+            renamed = renames.get(prefix, {}).get(rest, -1)  # -1: not this parameter's; None: known, unused
             if renamed is not None and renamed != -1:
                 parsed[parameter][renamed] = value
     if "vocab_size" not in parsed["config"] and "tokens" in parsed["tokenizer"]:
@@ -226,8 +226,10 @@ def _weights_map(model: Any, processor: Any, architecture: str) -> dict[str, str
     mapping = {}
     for hf_name in model.state_dict():
         hf_name = processor.preprocess_name(hf_name)
-        base, suffix = (hf_name.rsplit(".", 1)[0], "." + hf_name.rsplit(".", 1)[1]) \
-            if hf_name.endswith((".weight", ".bias")) else (hf_name, "")
+        base, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            base, dot, kind = hf_name.rpartition(".")
+            suffix = dot + kind
         gguf_name = names.get_name(base)
         if gguf_name is not None:
             mapping[gguf_name + suffix] = hf_name
@@ -237,15 +239,21 @@ def _weights_map(model: Any, processor: Any, architecture: str) -> dict[str, str
 def load_gguf_checkpoint(contents: GGUFContents, model: Any = None) -> dict[str, dict[str, Any]]:
     """transformers' ``load_gguf_checkpoint(path, return_tensors=model is not None, model_to_load=model)`` for a
     file of :func:`plain_architecture`: ``{"config", "tokenizer", "tokenizer_config", "ignore"}`` and, with
-    ``model`` (a model of the file's configuration, e.g. on the meta device), ``"tensors"``: parameter name →
-    fp32 ``torch.Tensor`` (dequantised by ``gguf``, then transformers' tensor processor for the architecture,
-    e.g. Llama's query and key rows put back in transformers' rotary order)."""
+    ``model``, ``"tensors"`` (:func:`gguf_tensors`)."""
     if not plain_architecture(contents):
         raise ValueError(f"{contents.path}: architecture {contents.value('general.architecture')!r} needs "
                          "transformers' own GGUF loader")
     parsed = _settings(contents)
-    if model is None:
-        return parsed
+    if model is not None:
+        parsed["tensors"] = gguf_tensors(contents, parsed, model)
+    return parsed
+
+
+def gguf_tensors(contents: GGUFContents, parsed: dict[str, dict[str, Any]], model: Any) -> dict[str, Any]:
+    """The file's tensors for ``model`` (a model of its configuration, e.g. on the meta device), given its settings
+    ``parsed`` (:func:`load_gguf_checkpoint` without a model): parameter name → fp32 ``torch.Tensor``, dequantised
+    by ``gguf``, then transformers' tensor processor for the architecture (e.g. Llama's query and key rows put
+    back in transformers' rotary order)."""
     import torch
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -253,12 +261,12 @@ def load_gguf_checkpoint(contents: GGUFContents, model: Any = None) -> dict[str,
     architecture = contents.value("general.architecture")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     mapping = _weights_map(model, processor, architecture)
-    parsed["tensors"] = {}
+    tensors = {}
     view = np.memmap(contents.path, dtype=np.uint8, mode="r")
     for tensor in contents.tensors:
         weights = dequantize(_tensor_data(view, tensor), tensor.ggml_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
                                    parsed_parameters=parsed)
         if result.name in mapping:
-            parsed["tensors"][mapping[result.name]] = torch.from_numpy(np.copy(result.weights))
-    return parsed
+            tensors[mapping[result.name]] = torch.from_numpy(np.copy(result.weights))
+    return tensors

@@ -149,14 +149,14 @@ def _read_once(gguf: Path, contents: Any) -> tuple[Any, Any]:
     from transformers.integrations.ggml import convert_gguf_tokenizer
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from spader_pipeline.modeling.gguf_checkpoint import load_gguf_checkpoint
+    from spader_pipeline.modeling.gguf_checkpoint import gguf_tensors, load_gguf_checkpoint
 
     parsed = load_gguf_checkpoint(contents)
     config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
     config._name_or_path, config.dtype = str(gguf.parent), torch.float32  # as from_pretrained records them
     with no_init_weights():  # every parameter comes from the file
         model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(contents, model)["tensors"]
+    tensors = gguf_tensors(contents, parsed, model)  # the settings read once, for the config and the tensors
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = {name for name in missing if model.config.tie_word_embeddings and name.startswith("lm_head.")}
     if set(missing) - tied or unexpected:

@@ -110,7 +110,8 @@ def grouped_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     for more positions are fine); valid bool ``[n, L]`` (the positions each row attends to); end long ``[1]`` on
     the device (positions ``>= end`` are not read; ``end <= L``); every row must hold a position below
     ``end``. ``first`` long ``[n]`` on the device (optional): each row's first held position, the blocks wholly
-    before it not read (a row's left padding: a rollout's rows end together, right-aligned). Returns
+    before it not read (a row's left padding: a rollout's rows end together, right-aligned; with ``over_length``
+    every block is read, masked). Returns
     ``[n, H_kv, G, D]`` in the query's dtype. ``D`` a power of two ≥ 16, ``G`` ≤ 16.
     ``over_length``: loop over the view's ``L`` positions (a kernel compiled per ``L``), those past ``end``
     masked and not loaded, instead of up to ``end`` (which runs faster on a GPU is a benchmark's question:
