@@ -185,6 +185,9 @@ def test_a_long_fresh_prefill_in_chunks_of_rows_is_one_forwards_bit_for_bit(gqa_
     (chunked, chunked_cache), (whole, whole_cache) = run(20), run(None)
     assert (chunked.tokens, chunked.log_probs) == (whole.tokens, whole.log_probs)
     assert chunked.prefill_blocks == 3 and whole.prefill_blocks == 1
+    # the prefill's real tokens and computed positions (the padded row's two in both), its seconds and the steps'
+    assert chunked.prefill_tokens == whole.prefill_tokens == 43 and chunked.prefill_positions == whole.prefill_positions == 45
+    assert min(chunked.prefill_seconds, chunked.decoding_seconds, whole.prefill_seconds, whole.decoding_seconds) > 0
     for a, b in zip([*chunked_cache.layers, chunked_cache.states], [*whole_cache.layers, whole_cache.states],
                     strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
@@ -223,3 +226,6 @@ def test_a_continued_prefill_is_cut_into_blocks_by_its_devices_cost(gqa_model_di
     as_on_a_gpu = continued("auto")
     assert as_on_a_gpu.prefill_blocks == 1
     assert as_on_a_gpu.tokens == on_cpu.tokens == continued(None).tokens
+    # the same 57 new tokens; the blocks compute 2 x (2 + 10 + 18) positions, one forward 6 x 18
+    assert on_cpu.prefill_tokens == as_on_a_gpu.prefill_tokens == sum(new)
+    assert (on_cpu.prefill_positions, as_on_a_gpu.prefill_positions) == (60, 108)

@@ -105,6 +105,10 @@ def test_two_native_steps_log_metrics_samples_and_checkpoints(tmp_path, native_m
     perf = logged[0][1]
     assert 0 < perf["perf/rollout_model_seconds"] <= perf["perf/rollout_seconds"]
     assert perf["perf/rollout_decode_steps"] >= 1
+    # of the model's seconds, the turns' prefill forwards and their decoding steps; the prefill's padded share
+    assert 0 < perf["perf/rollout_prefill_seconds"] + perf["perf/rollout_decoding_seconds"] <= perf["perf/rollout_model_seconds"]
+    assert min(perf["perf/rollout_prefill_seconds"], perf["perf/rollout_decoding_seconds"]) > 0
+    assert 0 <= perf["perf/rollout_prefill_padding"] < 1
     assert [p.name for p in artifacts] == ["step_000001.json", "step_000002.json"]
     step, path = latest_checkpoint(tmp_path)
     assert step == 2 and load_trainer_state(path)["extra"]["method"] == method

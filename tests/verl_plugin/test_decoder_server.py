@@ -220,6 +220,7 @@ def test_a_turn_split_in_two_batches_goes_on_as_two_cohorts_each_continuing_its_
     # the engine's counters, added up over the batches: each token one sampled row of a decoding step
     assert stats["sampled_rows"] == stats["generated_tokens"] > 0 and 4 <= stats["decode_steps"] < stats["sampled_rows"]
     assert 0 < stats["model_seconds"] <= stats["decode_seconds"]
+    assert 0 < stats["prefill_seconds"] + stats["decoding_seconds"] <= stats["model_seconds"]
     _same_as_fresh(model_dir, contexts, second)
 
 

@@ -167,6 +167,7 @@ def test_fit_on_one_gpu_with_our_server(gpu_runs, method):  # pragma: no cover -
           f"({server['generated_tokens'] / max(seconds, 1e-9):.0f} tokens/s) in {len(sizes)} batches of "
           f"{min(sizes, default=0)}-{max(sizes, default=0)} requests: {server['decode_steps']} decoding steps of "
           f"{server['sampled_rows'] / steps:.1f} rows on average, {1000 * server['model_seconds'] / steps:.1f} ms "
-          f"each in the model (prefills and captures included); static step: {server['decoding']}")
+          f"each in the model (prefills and captures included; the prefills {server['prefill_seconds']:.1f} s, "
+          f"the decoding steps {server['decoding_seconds']:.1f} s); static step: {server['decoding']}")
     if static_cache.STATIC_DECODE != "off" and static_cache.CUDA_GRAPHS:
         assert server["decoding"]["replays"] > 0, server["decoding"]

@@ -90,6 +90,12 @@ class DecodeEngine:
         self.gap_compactions = 0  # turns whose cache gaps were closed (for tests and reporting)
         self.blocked_prefills = 0  # turns whose prefill ran in several blocks of rows (the same)
         self.model_seconds = 0.0  # wall time in the model's turns (prefill, decoding, state capture)
+        # of it, decode_batch's prefill forwards and decoding steps (each ended by a wait for the device), and
+        # the prefill's real tokens against the positions its forwards computed (the rest padding)
+        self.prefill_seconds = 0.0
+        self.decoding_seconds = 0.0
+        self.prefill_tokens = 0
+        self.prefill_positions = 0
         self.decode_steps = 0  # decoding steps over all turns (each as long as its longest row)
         self._processors: Any = None
         self._generator = None
@@ -355,6 +361,10 @@ class DecodeEngine:
             )
         self.sampled_rows += result.row_steps
         self.decode_steps += result.steps
+        self.prefill_seconds += result.prefill_seconds
+        self.decoding_seconds += result.decoding_seconds
+        self.prefill_tokens += result.prefill_tokens
+        self.prefill_positions += result.prefill_positions
         self.blocked_prefills += result.prefill_blocks > 1
         keep = self.reuse_kv_cache and len(states) <= self.micro_batch_size
         if keep or self.capture is not None:  # the cached ids and mask, read from the device once for both

@@ -25,7 +25,8 @@ _ENGINE_ATTRIBUTES = (
     "model", "tokenizer", "sampling", "micro_batch_size", "reuse_kv_cache", "bf16", "growing_kv_cache",
     "drop_finished_rows", "prefill_block_cost", "return_log_probs", "eos_ids", "pad_id", "gap_share", "capture",
     "generated_tokens", "sampled_rows", "decode_steps", "model_seconds", "kv_reuses", "shared_prefills",
-    "shared_prefix_tokens", "gap_compactions", "blocked_prefills",
+    "shared_prefix_tokens", "gap_compactions", "blocked_prefills", "prefill_seconds", "decoding_seconds",
+    "prefill_tokens", "prefill_positions",
 )
 
 

@@ -35,6 +35,7 @@ or takes the argmax when greedy: the same distribution, and greedy decoding give
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,10 @@ class DecodeResult:
     cache row (the cache rows are permuted). ``row_steps``: rows sampled over all steps.
     ``prefill_blocks``: forwards of the prefill (1: the whole batch at once). ``log_probs``: per row,
     the log-probability of each sampled token (``decode_batch(log_prob_temperature=...)``; else ``None``).
+    ``prefill_tokens``: the real tokens the prefill fed (every row's new ones); ``prefill_positions``: the
+    positions its forwards computed (rows x padded width, block by block: the rest is padding).
+    ``prefill_seconds``, ``decoding_seconds``: wall time of the prefill's forwards and of the steps after
+    them, each ended by a wait for the device (where the model is), so a GPU's queued work is in its part.
     """
 
     tokens: list[list[int]]
@@ -100,6 +105,16 @@ class DecodeResult:
     prefill_blocks: int = 1
     steps: int = 0
     log_probs: list[list[float]] | None = None
+    prefill_tokens: int = 0
+    prefill_positions: int = 0
+    prefill_seconds: float = 0.0
+    decoding_seconds: float = 0.0
+
+
+def _wait_for(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CPU's operators have run when they return)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def supports_decode_batch(model: Any) -> bool:
@@ -195,10 +210,11 @@ def _block_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, past: i
 
 
 def _static_result(outcome: StaticOutcome, input_ids: torch.Tensor, attention_mask: torch.Tensor, order: list[int],
-                   pad_id: int, prefill_blocks: int) -> DecodeResult:
+                   pad_id: int, prefill_blocks: int, timing: dict[str, Any]) -> DecodeResult:
     """:class:`DecodeResult` of :func:`~spader_pipeline.modeling.graph_decode.decode_static` (``input_ids``/
     ``attention_mask``: the prefill's, in its cache-row order ``order``), as the host loop lays it out: a
-    row's sampled tokens after its context, each fed one real in the mask, its last one never fed."""
+    row's sampled tokens after its context, each fed one real in the mask, its last one never fed;
+    ``timing``: the prefill's counts and seconds (the steps' seconds are the caller's to set)."""
     batch, width = input_ids.shape
     length = width + outcome.steps - 1
     moved = torch.tensor(outcome.rows, device=input_ids.device)  # the prefill's cache row now at each row
@@ -220,7 +236,7 @@ def _static_result(outcome: StaticOutcome, input_ids: torch.Tensor, attention_ma
             log_probs[holder] = outcome.log_probs[row]
     return DecodeResult(tokens=tokens, ids=ids[where, :length], mask=mask[where, :length], cache_rows=holders,
                         row_steps=sum(len(t) for t in outcome.tokens), prefill_blocks=prefill_blocks,
-                        steps=outcome.steps, log_probs=log_probs)
+                        steps=outcome.steps, log_probs=log_probs, **timing)
 
 
 @torch.no_grad()
@@ -268,9 +284,11 @@ def decode_batch(
     correctly in the next call with more tokens appended.
     """
     device = input_ids.device
+    started = time.perf_counter()
     if prefill_block_cost == "auto":
         prefill_block_cost = prefill_block_cost_for(device)
     past = cache.get_seq_length()
+    prefill_tokens = int(attention_mask[:, past:].sum())
     order = list(range(len(budgets)))  # input row held by each cache row
     blocks, ends = [range(len(budgets))], [input_ids.shape[1]]  # row blocks of the prefill, where each ends
     if prefill_block_cost is not None and _can_block(cache, past, processors):
@@ -320,12 +338,19 @@ def decode_batch(
     if blocked:
         cache.close_windows()
     logits = torch.cat(parts) if blocked else parts[0]
+    _wait_for(device)
+    prefill_seconds = time.perf_counter() - started
+    timing = {"prefill_tokens": prefill_tokens, "prefill_seconds": prefill_seconds,
+              "prefill_positions": sum(len(block) * (end - past) for block, end in zip(blocks, ends, strict=True))}
     decoder = static_decoder(model, cache, processors)
     if decoder is not None:  # the steps on the device: sampled there, captured per bucket (graph_decode)
         outcome = decode_static(model, decoder, cache, logits, attention_mask, next_position, budget, order,
                                 eos_ids=eos_ids, processors=processors, do_sample=do_sample,
                                 log_prob_temperature=log_prob_temperature)
-        return _static_result(outcome, input_ids, attention_mask, order, pad_id, len(blocks))
+        result = _static_result(outcome, input_ids, attention_mask, order, pad_id, len(blocks), timing)
+        _wait_for(device)
+        result.decoding_seconds = time.perf_counter() - started - prefill_seconds
+        return result
     fused_step = fused_decode_step(model)  # None: each step through the model's forward
     active, step, row_steps = batch, 0, 0
     while True:
@@ -370,7 +395,9 @@ def decode_batch(
     where = torch.empty(batch, dtype=torch.long)
     where[torch.tensor(order)] = torch.arange(batch)  # cache row of each input row
     where = where.to(device)
+    _wait_for(device)
     return DecodeResult(
         tokens=tokens, ids=seq[where, :length], mask=mask[where, :length], cache_rows=order, row_steps=row_steps,
-        prefill_blocks=len(blocks), steps=step, log_probs=log_probs,
+        prefill_blocks=len(blocks), steps=step, log_probs=log_probs, **timing,
+        decoding_seconds=time.perf_counter() - started - prefill_seconds,
     )

@@ -201,6 +201,12 @@ def compute_advantages(
     return Advantages(rewards.token_rewards, rewards.returns, adv, rewards.discovery, rewards.cost_coefficient)
 
 
+#: the :class:`Rollouts` fields read from the rollout engine's counters of the same names
+#: (:class:`~spader_pipeline.agent.decode_engine.DecodeEngine`; 0 where an engine keeps none)
+ENGINE_COUNTERS = ("model_seconds", "decode_steps", "prefill_seconds", "decoding_seconds", "prefill_tokens",
+                   "prefill_positions")
+
+
 @dataclass
 class Rollouts:
     """One step's trajectories, as generated and as tensors."""
@@ -216,6 +222,14 @@ class Rollouts:
     tokenising and the agent's bookkeeping"""
     decode_steps: int = 0
     """decoding steps over the rollout's turns (each turn as long as its longest row)"""
+    prefill_seconds: float = 0.0
+    """of ``model_seconds``, the turns' prefill forwards (device-synced)"""
+    decoding_seconds: float = 0.0
+    """of ``model_seconds``, the decoding steps after them (device-synced)"""
+    prefill_tokens: int = 0
+    """real tokens the turns' prefills fed"""
+    prefill_positions: int = 0
+    """positions the prefills' forwards computed (rows x padded width): the rest of ``prefill_tokens`` is padding"""
 
 
 def questions_for_step(samples: Sequence[Mapping[str, Any]], step: int, k: int, seed: int) -> list[Mapping[str, Any]]:

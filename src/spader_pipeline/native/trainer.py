@@ -40,6 +40,7 @@ from spader_pipeline.modeling.boundary import first_trained_block, shares_frozen
 from spader_pipeline.modeling.device import resolve_device
 from spader_pipeline.modeling.precision import resolve_bf16
 from spader_pipeline.native.batch import (
+    ENGINE_COUNTERS,
     Advantages,
     RolloutBatch,
     Rollouts,
@@ -290,9 +291,9 @@ def collect_rollouts(run: RunState, samples: Sequence[Mapping[str, Any]], search
     tokens = getattr(generator, "generated_tokens", None)
     if tokens is None:
         tokens = sum(sum(t.response_mask or ()) for t in trajectories)
-    return Rollouts(trajectories, batch, seconds, tokens,
-                    capture.seconds if capture is not None else 0.0, getattr(generator, "model_seconds", 0.0),
-                    getattr(generator, "decode_steps", 0))
+    counters = {name: getattr(generator, name, 0) for name in ENGINE_COUNTERS}
+    return Rollouts(trajectories, batch, seconds, tokens, capture_seconds=capture.seconds if capture is not None else 0.0,
+                    **counters)
 
 
 def score(config: NativeTrainerConfig, batch: RolloutBatch, step: int) -> tuple[Advantages, torch.Tensor]:

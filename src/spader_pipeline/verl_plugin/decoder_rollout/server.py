@@ -71,8 +71,10 @@ logger = logging.getLogger(__name__)
 ENGINE_KEY = "engine"
 #: the engine's counters the server adds up over its batches (where the engine keeps them): cache rows
 #: continued, decoding steps (each as long as the batch's longest row: a step's cost at a few rows does
-#: not depend on how many), rows sampled over them, seconds in the model
-_ENGINE_COUNTERS = ("kv_reuses", "decode_steps", "sampled_rows", "model_seconds")
+#: not depend on how many), rows sampled over them, seconds in the model, and of those the turns' prefill
+#: forwards and their decoding steps (``decode_seconds`` beside them is the batches' wall time)
+_ENGINE_COUNTERS = ("kv_reuses", "decode_steps", "sampled_rows", "model_seconds", "prefill_seconds",
+                    "decoding_seconds")
 
 
 class DecoderServer:
