@@ -30,7 +30,8 @@
 #                  weights (where .gpu/llama was carried) and the floor, and torch.profiler's top kernels of a
 #                  step at 768 rows on each and op by op; the one-GPU run's attention and launch (~3 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
-#                  RL_SECONDS, 240 held-out questions, then the rollout generator's gpu tests (RL_SECONDS + ~2.5 min)
+#                  RL_STEPS steps each (RL_SECONDS caps them; without RL_STEPS, RL_SECONDS alone), 240 held-out
+#                  questions, then the rollout generator's gpu tests (the RL's time + ~2.5 min)
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
 #                  encoded once, with torch.profiler's top operations (~1.5 min)
 #     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
@@ -38,8 +39,8 @@
 #     llamacpp     installed, llama.cpp built or prebuilt: its step beside ours on the real model (decode_batch,
 #                  prefill included) at 1, 8, 256, 768 rows (~1.5 min)
 #
-# STAGE (/tmp/stage), SITE (/tmp/site), OUT (the device tool's $OUT) as in gpu_check.sh; RL_SECONDS (240) and
-# RUN_TIMEOUT (480) go to it; DECODE_ARGS replaces the decode step's shapes.
+# STAGE (/tmp/stage), SITE (/tmp/site), OUT (the device tool's $OUT) as in gpu_check.sh; RL_SECONDS (240),
+# RUN_TIMEOUT (480) and EXTRA go to it (RL_STEPS as an EXTRA setting); DECODE_ARGS replaces the decode step's shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_wheels.sh
@@ -217,8 +218,11 @@ onegpu() {
   local launch=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
   attention=${attention:-sdpa}
   echo "the run's decoding attention: $attention${launch:+, launched as $launch}"
+  # RL_STEPS: each method's step count (RL_SECONDS then only caps it); unset: RL_SECONDS decides
+  local extra=${EXTRA:-}
+  [ -z "${RL_STEPS:-}" ] || extra+=" --set training.native.total_steps=$RL_STEPS"
   SPADER_DECODE_ATTENTION=$attention SPADER_TRITON_LAUNCH=$launch SKIP_TESTS=1 RL_SECONDS=${RL_SECONDS:-240} \
-    RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
+    RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE EXTRA=$extra bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
   local rc=$?
   # after the run's results: the rollout generator's gpu-marked tests (seconds; they import verl)
   (environment && python3 -m pytest -q -p no:cacheprovider -m gpu tests/agent/test_hf_decode_cuda.py 2>&1 |
