@@ -276,7 +276,8 @@ print(c(PackagedModel(), 'data/06_models/base_model'))" || return 1
 #    what each step imports, and the one-GPU run's bundle on this CPU at a tiny size (every stage, both methods
 #    side by side, the summary; decoding on the static step, as on CUDA, op by op) and verl's fit() through
 #    its real workers on verl's CPU platform (2 GRPO steps, `make test-verl`'s first run: the imports of Ray's
-#    actors too), which show a wheel missing from the payload before a lease does.
+#    actors too; then again with the server on the static step, as on CUDA), which show a wheel missing from
+#    the payload before a lease does.
 # BARE_PYTHON: a Python 3.12 (default: python3.12, else pyenv's); BARE_VENV and REHEARSAL (the staging dirs).
 rehearse() {
   local venv=${BARE_VENV:-/tmp/gpu-bare-venv} dir=${REHEARSAL:-/tmp/gpu-rehearsal} py="" candidate
@@ -347,8 +348,9 @@ print('installed: transformers', transformers.__version__, 'tokenizers', tokeniz
     [ $rc = 0 ] && [ -f "$dir"/one_gpu/summary.json ] || { echo "the bundle's run failed ($rc): $dir/one_gpu.log" >&2; exit 1; }
     cat "$dir"/one_gpu/summary.md
     python3 benchmarks/bench_update.py --smoke || exit 1
+    # verl's fit() through its real workers, its server on the host loop, then on the static step (the GPU's path)
     timeout 900 python3 -m pytest -q -p no:cacheprovider -m verl_workers tests/verl_plugin/test_verl_real_workers.py \
-      -k "grpo-1 and trains" 2>&1 | tail -n 3
+      tests/verl_plugin/test_verl_static_decoding.py -k "grpo-1 and trains or static" 2>&1 | tail -n 3
     exit "${PIPESTATUS[0]}"
   ) || return 1
   [ -z "$bare_failed" ] || { echo "the bare steps failed:$bare_failed (above)" >&2; return 1; }
