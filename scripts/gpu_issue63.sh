@@ -295,6 +295,7 @@ rehearse() {
   "$bare" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
   # a failed bare step is reported at the end; the payload's half still runs (as a lease goes on past a failed step)
   echo "-- 1. the bare steps"
+  mkdir -p "$dir"  # their JSON goes there (the payload's half starts it afresh)
   local llama=()
   if [ -f .gpu/llama/llama-batched-bench.xz ]; then
     # llama.cpp's CUDA binary, run here against the stand-in driver it was linked with (no GPU: ggml falls
