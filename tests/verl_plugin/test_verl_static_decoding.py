@@ -15,26 +15,15 @@ step decoding from stale weight copies would be O(0.1) off).
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from verl_loop_support import (  # noqa: E402
-    REAL_WORKER_OVERRIDES,
-    compose_config,
-    local_ray,
-    method_block,
-    print_timing,
-    run_fit,
-)
+# this folder is on sys.path (pytest's rootdir-relative import of a module outside a package)
+import verl_loop_support as loop  # noqa: E402
 
 pytestmark = [pytest.mark.verl_workers, pytest.mark.slow, pytest.mark.e2e]
 
@@ -49,15 +38,15 @@ def static_run(workspace, tmp_path_factory):
     from spader_pipeline.verl_plugin.decoder_rollout import server_actor_name
 
     run_dir = tmp_path_factory.mktemp("run-static")
-    config = compose_config(method_block("grpo"), workspace, run_dir, steps=STEPS, n_gpus_per_node=1,
-                            overrides=REAL_WORKER_OVERRIDES)
+    config = loop.compose_config(loop.method_block("grpo"), workspace, run_dir, steps=STEPS, n_gpus_per_node=1,
+                                 overrides=loop.REAL_WORKER_OVERRIDES)
     servers: list[dict] = []
     # the environment Ray's processes inherit: the server's process reads the switch at import
-    with local_ray(gpus=1, cpu_platform=True, env={"SPADER_STATIC_DECODE": "on"}):
+    with loop.local_ray(gpus=1, cpu_platform=True, env={"SPADER_STATIC_DECODE": "on"}):
         start = time.perf_counter()
-        metrics = run_fit(config, run_dir,
-                          before_cleanup=lambda: servers.append(ray.get(ray.get_actor(server_actor_name(0)).stats.remote())))
-        print_timing("grpo: fit() with the server on the static step", time.perf_counter() - start)
+        metrics = loop.run_fit(config, run_dir, before_cleanup=lambda: servers.append(
+            ray.get(ray.get_actor(server_actor_name(0)).stats.remote())))
+        loop.print_timing("grpo: fit() with the server on the static step", time.perf_counter() - start)
     return {"metrics": metrics, "server": servers[0]}
 
 
