@@ -13,6 +13,7 @@ from agent_toy_data import QUESTIONS
 
 from spader_pipeline.agent.hf_backend import HFGenerator
 from spader_pipeline.agent.types import RolloutState, SamplingParams
+from spader_pipeline.modeling import kv_cache
 
 
 def _states(prompts, limits):
@@ -36,13 +37,18 @@ def _frequent_tokens(model, tokenizer, prompts, count):
     return {t for t, _ in sorted(seen.items(), key=lambda kv: -kv[1])[:count]}
 
 
+@pytest.mark.parametrize("row_by_row", [True, False], ids=["rows-row-by-row", "rows-in-one-copy"])
 @pytest.mark.parametrize(("rows", "stops", "shared_prefix", "blocks"),
                          [(5, 1, False, None), (6, 2, True, None), (3, 0, False, None), (6, 2, True, (0, 0))])
-def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_prefix, blocks):
+def test_greedy_turns_equal_generate_across_turns(tiny_lm, rows, stops, shared_prefix, blocks, row_by_row,
+                                                  monkeypatch):
     """Rows of different lengths, ending at different steps (stop tokens, per-row budgets), three
     turns with cache continuation and a batch that shrinks: token ids equal ``generate``'s, and
     no finished row is decoded. ``blocks``: the observations' prefill in blocks of rows (``(0, 0)``:
-    a block per distinct length)."""
+    a block per distinct length). The cache reorders its rows and closes its gaps a row at a time (a
+    CPU's way) or in one copy per buffer (a GPU's, :data:`~spader_pipeline.modeling.kv_cache.ROW_BY_ROW_DEVICES`)."""
+    if not row_by_row:
+        monkeypatch.setattr(kv_cache, "ROW_BY_ROW_DEVICES", frozenset())
     model, tokenizer = tiny_lm
     head = "Find every answer. Question: " if shared_prefix else ""
     texts = [head + q["question"] for q in QUESTIONS] + [head + t for t in ("Ghana", "Which river?", "Accra", "Lakes")]

@@ -6,10 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from spader_pipeline.modeling import decode_attention
+from spader_pipeline.modeling import decode_attention, kv_cache
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available
 from spader_pipeline.modeling.kv_cache import GrowingKVCache, GrowingLayer
+
+#: both ways a cache rearranges its rows and positions (:data:`kv_cache.ROW_BY_ROW_DEVICES`): in place a row
+#: at a time (the CPU's) and one indexed copy per buffer (a GPU's), each run here on the CPU
+REARRANGEMENTS = {"row-by-row": frozenset({"cpu"}), "one-copy": frozenset()}
 
 
 def test_layer_appends_in_place_and_matches_concatenation():
@@ -96,15 +100,20 @@ def test_move_rows_equals_the_swaps_it_stands_for():
     assert torch.equal(at_once.layers[1].keys[:, :, :5], 2 * first[[5, 1, 4, 3, 2, 0]])
 
 
-def test_gather_positions_keeps_each_rows_positions():
-    cache, keys = GrowingKVCache(), torch.randn(2, 2, 6, 4)
+@pytest.mark.parametrize("devices", REARRANGEMENTS.values(), ids=REARRANGEMENTS)
+def test_gather_positions_keeps_each_rows_positions(devices, monkeypatch):
+    monkeypatch.setattr(kv_cache, "ROW_BY_ROW_DEVICES", devices)
+    cache, keys = GrowingKVCache(capture_states=True), torch.randn(2, 2, 6, 4)
     cache.update(keys, -keys, 0)
+    cache.states.append(keys[:, 1])
+    layer = cache.layers[0]
+    pointer = layer._key_buffer.data_ptr()
     index = torch.tensor([[0, 2, 5], [1, 3, 4]])
     cache.gather_positions(index)
-    layer = cache.layers[0]
     expected = torch.stack([keys[0][:, [0, 2, 5]], keys[1][:, [1, 3, 4]]])
     assert cache.get_seq_length() == 3 and torch.equal(layer.keys, expected) and torch.equal(layer.values, -expected)
-    assert torch.count_nonzero(layer._key_buffer[:, :, 3:]) == 0
+    assert torch.equal(cache.states.states, expected[:, 1])  # the states follow their positions
+    assert torch.count_nonzero(layer._key_buffer[:, :, 3:]) == 0 and layer._key_buffer.data_ptr() == pointer
 
 
 def test_row_windows_append_each_block_after_the_same_length():
@@ -129,10 +138,12 @@ def test_row_windows_append_each_block_after_the_same_length():
     assert torch.equal(layer.keys[2:, :, 3:8], narrow) and torch.count_nonzero(layer.keys[2:, :, 8:]) == 0
 
 
+@pytest.mark.parametrize("devices", REARRANGEMENTS.values(), ids=REARRANGEMENTS)
 @pytest.mark.parametrize("rows", [[3, 0, 4, 1, 2], [4, 2], [0, 1, 2, 3, 4], [1, 2, 0]])
-def test_selecting_distinct_rows_moves_them_in_place(rows):
+def test_selecting_distinct_rows_moves_them_in_place(rows, devices, monkeypatch):
     """A reordering or a subset of distinct rows: the same contents as indexing, in the same buffer,
-    the capacity's zeros kept."""
+    the capacity's zeros kept; a row at a time and in one copy alike."""
+    monkeypatch.setattr(kv_cache, "ROW_BY_ROW_DEVICES", devices)
     cache, keys = GrowingKVCache(capture_states=True), torch.randn(5, 2, 6, 4)
     cache.update(keys, -keys, 0)
     cache.states.append(keys[:, 0])

@@ -34,6 +34,14 @@ static cache's buffers from its first decoding call on (:meth:`GrowingKVCache.mo
 operation above keeps working there in place, and one that needs more room reallocates as always, leaving
 them. Their positions past a row's last write hold finite values, not zeros.
 
+Reordering rows (:meth:`GrowingLayer.batch_select_indices` with distinct rows: the rows a decoding call
+left permuted, a blocked prefill's order) and closing the masked gaps of rows
+(:meth:`GrowingLayer.gather_positions`) rearrange the filled part of every buffer. On a CPU that runs in
+place a row at a time: a new buffer of a long cache costs its page faults on top of the copy. On a GPU
+(every device but those in :data:`ROW_BY_ROW_DEVICES`) it is one indexed copy per buffer: a row at a
+time there is a kernel launch or more per row and buffer, ~46,000 to reorder 768 rows over 30 layers'
+keys and values, while the caching allocator hands out the temporary without page faults.
+
 For the native trainer the cache can also keep, per position, the hidden states one decoder block
 wrote there (``GrowingKVCache(capture_states=True)``, :class:`GrowingStates`): the states follow
 every cache operation exactly as the keys and values do, so after a rollout they line up with the
@@ -47,7 +55,11 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from spader_pipeline.modeling.decode_attention import bf16_decode_attention_available, bf16_key_cache
 
-__all__ = ["GrowingKVCache", "GrowingLayer", "GrowingStates"]
+__all__ = ["ROW_BY_ROW_DEVICES", "GrowingKVCache", "GrowingLayer", "GrowingStates"]
+
+#: device types whose caches reorder rows and gather positions in place a row at a time (no new buffer to
+#: fault in); elsewhere each buffer is rearranged in one indexed copy (no launch per row)
+ROW_BY_ROW_DEVICES = frozenset({"cpu"})
 
 
 class GrowingLayer(DynamicLayer):
@@ -118,17 +130,23 @@ class GrowingLayer(DynamicLayer):
 
     def gather_positions(self, index: torch.Tensor) -> None:
         """Keep, for every row ``b``, positions ``index[b]`` (``[B, L']``, ``L'`` at most the length,
-        each index ``< length``): the cache becomes ``L'`` long, in place (a row at a time through a
-        small copy; the freed positions are zeroed, the capacity kept)."""
+        each index ``< length``): the cache becomes ``L'`` long, in place (on a CPU a row at a time
+        through a small copy, elsewhere one gather per buffer; the freed positions are zeroed, the
+        capacity kept)."""
         if self._key_buffer is None:
             return
         index = index.to(self._key_buffer.device)
-        length, new_length = self._length, index.shape[1]
+        rows, length, new_length = index.shape[0], self._length, index.shape[1]
         if new_length > length:
             raise ValueError(f"gathering {new_length} positions from a cache of {length}")
+        row_by_row = self._key_buffer.device.type in ROW_BY_ROW_DEVICES
         for buffer in (self._key_buffer, self._value_buffer):
-            for row in range(index.shape[0]):
-                buffer[row, :, :new_length] = buffer[row, :, :length].index_select(1, index[row])
+            if row_by_row:
+                for row in range(rows):
+                    buffer[row, :, :new_length] = buffer[row, :, :length].index_select(1, index[row])
+            else:  # [rows, H, L', D]: each row's positions, for every head and channel
+                where = index[:, None, :, None].expand(rows, buffer.shape[1], new_length, buffer.shape[3])
+                buffer[:rows, :, :new_length] = torch.gather(buffer[:rows, :, :length], 2, where)
             buffer[:, :, new_length:length] = 0
         self._length = self._furthest = new_length
         self._expose()
@@ -252,9 +270,10 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (repeats allowed: a shared prefix copied to several rows), capacity kept.
 
-        Distinct rows (a reordering, or the trajectories still going) move in place along the
-        permutation's cycles, each filled row copied once and no new buffer (a new buffer of a
-        long cache costs its page faults on top of the copy); repeated rows are copied to a new one.
+        Distinct rows (a reordering, or the trajectories still going) move along a permutation: on a
+        CPU in place along its cycles, each filled row copied once and no new buffer (a new buffer of a
+        long cache costs its page faults on top of the copy), elsewhere in one indexed copy per buffer;
+        repeated rows are copied to a new one.
         """
         if self.get_seq_length() == 0:
             return
@@ -295,8 +314,12 @@ class GrowingLayer(DynamicLayer):
 
 
 def _permute_rows(tensor: torch.Tensor, source: list[int]) -> None:
-    """Make row ``b`` of ``tensor`` what row ``source[b]`` was (``source``: a permutation), in place:
-    each cycle of the permutation is walked with one spare row."""
+    """Make row ``b`` of ``tensor`` what row ``source[b]`` was (``source``: a permutation), in place: on a
+    device of :data:`ROW_BY_ROW_DEVICES` each cycle of the permutation is walked with one spare row,
+    elsewhere the rows are read in their new order into a temporary and copied back (two kernels)."""
+    if tensor.device.type not in ROW_BY_ROW_DEVICES:
+        tensor.copy_(tensor[torch.tensor(source, device=tensor.device)])
+        return
     done = [False] * len(source)
     for start in range(len(source)):
         if done[start] or source[start] == start:
