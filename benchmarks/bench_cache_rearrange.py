@@ -17,7 +17,6 @@ of the cache (untimed); on CUDA the time includes waiting for the device.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import smoke
 import torch
@@ -44,12 +43,13 @@ class OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def filled_cache(rows: int, positions: int, device: str, generator: torch.Generator) -> GrowingKVCache:
+def filled_cache(rows: int, positions: int, device: str) -> GrowingKVCache:
+    """Random keys (values their negatives) and states, drawn where they live (``torch.manual_seed`` first)."""
     cache = GrowingKVCache(capture_states=True)
     for layer in range(LAYERS):
-        keys = torch.randn(rows, KV_HEADS, positions, HEAD_DIM, generator=generator).to(device, torch.bfloat16)
+        keys = torch.randn(rows, KV_HEADS, positions, HEAD_DIM, device=device, dtype=torch.bfloat16)
         cache.update(keys, -keys, layer)
-    cache.states.append(torch.randn(rows, positions, WIDTH, generator=generator).to(device, torch.bfloat16))
+    cache.states.append(torch.randn(rows, positions, WIDTH, device=device, dtype=torch.bfloat16))
     return cache
 
 
@@ -74,8 +74,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = smoke.parse_args(parser, rows=8, positions=32, repeats=1)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
-    template = filled_cache(args.rows, args.positions, args.device, generator)
+    template = filled_cache(args.rows, args.positions, args.device)
     order = torch.randperm(args.rows, generator=generator)  # as the ended rows left them
     mask = (torch.rand(args.rows, args.positions, generator=generator) >= args.masked).long()
     mask[:, -1] = 1  # every row holds its last position
@@ -95,7 +96,7 @@ def main() -> None:
     counts = {}
     for name, devices in WAYS.items():
         cache = fresh()
-        with OperationCount() as counted, contextlib.nullcontext():
+        with OperationCount() as counted:
             rearrange(devices, order, index, cache)
         counts[name] = counted.count
     straightforward, ours = results.values()

@@ -28,7 +28,8 @@
 #                  against its bytes; then the graphs' step at 1, 8, 256, 768 rows with SDPA and with the
 #                  Triton attention (at the launch found fastest), beside llama.cpp's at the same shape and
 #                  weights (where .gpu/llama was carried) and the floor, and torch.profiler's top kernels of a
-#                  step at 768 rows on each and op by op; the one-GPU run's attention and launch (~3 min)
+#                  step at 768 rows on each and op by op; the one-GPU run's attention and launch; a continued
+#                  turn's cache rearrangements at 768 rows, a row at a time against one copy a buffer (~3.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_STEPS steps each (RL_SECONDS caps them; without RL_STEPS, RL_SECONDS alone), 240 held-out
 #                  questions, then the rollout generator's gpu tests (the RL's time + ~2.5 min)
@@ -199,6 +200,11 @@ faster = bool(row.get("triton") and row.get("graph") and row["triton"] < 0.97 * 
 print("triton" if faster and sys.argv[2] == "0" else "sdpa")
 PY
   echo "the one-GPU run's attention: $(cat "$STAGE"/attention)"
+  # a continued turn's cache rearrangements at 768 rows: a row at a time against one copy a buffer (CUDA's default)
+  PYTHONPATH="$PWD/src" python3 benchmarks/bench_cache_rearrange.py --device cuda --rows 768 --positions 768 \
+    --repeats 3 2>&1 | tee "$OUT"/cache_rearrange.log
+  local rearrange_rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && rc=$rearrange_rc
   return "$rc"
 }
 
@@ -312,6 +318,7 @@ rehearse() {
   [ ${#llama[@]} = 0 ] || grep -q '"llamacpp": [0-9]' "$dir"/decode_step.json || bare_failed+=" llama.cpp's prebuilt binary"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_gpu_attention.py --smoke || bare_failed+=" bench_gpu_attention"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_state_capture.py --smoke || bare_failed+=" bench_state_capture"
+  PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_cache_rearrange.py --smoke || bare_failed+=" bench_cache_rearrange"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_prefill_blocks.py --smoke || bare_failed+=" bench_prefill_blocks"
   PYTHONPATH="$PWD/src" "$bare" benchmarks/bench_sft_boundary.py --smoke || bare_failed+=" bench_sft_boundary"
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
