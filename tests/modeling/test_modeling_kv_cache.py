@@ -220,3 +220,36 @@ def test_on_cuda_bf16_keys_change_no_logit_under_autocast(gqa_model_dir):  # pra
     assert runs["growing"].past_key_values.layers[0].keys.dtype == torch.bfloat16
     assert torch.equal(runs["dynamic"].sequences, runs["growing"].sequences)
     assert torch.equal(torch.stack(runs["dynamic"].logits), torch.stack(runs["growing"].logits))
+
+
+def test_off_the_cpu_a_rearrangement_dispatches_the_same_operations_for_any_number_of_rows(monkeypatch):
+    """One copy a buffer (a GPU's way): reordering the rows and closing the gaps dispatch as many operations
+    for 32 rows as for 4 (a row at a time, the CPU's way, dispatches a few per row: on a GPU each is a launch
+    or the host's time before one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.operations = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operations += 1
+            return func(*args, **(kwargs or {}))
+
+    def operations(rows: int, devices: frozenset) -> int:
+        monkeypatch.setattr(kv_cache, "ROW_BY_ROW_DEVICES", devices)
+        cache = GrowingKVCache(capture_states=True)
+        for layer in range(3):
+            keys = torch.randn(rows, 2, 8, 4)
+            cache.update(keys, -keys, layer)
+        cache.states.append(torch.randn(rows, 8, 6))
+        index = torch.arange(2, 8).expand(rows, 6)
+        with Count() as count:
+            cache.batch_select_indices(torch.arange(rows).flip(0))
+            cache.gather_positions(index)
+        return count.operations
+
+    one_copy = REARRANGEMENTS["one-copy"]
+    assert operations(4, one_copy) == operations(32, one_copy)
+    assert operations(32, REARRANGEMENTS["row-by-row"]) > 4 * operations(32, one_copy)
