@@ -14,7 +14,7 @@ from native_toy import QUESTIONS, TEMPLATE
 
 from spader_pipeline.portable.bundle import export_bundle, read_settings, with_overrides
 from spader_pipeline.portable.run import run_bundle
-from spader_pipeline.reporting.portable import environment, summarise
+from spader_pipeline.reporting.portable import environment, summarise, summary_markdown
 
 ROLLOUT = {"max_turns": 2, "max_response_tokens": 600, "topk": 2}
 
@@ -142,3 +142,32 @@ def test_a_model_whose_every_question_failed_scores_zero():
         assert grpo["failed"] == 3 and grpo["recall"]["mean"] == 0.0 and np.isnan(grpo["searches"])
     assert summarise(ok + failed, {"resamples": 50}, reference="warm_start")["models"]["grpo"][
         "recall_minus_warm_start"]["mean"] == pytest.approx(-0.5)
+
+
+def test_the_summary_counts_questions_compares_the_trained_models_and_tabulates_each_step():
+    """Per trained model the questions it got better / worse / the same on against the reference, the
+    later trained model against the earlier one on the same questions, the held-out mechanism means; the
+    markdown carries them, the stages' seconds and one row per method and RL step (– where a metric is missing)."""
+    def rows(model, recalls):
+        return [{"model": model, "id": f"q{i}", "status": "ok", "recall": r, "f1": r, "num_searches": 2,
+                 "precision": 0.5, "seen_recall": 0.75, "answered_given_seen": r}
+                for i, r in enumerate(recalls)]
+
+    records = rows("warm_start", [0.0, 0.5, 1.0, 0.5]) + rows("grpo", [0.5, 0.5, 0.5, 1.0]) + rows("spader", [1.0, 1.0, 1.0, 1.0])
+    summary = summarise(records, {"resamples": 200}, reference="warm_start")
+    assert summary["models"]["grpo"]["questions"] == {"better": 2, "worse": 1, "same": 1}
+    assert summary["models"]["spader"]["questions"] == {"better": 3, "worse": 0, "same": 1}
+    assert "questions" not in summary["models"]["warm_start"]
+    assert list(summary["pairs"]) == ["spader_minus_grpo"]
+    assert summary["pairs"]["spader_minus_grpo"]["recall"]["mean"] == pytest.approx(1.0 - 2.5 / 4)
+    assert summary["models"]["grpo"]["mechanism"] == {"precision": 0.5, "seen_recall": 0.75,
+                                                      "answered_given_seen": pytest.approx(2.5 / 4)}
+    summary["seconds"] = {"warm_start": 39.06, "train_grpo": 218.3}
+    curves = {"grpo": [{"step": 0, "val/embedded/recall": 0.1},
+                       {"step": 1, "answer/recall": 0.18, "policy/entropy": 0.33, "perf/step_seconds": 32.4,
+                        "perf/rollout_prefill_seconds": 4.25, "perf/rollout_decode_steps": 567.0}]}
+    shown = summary_markdown(summary, curves)
+    assert "| grpo | 0.625 [" in shown and "| 2 / 1 / 1 |" in shown and "spader − grpo, paired" in shown
+    assert "| warm_start | 39.1 |" in shown
+    step_rows = [line for line in shown.splitlines() if line.startswith("| grpo | 1 |")]
+    assert step_rows == ["| grpo | 1 | 0.180 | 0.330 | – | – | – | 32.4 | – | – | 4.2 | – | – | 567 | – |"]

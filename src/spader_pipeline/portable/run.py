@@ -8,8 +8,11 @@ held-out evaluation (:mod:`spader_pipeline.portable.methods`). The summary, its 
 are :mod:`spader_pipeline.reporting.portable`'s. Output folder::
 
     summary.json / summary.md   held-out recall and F1 per model with a 95% question-bootstrap
-                                interval, each method's paired difference from the warm start, the
-                                stage times, the device, the package versions and the decoding path
+                                interval, each method's paired difference from the warm start (and
+                                the questions it got better or worse on) and from the method before
+                                it, the held-out mechanism, the stage times, the device, the package
+                                versions and the decoding path; summary.md also one row per method and
+                                RL step (the mechanism metrics and where the step's time went)
     heldout_records.jsonl       one evaluation record per model × held-out question
     curves.json / curves.png    validation recall per step per method, the warm start's as a line
     warm_start/, train_<m>/     the models, checkpoints and per-step metrics (metrics.jsonl)

@@ -1,7 +1,9 @@
 """The portable run's report (:mod:`spader_pipeline.portable`): held-out scores per model with
-question-bootstrap intervals and each model's paired difference from the warm start
-(:func:`summarise`), their markdown table (:func:`summary_markdown`), the validation and training
-curves (:func:`plot_curves`), what the run ran on (:func:`environment`) and the files that hold them
+question-bootstrap intervals, each model's paired difference from the warm start and each trained model's
+from the one trained before it, the questions each got better or worse on, and what moved the answers
+(:func:`summarise`); their markdown tables with the stages' times and, per RL step, the mechanism and
+where the step's time went (:func:`summary_markdown`); the validation and training curves
+(:func:`plot_curves`), what the run ran on (:func:`environment`) and the files that hold them
 (:func:`write_outputs`).
 
 One seed: the intervals are over questions only, and say nothing of the seed-to-seed spread.
@@ -22,6 +24,19 @@ import pandas as pd
 from spader_pipeline.evaluation.bootstrap import bootstrap_interval, paired_difference
 
 logger = logging.getLogger(__name__)
+
+#: held-out means per model beside the scores: how the answers moved (docs/metrics.md)
+MECHANISM = ("precision", "seen_recall", "answered_given_seen")
+#: the per-step table's columns, from each method's training history: (metric, heading, format)
+STEP_COLUMNS = (
+    ("answer/recall", "batch recall", ".3f"), ("policy/entropy", "entropy", ".3f"),
+    ("group/distinct_docs", "distinct docs", ".1f"), ("adv/zero_frac", "adv zero", ".3f"),
+    ("adv/corr_vs_grpo", "corr vs GRPO", ".2f"), ("perf/step_seconds", "step s", ".1f"),
+    ("perf/rollout_seconds", "rollout s", ".1f"), ("perf/rollout_model_seconds", "in the model", ".1f"),
+    ("perf/rollout_prefill_seconds", "prefill", ".1f"), ("perf/rollout_decoding_seconds", "decoding", ".1f"),
+    ("perf/rollout_prefill_padding", "prefill padding", ".2f"), ("perf/rollout_decode_steps", "decoding steps", ".0f"),
+    ("perf/update_seconds", "update s", ".1f"),
+)
 
 
 def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any], *, reference: str) -> dict[str, Any]:
@@ -49,21 +64,66 @@ def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any]
             if model != reference and reference in scores:
                 diff = paired_difference(scores[reference][metric], grid[metric], **options)
                 entry[f"{metric}_minus_{reference}"] = diff.as_dict()
+        if model != reference and reference in scores:  # question by question, on recall
+            delta = grid["recall"][0] - scores[reference]["recall"][0]
+            entry["questions"] = {"better": int((delta > 0).sum()), "worse": int((delta < 0).sum()),
+                                  "same": int((delta == 0).sum())}
+        ok = frame[frame["model"].eq(model) & frame["status"].eq("ok")]
+        entry["mechanism"] = {m: float(ok[m].mean()) if m in ok and ok[m].notna().any() else float("nan")
+                              for m in MECHANISM}
         models[model] = entry
-    return {"models": models, "reference": reference, "seeds": 1}
+    trained = [model for model in scores if model != reference]
+    pairs = {f"{b}_minus_{a}": {m: paired_difference(scores[a][m], scores[b][m], **options).as_dict()
+                                for m in ("recall", "f1")}
+             for i, a in enumerate(trained) for b in trained[i + 1:]}
+    return {"models": models, "reference": reference, "seeds": 1, "pairs": pairs}
 
 
-def summary_markdown(summary: Mapping[str, Any]) -> str:
-    """The summary's table: one row per model (recall, F1, difference from the reference)."""
+def _interval(value: Mapping[str, float]) -> str:
+    return f"{value['mean']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}]"
+
+
+def summary_markdown(summary: Mapping[str, Any], curves: Mapping[str, Sequence[Mapping[str, float]]] | None = None) -> str:
+    """The summary's tables: one row per model (recall, F1, difference from the reference, questions better /
+    worse / same); each later trained model against each earlier one; the held-out mechanism; the stages'
+    seconds; and, given the methods' training ``curves``, one row per method and RL step (:data:`STEP_COLUMNS`)."""
     ref = summary["reference"]
-    lines = [f"| model | recall [95% CI] | F1 | recall − {ref} [95% CI] | searches | failed |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| model | recall [95% CI] | F1 | recall − {ref} [95% CI] | better / worse / same | searches | failed |",
+             "|---|---|---|---|---|---|---|"]
     for model, entry in summary["models"].items():
         r, f1 = entry["recall"], entry["f1"]
         diff = entry.get(f"recall_minus_{ref}")
-        shown = f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]" if diff else "—"
-        lines.append(f"| {model} | {r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] | {f1['mean']:.3f} | {shown} "
-                     f"| {entry['searches']:.2f} | {entry['failed']} |")
+        questions = entry.get("questions")
+        counts = f"{questions['better']} / {questions['worse']} / {questions['same']}" if questions else "—"
+        lines.append(f"| {model} | {r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] | {f1['mean']:.3f} | "
+                     f"{_interval(diff) if diff else '—'} | {counts} | {entry['searches']:.2f} | {entry['failed']} |")
+    for pair, diff in summary.get("pairs", {}).items():
+        lines.append(f"\n{pair.replace('_minus_', ' − ')}, paired over the same questions: recall "
+                     f"{_interval(diff['recall'])}, F1 {_interval(diff['f1'])}")
+    mechanism = {model: entry["mechanism"] for model, entry in summary["models"].items() if "mechanism" in entry}
+    if mechanism:
+        lines += ["", "| model | " + " | ".join(MECHANISM) + " |", "|---|" + "---|" * len(MECHANISM)]
+        lines += [f"| {model} | " + " | ".join(f"{values[m]:.3f}" for m in MECHANISM) + " |"
+                  for model, values in mechanism.items()]
+    if summary.get("seconds"):
+        lines += ["", "| stage | seconds |", "|---|---|"]
+        lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in summary["seconds"].items()]
+    if curves:
+        lines += ["", steps_markdown(curves).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def steps_markdown(curves: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    """One row per method and RL step of its training history: :data:`STEP_COLUMNS` (– where a step lacks one)."""
+    lines = ["| method | step | " + " | ".join(heading for _, heading, _ in STEP_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(STEP_COLUMNS)]
+    for method, history in curves.items():
+        for point in history:
+            if point.get("step", 0) < 1 or "answer/recall" not in point:  # step 0: the shared validation only
+                continue
+            cells = [format(point[key], spec) if isinstance(point.get(key), (int, float)) else "–"
+                     for key, _, spec in STEP_COLUMNS]
+            lines.append(f"| {method} | {int(point['step'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,5 +194,5 @@ def write_outputs(out: Path, summary: Mapping[str, Any], records: Sequence[Mappi
             f.write(json.dumps(record, default=str) + "\n")
     (out / "curves.json").write_text(json.dumps(curves, indent=1, default=float))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    (out / "summary.md").write_text(summary_markdown(summary))
+    (out / "summary.md").write_text(summary_markdown(summary, curves))
     plot_curves(curves, start, out / "curves.png")
