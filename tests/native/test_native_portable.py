@@ -153,8 +153,10 @@ def test_the_summary_counts_questions_compares_the_trained_models_and_tabulates_
                  "precision": 0.5, "seen_recall": 0.75, "answered_given_seen": r}
                 for i, r in enumerate(recalls)]
 
-    records = rows("warm_start", [0.0, 0.5, 1.0, 0.5]) + rows("grpo", [0.5, 0.5, 0.5, 1.0]) + rows("spader", [1.0, 1.0, 1.0, 1.0])
-    summary = summarise(records, {"resamples": 200}, reference="warm_start")
+    # the methods' records in the order they finished (SPADER first), the summary in the run's order of methods
+    records = rows("warm_start", [0.0, 0.5, 1.0, 0.5]) + rows("spader", [1.0, 1.0, 1.0, 1.0]) + rows("grpo", [0.5, 0.5, 0.5, 1.0])
+    summary = summarise(records, {"resamples": 200}, reference="warm_start", order=["grpo", "spader"])
+    assert list(summary["models"]) == ["warm_start", "grpo", "spader"]
     assert summary["models"]["grpo"]["questions"] == {"better": 2, "worse": 1, "same": 1}
     assert summary["models"]["spader"]["questions"] == {"better": 3, "worse": 0, "same": 1}
     assert "questions" not in summary["models"]["warm_start"]
@@ -162,12 +164,14 @@ def test_the_summary_counts_questions_compares_the_trained_models_and_tabulates_
     assert summary["pairs"]["spader_minus_grpo"]["recall"]["mean"] == pytest.approx(1.0 - 2.5 / 4)
     assert summary["models"]["grpo"]["mechanism"] == {"precision": 0.5, "seen_recall": 0.75,
                                                       "answered_given_seen": pytest.approx(2.5 / 4)}
-    summary["seconds"] = {"warm_start": 39.06, "train_grpo": 218.3}
-    curves = {"grpo": [{"step": 0, "val/embedded/recall": 0.1},
+    summary.update(seconds={"warm_start": 39.06, "train_grpo": 218.3}, methods=["grpo", "spader"])
+    curves = {"spader": [{"step": 1, "answer/recall": 0.2}],
+              "grpo": [{"step": 0, "val/embedded/recall": 0.1},
                        {"step": 1, "answer/recall": 0.18, "policy/entropy": 0.33, "perf/step_seconds": 32.4,
                         "perf/rollout_prefill_seconds": 4.25, "perf/rollout_decode_steps": 567.0}]}
     shown = summary_markdown(summary, curves)
     assert "| grpo | 0.625 [" in shown and "| 2 / 1 / 1 |" in shown and "spader − grpo, paired" in shown
     assert "| warm_start | 39.1 |" in shown
-    step_rows = [line for line in shown.splitlines() if line.startswith("| grpo | 1 |")]
-    assert step_rows == ["| grpo | 1 | 0.180 | 0.330 | – | – | – | 32.4 | – | – | 4.2 | – | – | 567 | – |"]
+    step_rows = [line for line in shown.splitlines() if line.startswith(("| grpo | 1 |", "| spader | 1 |"))]
+    assert step_rows[0] == "| grpo | 1 | 0.180 | 0.330 | – | – | – | 32.4 | – | – | 4.2 | – | – | 567 | – |"
+    assert step_rows[1].startswith("| spader | 1 | 0.200 | – |")  # the methods' order, not the curves

@@ -89,7 +89,7 @@ def run_bundle(bundle: str | Path, out: str | Path, *, device: str = "auto", met
     def report() -> dict[str, Any]:
         """Write the outputs as they stand (after each evaluation, so a run cut short keeps them)."""
         trainer = training.trainer
-        summary = summarise(records, settings["bootstrap"], reference=REFERENCE)
+        summary = summarise(records, settings["bootstrap"], reference=REFERENCE, order=methods)
         summary.update({
             "bundle": str(bundle), "heldout": settings["heldout"], "questions": len(heldout), "methods": methods,
             "steps": {m: max((h.get("step", 0) for h in history), default=0) for m, history in curves.items()},

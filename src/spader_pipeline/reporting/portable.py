@@ -39,10 +39,13 @@ STEP_COLUMNS = (
 )
 
 
-def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any], *, reference: str) -> dict[str, Any]:
-    """Held-out recall and F1 per model with question-bootstrap intervals, and each model's paired
-    difference from ``reference`` (one seed: ``[1, Q]`` grids of :mod:`spader_pipeline.evaluation.bootstrap`).
-    A failed record scores 0, as in the compare report."""
+def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any], *, reference: str,
+              order: Sequence[str] = ()) -> dict[str, Any]:
+    """Held-out recall and F1 per model with question-bootstrap intervals, each model's paired difference
+    from ``reference`` and each trained model's from every one before it (one seed: ``[1, Q]`` grids of
+    :mod:`spader_pipeline.evaluation.bootstrap`). Models in the order ``reference``, ``order`` (the methods
+    as the run lists them, not as they finished), then any other. A failed record scores 0, as in the
+    compare report."""
     frame = pd.DataFrame.from_records(list(records))
     for column in ("recall", "f1", "num_searches"):  # failed records carry none: a model of only those lacks them
         if column not in frame:
@@ -56,6 +59,8 @@ def summarise(records: Sequence[Mapping[str, Any]], bootstrap: Mapping[str, Any]
                               for m in ("recall", "f1")}
         scores[str(model)]["failed"] = int((~ok).sum())
         scores[str(model)]["searches"] = float(rows.loc[ok, "num_searches"].mean()) if ok.any() else float("nan")
+    ranked = [reference, *order]
+    scores = dict(sorted(scores.items(), key=lambda item: ranked.index(item[0]) if item[0] in ranked else len(ranked)))
     models: dict[str, Any] = {}
     for model, grid in scores.items():
         entry: dict[str, Any] = {"failed": grid["failed"], "searches": grid["searches"]}
@@ -109,7 +114,8 @@ def summary_markdown(summary: Mapping[str, Any], curves: Mapping[str, Sequence[M
         lines += ["", "| stage | seconds |", "|---|---|"]
         lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in summary["seconds"].items()]
     if curves:
-        lines += ["", steps_markdown(curves).rstrip("\n")]
+        ranked = [m for m in summary.get("methods", ()) if m in curves] + [m for m in curves if m not in summary.get("methods", ())]
+        lines += ["", steps_markdown({m: curves[m] for m in ranked}).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
