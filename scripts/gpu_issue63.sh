@@ -36,7 +36,7 @@
 #     update       installed: the RL update alone, one pass over whole rows against the shared instruction
 #                  encoded once, with torch.profiler's top operations (~1.5 min)
 #     verl         installed: verl's fit() with our server on the GPU, 2 steps of GRPO then of SPADER in one Ray
-#                  session (~3.5 min; VERL_K="fit_on_one_gpu and grpo" for GRPO alone)
+#                  session (~3.5 min; VERL_K="fit_on_one_gpu and spader" trains SPADER alone, ~2 min)
 #     llamacpp     installed, llama.cpp built or prebuilt: its step beside ours on the real model (decode_batch,
 #                  prefill included) at 1, 8, 256, 768 rows (~1.5 min)
 #

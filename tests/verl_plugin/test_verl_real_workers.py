@@ -117,10 +117,18 @@ def test_the_servers_log_probs_are_the_actors(runs, name):
 GPU_METHODS = ("grpo", "spader")
 
 
+def selected_gpu_methods(items) -> list[str]:
+    """The methods of :data:`GPU_METHODS` whose GPU test the session runs (``-k`` may select one)."""
+    chosen = {item.callspec.params["method"] for item in items
+              if getattr(item, "originalname", "") == "test_fit_on_one_gpu_with_our_server" and hasattr(item, "callspec")}
+    return [method for method in GPU_METHODS if method in chosen]
+
+
 @pytest.fixture(scope="module")
-def gpu_runs(tmp_path_factory):  # pragma: no cover - needs a CUDA GPU
+def gpu_runs(request, tmp_path_factory):  # pragma: no cover - needs a CUDA GPU
     """The same ``fit()`` on one GPU (verl's CUDA platform, detected), SmolLM2 from the wheel, 2 steps per
-    method, our server on CUDA as the rollout engine (no vLLM or SGLang installed)."""
+    method the session's tests select (``-k "fit_on_one_gpu and spader"``: SPADER alone, half the time), our
+    server on CUDA as the rollout engine (no vLLM or SGLang installed)."""
     from spader_pipeline.modeling.packaged import PackagedModel, convert_packaged_model
 
     root = tmp_path_factory.mktemp("gpu")
@@ -132,7 +140,7 @@ def gpu_runs(tmp_path_factory):  # pragma: no cover - needs a CUDA GPU
         overrides = [o for o in REAL_WORKER_OVERRIDES if o not in ("trainer.device=cpu",)
                      and "fsdp_config.mixed_precision" not in o and "rollout.dtype" not in o]
         with local_ray(gpus=1):
-            for method in GPU_METHODS:
+            for method in selected_gpu_methods(request.session.items):
                 run_dir = root / method
                 run_dir.mkdir()
                 config = compose_config(method_block(method), ws, run_dir, steps=STEPS,
