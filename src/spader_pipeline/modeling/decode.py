@@ -284,11 +284,11 @@ def decode_batch(
     correctly in the next call with more tokens appended.
     """
     device = input_ids.device
-    started = time.perf_counter()
     if prefill_block_cost == "auto":
         prefill_block_cost = prefill_block_cost_for(device)
     past = cache.get_seq_length()
-    prefill_tokens = int(attention_mask[:, past:].sum())
+    prefill_tokens = int(attention_mask[:, past:].sum())  # waits for the device's queue: the clock starts after
+    started = time.perf_counter()
     order = list(range(len(budgets)))  # input row held by each cache row
     blocks, ends = [range(len(budgets))], [input_ids.shape[1]]  # row blocks of the prefill, where each ends
     if prefill_block_cost is not None and _can_block(cache, past, processors):
