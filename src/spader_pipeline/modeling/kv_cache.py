@@ -160,7 +160,8 @@ class GrowingLayer(DynamicLayer):
 
     def move_rows(self, rows: torch.Tensor, sources: torch.Tensor) -> None:
         """Make row ``rows[k]`` of the filled positions what row ``sources[k]`` was, for every ``k``
-        (long ``[n]``; ``sources`` a permutation of ``rows``): one gather and one scatter per buffer."""
+        (long ``[n]``; ``sources`` distinct, e.g. a permutation of ``rows``: all are read before any is
+        written): one gather and one scatter per buffer."""
         if self._key_buffer is not None and len(rows):
             device = self._key_buffer.device
             rows, sources = rows.to(device), sources.to(device)
@@ -272,10 +273,10 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (repeats allowed: a shared prefix copied to several rows), capacity kept.
 
-        Distinct rows (a reordering, or the trajectories still going) move along a permutation: on a
-        CPU in place along its cycles, each filled row copied once and no new buffer (a new buffer of a
-        long cache costs its page faults on top of the copy), elsewhere in one indexed copy per buffer;
-        repeated rows are copied to a new one.
+        Distinct rows (a reordering, or the trajectories still going) move in place: on a CPU along a
+        permutation's cycles, each filled row copied once and no new buffer (a new buffer of a long cache
+        costs its page faults on top of the copy), elsewhere in one indexed copy per buffer of the kept rows
+        (:meth:`move_rows`); repeated rows are copied to a new one.
         """
         if self.get_seq_length() == 0:
             return
@@ -285,10 +286,13 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer = self._key_buffer.index_select(0, indices)
             self._value_buffer = self._value_buffer.index_select(0, indices)
         else:
-            kept = set(rows)
-            source = rows + [r for r in range(self._key_buffer.shape[0]) if r not in kept]  # a permutation
-            for buffer in (self._key_buffer, self._value_buffer):
-                _permute_rows(buffer[:, :, : self._length], source)
+            if self._key_buffer.device.type in ROW_BY_ROW_DEVICES:
+                kept = set(rows)
+                source = rows + [r for r in range(self._key_buffer.shape[0]) if r not in kept]  # a permutation
+                for buffer in (self._key_buffer, self._value_buffer):
+                    _permute_rows(buffer[:, :, : self._length], source)
+            else:  # the kept rows read, then written to the first ones
+                self.move_rows(torch.arange(len(rows)), indices)
             self._key_buffer, self._value_buffer = self._key_buffer[: len(rows)], self._value_buffer[: len(rows)]
         self._expose()
 
@@ -316,12 +320,8 @@ class GrowingLayer(DynamicLayer):
 
 
 def _permute_rows(tensor: torch.Tensor, source: list[int]) -> None:
-    """Make row ``b`` of ``tensor`` what row ``source[b]`` was (``source``: a permutation), in place: on a
-    device of :data:`ROW_BY_ROW_DEVICES` each cycle of the permutation is walked with one spare row,
-    elsewhere the rows are read in their new order into a temporary and copied back (two kernels)."""
-    if tensor.device.type not in ROW_BY_ROW_DEVICES:
-        tensor.copy_(tensor[torch.tensor(source, device=tensor.device)])
-        return
+    """Make row ``b`` of ``tensor`` what row ``source[b]`` was (``source``: a permutation), in place:
+    each cycle of the permutation is walked with one spare row."""
     done = [False] * len(source)
     for start in range(len(source)):
         if done[start] or source[start] == start:
@@ -402,8 +402,8 @@ class GrowingKVCache(DynamicCache):
             layer.swap_rows(i, j)
 
     def move_rows(self, rows: torch.Tensor, sources: torch.Tensor) -> None:
-        """Make row ``rows[k]`` what row ``sources[k]`` was in every layer (``sources``: a permutation
-        of ``rows``, :meth:`GrowingLayer.move_rows`); the index moves to the device once."""
+        """Make row ``rows[k]`` what row ``sources[k]`` was in every layer (``sources`` distinct,
+        :meth:`GrowingLayer.move_rows`); the index moves to the device once."""
         layers = [*self.layers, *self._extra()]
         buffers = [layer._key_buffer for layer in layers if layer._key_buffer is not None]
         if buffers and len(rows):
