@@ -7,8 +7,8 @@ Both rearrange every layer's keys and values and the boundary states
 (:class:`~spader_pipeline.modeling.kv_cache.GrowingKVCache`). A row at a time in place keeps a CPU from
 faulting in a new buffer; on a GPU it is a launch or more per row and buffer. This times both ways on the
 same cache, SmolLM2's (30 layers, 3 key/value heads of 64, bf16; the states 576 wide), and counts the ATen
-operations each dispatches (:data:`~spader_pipeline.modeling.kv_cache.ROW_BY_ROW_DEVICES` decides which
-way a device takes). Every way leaves the same cache (checked). Median over repeats, each from a fresh copy
+operations each dispatches, views left out (``dispatch.DispatchCount``;
+:data:`~spader_pipeline.modeling.kv_cache.ROW_BY_ROW_DEVICES` decides which way a device takes). Every way leaves the same cache (checked). Median over repeats, each from a fresh copy
 of the cache (untimed); on CUDA the time includes waiting for the device.
 
     python benchmarks/bench_cache_rearrange.py [--rows 768] [--positions 1024] [--device cuda] [--smoke]
@@ -20,8 +20,8 @@ import argparse
 
 import smoke
 import torch
+from dispatch import DispatchCount
 from timing import interleaved_medians, print_medians
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from spader_pipeline.modeling import kv_cache
 from spader_pipeline.modeling.decode import left_aligned_positions
@@ -29,18 +29,6 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 
 LAYERS, KV_HEADS, HEAD_DIM, WIDTH = 30, 3, 64, 576
 WAYS = {"a row at a time": frozenset({"cpu", "cuda"}), "one copy a buffer": frozenset()}
-
-
-class OperationCount(TorchDispatchMode):
-    """Counts the ATen operations dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def filled_cache(rows: int, positions: int, device: str) -> GrowingKVCache:
@@ -96,16 +84,16 @@ def main() -> None:
     counts = {}
     for name, devices in WAYS.items():
         cache = fresh()
-        with OperationCount() as counted:
+        with DispatchCount() as counted:
             rearrange(devices, order, index, cache)
-        counts[name] = counted.count
+        counts[name] = counted.operations
     straightforward, ours = results.values()
     for a, b in zip([*straightforward.layers, straightforward.states], [*ours.layers, ours.states], strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     print(f"{args.rows} rows x {args.positions} positions, {LAYERS} layers ({args.masked:.0%} of each row masked): "
           f"rows reordered, then gaps closed to {index.shape[1]} positions, {args.device}, median of {args.repeats} "
           f"(the same cache both ways)")
-    print("  operations dispatched: " + ", ".join(f"{name} {count:,}" for name, count in counts.items()))
+    print("  operations dispatched (views left out): " + ", ".join(f"{name} {count:,}" for name, count in counts.items()))
     print_medians(medians, "a row at a time", "one copy a buffer")
 
 

@@ -30,8 +30,8 @@ import numpy as np
 import smoke
 import torch
 from bench_gpu_decode_step import SMOLLM2_135M
+from dispatch import DispatchCount
 from timing import interleaved_medians
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spader_pipeline.modeling import train_top_layers
@@ -41,28 +41,6 @@ from spader_pipeline.native.config import NativeTrainerConfig
 from spader_pipeline.native.update import actor_config, update_policy
 
 WAYS = {"shared prefix": True, "one pass": False}
-VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "slice", "unsqueeze", "squeeze", "expand", "detach",
-                   "select", "alias", "permute", "as_strided", "_reshape_alias", "lift_fresh"})
-WAITS = frozenset({"_local_scalar_dense", "nonzero", "is_nonzero"})  # the host reads a device value
-
-
-class DispatchCount(TorchDispatchMode):
-    """Operations dispatched (views left out), and those that make the host wait for the device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.operations = 0
-        self.waits = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.operations += 1
-        if name in WAITS and any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
-            self.waits += 1
-        return func(*args, **(kwargs or {}))
-
-
 def rollout_batch(prompts: int, group: int, *, vocab: int, hidden: int, first_block: int, instruction: int,
                   response: tuple[int, int], turns: int, model_tokens: int, device: torch.device,
                   seed: int = 0) -> tuple[RolloutBatch, Advantages]:

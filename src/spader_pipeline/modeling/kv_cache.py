@@ -40,8 +40,8 @@ left permuted, a blocked prefill's order) and closing the masked gaps of rows
 place a row at a time: a new buffer of a long cache costs its page faults on top of the copy. On a GPU
 (every device but those in :data:`ROW_BY_ROW_DEVICES`) it is one indexed copy per buffer: a row at a
 time there dispatches a few operations per row and buffer, each a launch or the host's time before one
-(~477,000 for a turn's reorder and gap closing at 768 rows over 30 layers, ~1,000 as one copy per buffer:
-``benchmarks/bench_cache_rearrange.py``), while the caching allocator hands out the temporary without
+(~143,000, views left out, for a turn's reorder and gap closing at 768 rows over 30 layers, 341 as one copy
+per buffer: ``benchmarks/bench_cache_rearrange.py``), while the caching allocator hands out the temporary without
 page faults.
 
 For the native trainer the cache can also keep, per position, the hidden states one decoder block
