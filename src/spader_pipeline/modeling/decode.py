@@ -287,12 +287,12 @@ def decode_batch(
     if prefill_block_cost == "auto":
         prefill_block_cost = prefill_block_cost_for(device)
     past = cache.get_seq_length()
-    prefill_tokens = int(attention_mask[:, past:].sum())  # waits for the device's queue: the clock starts after
+    new_lengths = attention_mask[:, past:].sum(1).tolist()  # each row's new tokens; waits for the device's queue
+    prefill_tokens = sum(new_lengths)
     started = time.perf_counter()
     order = list(range(len(budgets)))  # input row held by each cache row
     blocks, ends = [range(len(budgets))], [input_ids.shape[1]]  # row blocks of the prefill, where each ends
     if prefill_block_cost is not None and _can_block(cache, past, processors):
-        new_lengths = attention_mask[:, past:].sum(1).tolist()
         by_length = sorted(order, key=lambda row: -new_lengths[row])
         min_tokens, overhead = prefill_block_cost
         planned = padding_blocks([new_lengths[r] for r in by_length], min_tokens=min_tokens, overhead_tokens=overhead)
