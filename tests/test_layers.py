@@ -96,10 +96,11 @@ PACKAGE_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("settings", "cli"),  # where a stage's searches go; the command line
     ),
     "modeling": (
-        ("triton_decode_kernel", "gguf_checkpoint"),  # the decoding attention's Triton kernel (the module imports
-                                                      # Triton); a GGUF file read once, as transformers reads it
-        ("packed_linear", "native_step", "triton_attention"),  # oneDNN's weight layout; the decoding step and
-                                                                # attention in C++; the attention in Triton
+        ("triton_decode_kernel", "triton_step_kernels", "gguf_checkpoint"),  # the static step's Triton kernels
+                                                      # (the modules import Triton); a GGUF file read once
+        ("packed_linear", "native_step", "triton_attention", "triton_step"),  # oneDNN's weight layout; the decoding
+                                                      # step and attention in C++; the attention and the work
+                                                      # between the products in Triton
         ("decode_attention",),  # the bf16 cache's decoding attention
         ("device", "precision", "attention", "tokenizer", "batching", "kv_cache", "shared_prefix",
          "memory_budget", "packaged", "sampling", "static_cache"),  # each one concern of running a model

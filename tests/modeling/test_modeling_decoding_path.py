@@ -114,12 +114,12 @@ def test_the_path_reports_each_switch(monkeypatch):
     """What decoding_path says on this machine's CPU as the module switches and settings change."""
     monkeypatch.setattr(native_step, "_built", lambda: True)  # as where it builds (nothing decodes here)
     assert decoding_path("cpu", True) == {"decode.step": "cpp", "decode.attention": "cpp", "decode.kv_cache": "bf16",
-                                          "decode.packed_weights": "on"}
+                                          "decode.packed_weights": "on", "decode.kernels": "cpp"}
     monkeypatch.setattr(native_step, "NATIVE_STEP", False)
     assert decoding_path("cpu", True)["decode.step"] == "python"
     monkeypatch.setattr(native_step, "_built", lambda: False)
     assert decoding_path("cpu", True) == {"decode.step": "python", "decode.attention": "sdpa", "decode.kv_cache": "bf16",
-                                          "decode.packed_weights": "on"}
+                                          "decode.packed_weights": "on", "decode.kernels": "aten"}
     monkeypatch.setattr(decode_attention, "BF16_CACHE", False)
     assert decoding_path("cpu", True)["decode.kv_cache"] == "fp32"
     monkeypatch.setattr(decode_step, "FUSED_DECODE_STEP", False)
@@ -128,7 +128,9 @@ def test_the_path_reports_each_switch(monkeypatch):
     assert decoding_path("cpu", True)["decode.packed_weights"] == "off"
     monkeypatch.undo()
     assert decoding_path("cpu", False) == {"decode.step": "transformers", "decode.attention": "sdpa",
-                                           "decode.kv_cache": "fp32", "decode.packed_weights": "off"}
+                                           "decode.kv_cache": "fp32", "decode.packed_weights": "off",
+                                           "decode.kernels": "aten"}
     assert decoding_path("cpu", True, bf16_weights=True)["decode.step"] == "transformers"
     assert decoding_path("meta", True) == {"decode.step": "transformers", "decode.attention": "sdpa",
-                                           "decode.kv_cache": "bf16", "decode.packed_weights": "off"}
+                                           "decode.kv_cache": "bf16", "decode.packed_weights": "off",
+                                           "decode.kernels": "aten"}

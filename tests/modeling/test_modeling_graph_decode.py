@@ -260,9 +260,44 @@ class _OneNormCall(TorchFunctionMode):
             self.operations.inside_norm -= 1
 
 
-def _step_operations(blocks: int) -> int:
+#: operations that allocate without launching a kernel
+_ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")
+
+
+class _Launches(contextlib.ContextDecorator):
+    """Stands in for the fused Triton kernels (modeling/triton_step.py; CI's torch has no Triton): each call a
+    launch counted under ``triton:<name>``, its outputs allocated as the kernel's wrapper allocates them."""
+
+    def __init__(self, operations: _Operations, monkeypatch) -> None:
+        self.operations, self.monkeypatch = operations, monkeypatch
+
+    def __enter__(self):
+        from spader_pipeline.modeling import triton_step
+
+        def launched(name, result):
+            def kernel(*args, **kwargs):
+                self.operations.counts[f"triton:{name}"] += 1
+                return result(*args, **kwargs)
+            return kernel
+
+        patches = {
+            "residual_norm": lambda residual, delta, weight, eps, dtype: torch.empty(residual.shape, dtype=dtype),
+            "rotary_cache": lambda qkv, cos, sin, qn, kn, keys, values, cursor, dtype, heads: torch.empty(
+                qkv.shape[0], heads, qkv.shape[2], dtype=dtype),
+            "silu_mul": lambda gate_up: torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype),
+        }
+        for name, result in patches.items():
+            self.monkeypatch.setattr(triton_step, name, launched(name, result))
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _step_operations(blocks: int, kernels: str = "aten", monkeypatch=None) -> int:
     """The operations of one step and its sampling as built for CUDA under bf16 autocast (its norms, products
-    and attention; run here on the CPU's tensors), SmolLM2's block with ``blocks`` blocks, 8 rows."""
+    and attention; run here on the CPU's tensors), SmolLM2's block with ``blocks`` blocks, 8 rows; ``kernels``
+    ``triton``: with the fused kernels (:class:`_Launches`), each counted as one launch."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": blocks, "vocab_size": 512})).eval()
     precision = graph_decode._Precision(torch.bfloat16, torch.float32, torch.bfloat16, False, torch.bfloat16)
@@ -275,9 +310,10 @@ def _step_operations(blocks: int) -> int:
                 budgets=[8] * rows, uniforms=None)
     sampling = graph_decode._Sampling(("greedy",), lambda ids, scores: scores, False, 1.0, torch.tensor([2]), None)
     operations = _Operations()
-    with torch.no_grad(), _OneNormCall(operations), operations:
-        graph_decode._sample(cache, step.forward(cache, rows, 256, None), rows, sampling)
-    return sum(operations.counts.values())
+    launches = _Launches(operations, monkeypatch) if kernels == "triton" else contextlib.nullcontext()
+    with torch.no_grad(), launches, _OneNormCall(operations), operations:
+        graph_decode._sample(cache, step.forward(cache, rows, 256, None, "sdpa", kernels), rows, sampling)
+    return sum(count for name, count in operations.counts.items() if name not in _ALLOCATIONS)
 
 
 def test_a_step_on_cuda_is_twenty_operations_a_block():
@@ -290,6 +326,17 @@ def test_a_step_on_cuda_is_twenty_operations_a_block():
     per_block = three - two
     assert per_block <= 20, per_block
     assert two - 2 * per_block <= 40, two - 2 * per_block
+
+
+def test_with_the_fused_kernels_a_block_is_nine_launches(monkeypatch):
+    """With ``SPADER_DECODE_KERNELS=triton`` a block is its four products, the attention and four fused kernels
+    (the add and norm twice, the rotation with the cache's writes, SwiGLU's activation): SmolLM2's 30 blocks
+    ~300 launches a step where torch's operations take ~640."""
+    two, three = _step_operations(2, "triton", monkeypatch), _step_operations(3, "triton", monkeypatch)
+    per_block = three - two
+    assert per_block <= 9, per_block
+    assert two - 2 * per_block <= 40, two - 2 * per_block
+    assert per_block <= _step_operations(3) - _step_operations(2) - 11
 
 
 def test_a_step_reads_nothing_from_the_device(tiny_model, monkeypatch):

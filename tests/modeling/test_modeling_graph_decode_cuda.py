@@ -118,6 +118,35 @@ def test_the_triton_attention_gives_sdpas_tokens_in_graphs(model, sample, monkey
     assert sum(same for same, _ in shared) >= (0.9 * tokens if not sample else 1)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_fused_kernels_give_torchs_tokens_in_graphs(model, sample, attention, monkeypatch):
+    """The graphs with the work between the products as fused Triton kernels (modeling/triton_step.py) against
+    the graphs with torch's operations, with either attention: a norm's sums and the activation's exp round in
+    another order, so within the host loop's bound; captured, and op by op the same floats as captured (the
+    same kernels), with the boundary states within bf16's bound of torch's."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", attention)
+    runs, states = {}, {}
+    for kernels, path in (("aten", "graph"), ("triton", "graph"), ("triton", "static")):
+        _as(path, monkeypatch)
+        monkeypatch.setattr(static_cache, "DECODE_KERNELS", kernels)
+        assert decoding_path("cuda", True)["decode.kernels"] == kernels
+        runs[kernels, path], states[kernels, path], _ = _decode(model, sample=sample, capture=True)
+        assert not graph_decode._graphs_failed
+    assert runs["triton", "graph"] == runs["triton", "static"]
+    shared = parting(runs["triton", "graph"], runs["aten", "graph"])
+    tokens = sum(len(row) for run in runs["aten", "graph"] for row in run[0])
+    print(f"fused kernels vs torch's ({attention}): {sum(s for s, _ in shared)} of {tokens} tokens shared, largest "
+          f"log-probability change {max(c for _, c in shared):.4f}")
+    assert max(change for _, change in shared) <= HOST_BOUND
+    assert sum(same for same, _ in shared) >= (0.9 * tokens if not sample else 1)
+    assert torch.equal(states["triton", "graph"], states["triton", "static"])
+    fused, plain = states["triton", "graph"], states["aten", "graph"]
+    if [run[0] for run in runs["triton", "graph"]] == [run[0] for run in runs["aten", "graph"]]:  # the same positions
+        assert (fused - plain).abs().amax().item() <= 2**-5 * plain.abs().amax().item()  # as against the host loop
+
+
 def test_each_bucket_is_captured_once_per_process(model, monkeypatch):
     _as("graph", monkeypatch)
     _decode(model, sample=False)

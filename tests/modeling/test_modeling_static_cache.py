@@ -112,6 +112,25 @@ def test_the_static_steps_attention_is_chosen_and_reported(monkeypatch):
         decoding_path("cuda", True)
 
 
+def test_the_static_steps_kernels_are_chosen_and_reported(monkeypatch):
+    """The work between the static step's products: torch's operations, or the fused Triton kernels where
+    ``SPADER_DECODE_KERNELS`` chooses them, Triton runs and the step's residual stream is fp32 (not bf16
+    weights, not the CPU's autocast); the C++ step says its own; another value is refused."""
+    assert decoding_path("cuda", True)["decode.kernels"] == "aten"
+    monkeypatch.setattr(static_cache, "DECODE_KERNELS", "triton")
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    assert decoding_path("cuda", True)["decode.kernels"] == "aten"  # no Triton here: torch's, and said so
+    monkeypatch.setattr(triton_attention, "available", lambda: True)
+    assert decoding_path("cuda", True)["decode.kernels"] == "triton"
+    assert decoding_path("cuda", False)["decode.kernels"] == "triton"
+    assert decoding_path("cuda", True, bf16_weights=True)["decode.kernels"] == "aten"
+    assert decoding_path("cpu", False)["decode.kernels"] == "aten"  # the static step is off on a CPU by default
+    assert decoding_path("cpu", True)["decode.kernels"] in ("cpp", "aten")
+    monkeypatch.setattr(static_cache, "DECODE_KERNELS", "fused")
+    with pytest.raises(ValueError, match="SPADER_DECODE_KERNELS"):
+        decoding_path("cuda", True)
+
+
 @pytest.mark.parametrize("value", ["64,8", "48,4,3", "64,3,3", "64,4,0", "fast"])
 def test_a_triton_launch_it_cannot_take_is_refused_with_the_form(monkeypatch, value):
     monkeypatch.setattr(triton_attention, "LAUNCH", value)

@@ -105,7 +105,7 @@ def test_a_resume_that_would_decode_otherwise_stops_naming_the_decoding_path(sto
 
     recorded = load_trainer_state(list_checkpoints(stopped_run)[-1][1])["extra"]["settings"]
     path = {key: value for key, value in recorded.items() if key.startswith("decode.") and key != "decode.engine"}
-    assert set(path) == {"decode.step", "decode.attention", "decode.kv_cache", "decode.packed_weights"}
+    assert set(path) == {"decode.step", "decode.attention", "decode.kv_cache", "decode.packed_weights", "decode.kernels"}
     assert recorded["decode.engine"] == "hf"
     other = {**path, "decode.attention": "sdpa" if path["decode.attention"] == "cpp" else "cpp"}
     monkeypatch.setattr(decode_step, "decoding_path", lambda *args, **kwargs: other)

@@ -53,7 +53,7 @@ from spader_pipeline.modeling.kv_cache import GrowingKVCache
 from spader_pipeline.modeling.native_step import native_available
 from spader_pipeline.modeling.packed_linear import packed_product, packed_weights, packing_available
 from spader_pipeline.modeling.precision import resolve_bf16
-from spader_pipeline.modeling.static_cache import static_attention_name, static_step_name
+from spader_pipeline.modeling.static_cache import static_attention_name, static_kernels_name, static_step_name
 
 __all__ = ["CAPTURED_BLOCK", "FUSED_DECODE_STEP", "FusedDecodeStep", "SUPPORTED_MODEL_TYPES", "decoding_path",
            "fused_decode_step", "fused_decode_step_applies"]
@@ -287,7 +287,10 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     * ``decode.kv_cache``: the keys' precision in the cache, ``bf16`` (stored in bf16 for the native
       attention, held in fp32 for SDPA) or ``fp32``;
     * ``decode.packed_weights``: ``on`` where the products read weights packed for oneDNN once
-      (:mod:`~spader_pipeline.modeling.packed_linear`), else ``off``.
+      (:mod:`~spader_pipeline.modeling.packed_linear`), else ``off``;
+    * ``decode.kernels``: the work between a step's products: ``triton`` (the static step's fused kernels under
+      ``SPADER_DECODE_KERNELS``, :mod:`~spader_pipeline.modeling.triton_step`), ``cpp`` (the C++ step) or
+      ``aten`` (torch's operations).
 
     The C++ and Python steps and attentions compute the same sums, in another order where the attention
     is SDPA's (log-probabilities within ``tests/modeling/test_modeling_decoding_path.py``'s bound); the key
@@ -303,17 +306,21 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
     attention = static_attention_name() if static and (not cpu or bf16_weights or not autocast) else "sdpa"
     if attention == "triton":  # with its launch where not the default
         attention = triton_attention.launch_name()
+    # the fused Triton kernels between the static step's products take an fp32 residual stream whose attention is
+    # SDPA's kind: CUDA under autocast, or fp32 weights
+    kernels = static_kernels_name() if static and not bf16_weights and (not cpu or not autocast) else "aten"
     if bf16_weights:  # bf16 keys and values from bf16 projections, SDPA in bf16: the model's forward
         return {"decode.step": static or "transformers", "decode.attention": attention, "decode.kv_cache": "bf16",
-                "decode.packed_weights": "off"}
+                "decode.packed_weights": "off", "decode.kernels": kernels}
     packed = cpu and autocast and packed_linear.PACK_WEIGHTS and packing_available()
     fused = packed and FUSED_DECODE_STEP
     native = cpu and autocast and native_available()
     bf16_keys = autocast and (not cpu or attention_settings.bf16_key_cache())
+    step = static or ("cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused else "transformers")
     return {
-        "decode.step": static or ("cpp" if fused and native and native_step.NATIVE_STEP else "python" if fused
-                                  else "transformers"),
+        "decode.step": step,
         "decode.attention": "cpp" if native and bf16_keys else attention,
         "decode.kv_cache": "bf16" if bf16_keys else "fp32",
         "decode.packed_weights": "on" if packed else "off",
+        "decode.kernels": "cpp" if step == "cpp" else kernels,
     }

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spader_pipeline.modeling import packed_linear, static_cache
+from spader_pipeline.modeling import packed_linear, static_cache, triton_step
 from spader_pipeline.modeling.attention import NAME as GQA_ATTENTION
 from spader_pipeline.modeling.batching import retire_rows
 from spader_pipeline.modeling.decode_attention import (
@@ -257,6 +257,13 @@ class _Step:
             ))
         self.final_norm = _residual_norm(body.norm, fused)
         self.head = self.weights.add((model.lm_head,))
+        # the norms' modules in the order the fused kernels apply them: each block's two, then the final one
+        self.norms = [norm for block in body.layers for norm in (block.input_layernorm, block.post_attention_layernorm)]
+        self.norms.append(body.norm)
+        # the fused kernels (triton_step) take a step whose residual stream is fp32 and whose attention reads
+        # a query in its own dtype (CUDA's autocast precision, or fp32 weights), heads of a power of two
+        self.fusable = (precision.residual == torch.float32 and precision.attention is not None
+                        and not precision.round_keys and self.head_dim & (self.head_dim - 1) == 0)
 
     def product(self, x: torch.Tensor, product: _Product) -> torch.Tensor:
         """``x`` ``[n, in]`` times ``product``'s weights, in the products' dtype (:data:`PRODUCTS`)."""
@@ -299,24 +306,37 @@ class _Step:
         return out.reshape(rows, heads * dim)
 
     def forward(self, cache: StaticKVCache, rows: int, length: int, captured: int | None,
-                attention: str = "sdpa") -> torch.Tensor:
+                attention: str = "sdpa", kernels: str = "aten") -> torch.Tensor:
         """Feed each of the first ``rows`` rows its ``token`` at ``position``, writing its keys, values (and the
         captured block's output) at ``cursor``, attending over the first ``length`` positions (``attention``
         ``triton``: up to ``cursor``, :mod:`~spader_pipeline.modeling.triton_attention`); advance ``position``
-        and ``cursor``. Returns the logits ``[rows, V]``."""
-        precision, heads, kv_heads, dim = self.precision, self.heads, self.kv_heads, self.head_dim
-        half = dim // 2
+        and ``cursor``. ``kernels`` ``triton``: the work between the products as
+        :mod:`~spader_pipeline.modeling.triton_step`'s kernels (where :attr:`fusable`). Returns the logits
+        ``[rows, V]``."""
         x = F.embedding(cache.token[:rows], self.embed)  # [n, hidden]: the residual stream
         cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         cache.valid[:rows].index_fill_(1, cache.cursor, True)
         if attention == "triton":  # the runner names it only where the attention is SDPA's kind
             mask = (cache.valid[:rows, :length], cache.cursor + 1, cache.first[:rows])
         else:
             mask = self._attention_mask(cache.valid[:rows, :length])
+        states = cache.states[:rows, 0] if captured is not None else None
+        if kernels == "triton":
+            logits = self._fused_blocks(x, cos[:, 0], sin[:, 0], cache, rows, length, mask, captured, states)
+        else:
+            logits = self._blocks(x, cos, sin, cache, rows, length, mask, captured, states)
+        cache.position[:rows] += 1
+        cache.cursor += 1
+        return logits
+
+    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, rows: int,
+                length: int, mask: Any, captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
+        """The blocks and the head in torch's operations: :meth:`forward`'s logits from the embedded ``x``."""
+        precision, heads, kv_heads, dim = self.precision, self.heads, self.kv_heads, self.head_dim
+        half = dim // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign, on sin
         # the query and the new keys cast together where the attention reads them in the cache's dtype
         joint_cast = precision.attention is not None and precision.attention == precision.kv
-        states = cache.states[:rows, 0] if captured is not None else None
         for index, (norm_in, qkv_weight, q_norm, k_norm, scaling, o_weight, norm_mid, gate_up_weight,
                     down_weight) in enumerate(self.layers):
             qkv = self.product(norm_in(x), qkv_weight).view(rows, heads + 2 * kv_heads, dim)
@@ -334,9 +354,33 @@ class _Step:
             x = x + self.product(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], down_weight)
             if index == captured:
                 states.index_copy_(1, cache.cursor, x[:, None].to(states.dtype))
-        cache.position[:rows] += 1
-        cache.cursor += 1
         return self.product(self.final_norm(x), self.head)
+
+    def _fused_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, rows: int,
+                      length: int, mask: Any, captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_blocks` with the work between the products as :mod:`~spader_pipeline.modeling.triton_step`'s
+        kernels: a block is its four products, the attention and four kernels (the residual's add fused into
+        the next norm). ``cos``/``sin`` ``[n, D]``; ``x`` is the residual stream, updated in place."""
+        product, heads, norms = self.precision.product, self.heads, self.norms
+        query_dtype = self.precision.attention
+        normed = triton_step.residual_norm(x, None, norms[0].weight, norms[0].variance_epsilon, product)
+        for index, (_, qkv_weight, q_norm, k_norm, scaling, o_weight, _, gate_up_weight,
+                    down_weight) in enumerate(self.layers):
+            qkv = F.linear(normed, qkv_weight.weight).view(rows, heads + 2 * self.kv_heads, self.head_dim)
+            keys, values = cache.keys[index][:rows], cache.values[index][:rows]
+            query = triton_step.rotary_cache(qkv, cos, sin, q_norm, k_norm, keys, values, cache.cursor, query_dtype,
+                                             heads)
+            out = self._attend(query, keys[:, :, :length], values[:, :, :length], mask, scaling)
+            middle = norms[2 * index + 1]
+            normed = triton_step.residual_norm(x, F.linear(out.to(product), o_weight.weight), middle.weight,
+                                               middle.variance_epsilon, product)
+            inner = triton_step.silu_mul(F.linear(normed, gate_up_weight.weight))
+            after = norms[2 * index + 2]
+            normed = triton_step.residual_norm(x, F.linear(inner, down_weight.weight), after.weight,
+                                               after.variance_epsilon, product)
+            if index == captured:
+                states.index_copy_(1, cache.cursor, x[:, None].to(states.dtype))
+        return F.linear(normed, self.head.weight)
 
 
 @dataclass(frozen=True)
@@ -523,13 +567,15 @@ class _Decoder:
         attention = static_cache.static_attention_name() if self.precision.attention is not None else "cpu"
         if attention == "triton" and not triton_fits(self.step.heads // self.step.kv_heads, self.step.head_dim):
             attention = "sdpa"  # a shape the kernel does not take (the tests' tiny models' heads of 8)
-        key = (rows, length, sampling.key, attention, graphs)
+        kernels = static_cache.static_kernels_name() if self.step.fusable else "aten"
+        key = (rows, length, sampling.key, attention, kernels, graphs)
         if key not in self.runners:
             _STATS["buckets"] += 1
             cache, step = self.cache, self.step
 
             def one_step() -> None:
-                _sample(cache, step.forward(cache, rows, length, sampling.captured, attention), rows, sampling)
+                _sample(cache, step.forward(cache, rows, length, sampling.captured, attention, kernels), rows,
+                        sampling)
 
             if graphs:
                 if self.pool is None:

@@ -23,7 +23,9 @@ The switches: :data:`STATIC_DECODE` (``SPADER_STATIC_DECODE``: ``auto``, the sta
 on any device, the CPU running the same step without graphs, as the tests do; ``off``),
 :data:`CUDA_GRAPHS` (``SPADER_CUDA_GRAPHS=off``: the same static step, launched op by op) and
 :data:`DECODE_ATTENTION` (``SPADER_DECODE_ATTENTION``: ``sdpa``, or ``triton`` for the step's attention as
-one Triton kernel, :mod:`~spader_pipeline.modeling.triton_attention`).
+one Triton kernel, :mod:`~spader_pipeline.modeling.triton_attention`) and :data:`DECODE_KERNELS`
+(``SPADER_DECODE_KERNELS``: ``aten``, or ``triton`` for the work between the step's products as fused Triton
+kernels, :mod:`~spader_pipeline.modeling.triton_step`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import torch
 
 from spader_pipeline.modeling import triton_attention
 
-__all__ = ["CUDA_GRAPHS", "DECODE_ATTENTION", "LENGTH_QUANTUM", "ROW_BUCKETS", "STATIC_DECODE", "SYNC_EVERY",
+__all__ = ["CUDA_GRAPHS", "DECODE_ATTENTION", "DECODE_KERNELS", "LENGTH_QUANTUM", "ROW_BUCKETS", "STATIC_DECODE", "SYNC_EVERY",
            "StaticKVCache", "allocation_length", "length_bucket", "row_bucket", "static_attention_name",
-           "static_decode_selected", "static_step_name"]
+           "static_decode_selected", "static_kernels_name", "static_step_name"]
 
 STATIC_DECODE_ENV = "SPADER_STATIC_DECODE"
 CUDA_GRAPHS_ENV = "SPADER_CUDA_GRAPHS"
@@ -50,6 +52,11 @@ DECODE_ATTENTION_ENV = "SPADER_DECODE_ATTENTION"
 #: ``sdpa`` (over the length bucket, an additive mask) or ``triton`` (one kernel that reads the grouped heads
 #: once and no position past the step's last; where Triton runs, else ``sdpa``)
 DECODE_ATTENTION = os.environ.get(DECODE_ATTENTION_ENV, "sdpa").strip().lower()
+DECODE_KERNELS_ENV = "SPADER_DECODE_KERNELS"
+#: the static step's work between its products: ``aten`` (torch's operations, some twenty kernels a block) or
+#: ``triton`` (four fused kernels a block, :mod:`~spader_pipeline.modeling.triton_step`; where Triton runs and
+#: the step's residual stream is fp32, else ``aten``)
+DECODE_KERNELS = os.environ.get(DECODE_KERNELS_ENV, "aten").strip().lower()
 #: decoding steps between two reads of which rows ended (the only reads from the device while decoding)
 SYNC_EVERY = 8
 #: rows of a step: its graph's batch sizes (vLLM captures its decoding graphs per batch size the same way)
@@ -79,6 +86,14 @@ def static_attention_name() -> str:
     if DECODE_ATTENTION not in ("sdpa", "triton"):
         raise ValueError(f"{DECODE_ATTENTION_ENV}={DECODE_ATTENTION!r}: use sdpa or triton")
     return "triton" if DECODE_ATTENTION == "triton" and triton_attention.available() else "sdpa"
+
+
+def static_kernels_name() -> str:
+    """The static step's kernels between its products under :data:`DECODE_KERNELS`: ``triton`` where chosen and
+    Triton runs here, else ``aten``."""
+    if DECODE_KERNELS not in ("aten", "triton"):
+        raise ValueError(f"{DECODE_KERNELS_ENV}={DECODE_KERNELS!r}: use aten or triton")
+    return "triton" if DECODE_KERNELS == "triton" and triton_attention.available() else "aten"
 
 
 def row_bucket(rows: int) -> int:

@@ -219,7 +219,7 @@ def weights_stamp(model_path: str | Path) -> list[list[Any]]:
 def rollout_decoding_path(config: NativeTrainerConfig) -> dict[str, str]:
     """How this machine decodes the run's rollouts: the rollout engine (``decode.engine``) and, for our
     in-process decoder (``hf``), its path on the run's device and precision (``decode.step``,
-    ``decode.attention``, ``decode.kv_cache``, ``decode.packed_weights``:
+    ``decode.attention``, ``decode.kv_cache``, ``decode.packed_weights``, ``decode.kernels``:
     :func:`~spader_pipeline.modeling.decode_step.decoding_path`). Another engine's numerics are its own."""
     from spader_pipeline.modeling.decode_step import decoding_path
 

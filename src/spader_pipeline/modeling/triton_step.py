@@ -1,0 +1,102 @@
+"""The static decoding step's work between its products as three Triton kernels, a few launches a block
+instead of some twenty.
+
+Captured in a CUDA graph, a decoding step of SmolLM2 is ~620 kernels (30 blocks of ~20, the head and the
+sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
+where its arithmetic takes ~0.1 (docs/results.md, "One GPU"). Between a block's four products, torch runs
+the residual's add, the norm and the cast to bf16 (3 kernels, twice), the rotary embedding (4), the cast of
+the query, the keys' and values' writes into the cache and the query's copy into the attention's layout
+(4), SwiGLU's activation and product (2). vLLM and SGLang fuse the same groups (``fused_add_rms_norm``,
+``rotary_embedding`` with ``reshape_and_cache``, ``silu_and_mul``); here, with the static step's layout:
+
+* :func:`residual_norm`: the residual stream plus a product's output, written back in place, and the
+  block's norm of it in the products' dtype (one program a row);
+* :func:`rotary_cache`: one row's q|k|v product: the query and key heads normed per head where the family
+  does (Qwen3), rotated, the query written in the attention's layout and dtype, the keys and the values
+  into the static cache at the cursor (read from the device, so a captured graph stays valid as it moves);
+* :func:`silu_mul`: ``silu(gate) * up``.
+
+Numerics: the same fp32 operations in the same order as the torch code they replace (the launches turn off
+the fusion of a product and a sum into one rounding), except a norm's sum of squares, which a kernel adds in
+its own order (as torch's own CUDA ``rms_norm`` does), and the activation's ``exp``. The static step with them
+gives the step without them within bf16's rounding (the gpu-marked tests, with the bound they hold the
+Triton attention to); graphs and the same step op by op give the same floats.
+
+Selected with ``SPADER_DECODE_KERNELS=triton`` (:data:`~spader_pipeline.modeling.static_cache.DECODE_KERNELS`)
+where Triton runs (:func:`~spader_pipeline.modeling.triton_attention.available`) and the step's residual
+stream is fp32 (bf16 autocast over fp32 weights, as the trainer decodes, or fp32); the CPU tests run them
+through Triton's interpreter in fp32 and fp16 (its bf16 casts truncate).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["residual_norm", "rotary_cache", "silu_mul"]
+
+#: SwiGLU's columns a program computes
+SILU_BLOCK = 1024
+
+
+@functools.cache
+def _kernels():
+    from spader_pipeline.modeling import triton_step_kernels
+
+    return triton_step_kernels
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two that is at least ``n`` (a Triton block's size)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def residual_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``residual += delta`` in place (``None``: no add), then RMSNorm of it with ``weight`` and ``eps`` (fp32
+    statistics, ``weight * normed``) in ``dtype``. ``residual`` ``[n, W]`` (fp32), ``delta`` ``[n, W]`` (any
+    float dtype), ``weight`` ``[W]``; rows contiguous. Returns ``[n, W]`` in ``dtype``."""
+    rows, width = residual.shape
+    normed = torch.empty((rows, width), dtype=dtype, device=residual.device)
+    block = _pow2(width)
+    _kernels().residual_norm_kernel[(rows,)](
+        residual, delta if delta is not None else residual, weight, normed, eps, residual.stride(0),
+        delta.stride(0) if delta is not None else 0, normed.stride(0), WIDTH=width, BLOCK=block,
+        HAS_DELTA=delta is not None, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+    return normed
+
+
+def rotary_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.nn.Module | None,
+                 k_norm: torch.nn.Module | None, keys: torch.Tensor, values: torch.Tensor, cursor: torch.Tensor,
+                 query_dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """A step's q|k|v product ``qkv`` ``[n, H + 2 H_kv, D]`` (``heads`` = H): query and key heads normed per
+    head by ``q_norm``/``k_norm`` (``None``: not), rotated by ``cos``/``sin`` ``[n, D]`` fp32 (transformers'
+    rotary tables, ``rotate_half``'s convention); the keys and the values written into ``keys``/``values``
+    ``[n, H_kv, L, D]`` (views of the static cache) at position ``cursor`` (long ``[1]`` on the device).
+    Returns the rotated query ``[n, H, D]`` in ``query_dtype``."""
+    rows, width, dim = qkv.shape
+    kv_heads = (width - heads) // 2
+    if qkv.stride(2) != 1 or keys.stride(3) != 1 or values.stride(3) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary_cache: the head dimension must be contiguous")
+    query = torch.empty((rows, heads, dim), dtype=query_dtype, device=qkv.device)
+    norms = q_norm is not None
+    _kernels().rotary_cache_kernel[(rows,)](
+        qkv, cos, sin, q_norm.weight if norms else cos, k_norm.weight if norms else cos, query, keys, values, cursor,
+        q_norm.variance_epsilon if norms else 0.0, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
+        values.stride(1), values.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEADS_PAD=_pow2(heads),
+        KV_PAD=_pow2(kv_heads), DIM=dim, HEAD_NORMS=norms, num_warps=4, enable_fp_fusion=False)
+    return query
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` ``[n, 2 I]`` (``[gate | up]``), in its dtype: ``[n, I]``."""
+    rows, width = gate_up.shape
+    inner = width // 2
+    out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(SILU_BLOCK, _pow2(inner))
+    _kernels().silu_mul_kernel[(rows, -(-inner // block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), INNER=inner, BLOCK=block, num_warps=4,
+        enable_fp_fusion=False)
+    return out

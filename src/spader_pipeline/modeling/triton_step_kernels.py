@@ -1,0 +1,95 @@
+"""The Triton kernels of :mod:`~spader_pipeline.modeling.triton_step` (imported only where Triton is installed:
+it imports Triton, and ``TRITON_INTERPRET=1`` must be set before that for the interpreter).
+
+Each computes what the static step's torch operations compute, in the same order of fp32 operations (the
+launches turn off the fusion of a product and a sum into one rounding), so that only the sums over a row
+(a norm's mean) and ``exp`` may round otherwise."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def residual_norm_kernel(residual, delta, weight, normed, eps, residual_row, delta_row, normed_row,
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """One row: ``residual += delta`` (written back), then ``weight * (r * rsqrt(mean(r²) + eps))`` cast to
+    ``normed``'s dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    inside = columns < WIDTH
+    r = tl.load(residual + row * residual_row + columns, mask=inside, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        r = r + tl.load(delta + row * delta_row + columns, mask=inside, other=0.0).to(tl.float32)
+        tl.store(residual + row * residual_row + columns, r.to(residual.dtype.element_ty), mask=inside)
+    mean = tl.sum(r * r, 0) / WIDTH
+    w = tl.load(weight + columns, mask=inside, other=0.0).to(tl.float32)
+    out = w * (r * tl.rsqrt(mean + eps))
+    tl.store(normed + row * normed_row + columns, out.to(normed.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _head_norm(x, partner_x, weight, dims, partners, eps, IN_DTYPE: tl.constexpr, DIM: tl.constexpr):
+    """``x`` ``[heads, DIM]`` fp32 (and its rotation partners, the same heads' other halves) normed per head as the
+    model's RMSNorm writes it: fp32 statistics, the normed values in the input's dtype, times the fp32 weight."""
+    scale = tl.rsqrt(tl.sum(x * x, 1) / DIM + eps)[:, None]
+    w = tl.load(weight + dims).to(tl.float32)[None, :]
+    w_partner = tl.load(weight + partners).to(tl.float32)[None, :]
+    return (w * (x * scale).to(IN_DTYPE).to(tl.float32),
+            w_partner * (partner_x * scale).to(IN_DTYPE).to(tl.float32))
+
+
+@triton.jit
+def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, cursor, eps,
+                        qkv_row, qkv_head, cos_row, sin_row, query_row, query_head, key_row, key_head, key_position,
+                        value_row, value_head, value_position,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                        DIM: tl.constexpr, HEAD_NORMS: tl.constexpr):
+    """One row of a step's q|k|v product ``[H + 2 H_kv, D]``: the query heads (normed per head where the family
+    does) rotated into ``query``; the key heads so, and the value heads as they are, written into the caches at
+    the position ``cursor`` holds."""
+    row = tl.program_id(0).to(tl.int64)
+    at = tl.load(cursor).to(tl.int64)
+    dims = tl.arange(0, DIM)
+    partners = (dims + DIM // 2) % DIM  # rotate_half: the other half of the same head
+    c = tl.load(cos + row * cos_row + dims)[None, :]
+    s = tl.load(sin + row * sin_row + dims)
+    signed = tl.where(dims < DIM // 2, -s, s)[None, :]  # rotate_half's sign, on sin (negation is exact)
+    base = qkv + row * qkv_row
+    in_dtype = qkv.dtype.element_ty
+
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    held = heads < HEADS
+    q = tl.load(base + heads * qkv_head + dims[None, :], mask=held, other=0.0).to(tl.float32)
+    q_partner = tl.load(base + heads * qkv_head + partners[None, :], mask=held, other=0.0).to(tl.float32)
+    if HEAD_NORMS:
+        q, q_partner = _head_norm(q, q_partner, q_weight, dims, partners, eps, in_dtype, DIM)
+    q = q * c + q_partner * signed
+    tl.store(query + row * query_row + heads * query_head + dims[None, :], q.to(query.dtype.element_ty), mask=held)
+
+    kv_heads = tl.arange(0, KV_PAD)[:, None]
+    kv_held = kv_heads < KV_HEADS
+    k_base = base + HEADS * qkv_head
+    k = tl.load(k_base + kv_heads * qkv_head + dims[None, :], mask=kv_held, other=0.0).to(tl.float32)
+    k_partner = tl.load(k_base + kv_heads * qkv_head + partners[None, :], mask=kv_held, other=0.0).to(tl.float32)
+    if HEAD_NORMS:
+        k, k_partner = _head_norm(k, k_partner, k_weight, dims, partners, eps, in_dtype, DIM)
+    k = k * c + k_partner * signed
+    tl.store(keys + row * key_row + kv_heads * key_head + at * key_position + dims[None, :],
+             k.to(keys.dtype.element_ty), mask=kv_held)
+    v = tl.load(k_base + (KV_HEADS + kv_heads) * qkv_head + dims[None, :], mask=kv_held, other=0.0)
+    tl.store(values + row * value_row + kv_heads * value_head + at * value_position + dims[None, :],
+             v.to(values.dtype.element_ty), mask=kv_held)
+
+
+@triton.jit
+def silu_mul_kernel(gate_up, out, gate_up_row, out_row, INNER: tl.constexpr, BLOCK: tl.constexpr):
+    """A block of one row: ``silu(gate)`` in the gate's dtype, times ``up``, in ``out``'s dtype (``gate_up`` is
+    ``[gate | up]``, ``INNER`` each)."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = columns < INNER
+    base = gate_up + row * gate_up_row
+    gate = tl.load(base + columns, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(base + INNER + columns, mask=inside, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(gate_up.dtype.element_ty).to(tl.float32)
+    tl.store(out + row * out_row + columns, (activated * up).to(out.dtype.element_ty), mask=inside)

@@ -1,0 +1,214 @@
+"""The static step's work between its products as fused Triton kernels (modeling/triton_step.py): each kernel
+computes what the torch operations it replaces compute, the static step with them gives the step without
+them (what a block of it launches through torch: test_modeling_graph_decode.py).
+
+Where Triton runs: a CUDA GPU, or a CPU with Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is
+imported; ``gpu_issue63.sh rehearse`` runs these so). CI's CPU torch has no Triton: these skip there. The
+interpreter's casts to bf16 truncate, so there the kernels are checked in fp32 and fp16; on a GPU in bf16 too.
+The kernels built for the H200 by Triton's own compiler (no GPU needed): the last test."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from decoding_runs import SMOLLM2_135M, parting
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
+
+from spader_pipeline.modeling import static_cache, triton_attention, triton_step
+from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.decode import decode_batch
+from spader_pipeline.modeling.decode_step import _rms_norm, decoding_path, rotated_query_keys
+from spader_pipeline.modeling.kv_cache import GrowingKVCache
+
+pytestmark = pytest.mark.skipif(not triton_attention.available(),
+                                reason="needs Triton: a CUDA GPU, or its interpreter (TRITON_INTERPRET=1)")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
+#: the largest difference from torch's operations, relative to the values' scale: a norm's sum and the
+#: activation's exp round in another order (fp32), then the output's own rounding (its dtype's half ulp)
+BOUNDS = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _norm(width: int, eps: float, generator: torch.Generator) -> torch.nn.Module:
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.nn.Parameter((1 + 0.1 * torch.randn(width, generator=generator)).to(DEVICE)), eps
+    return norm
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    scale = expected.float().abs().amax().clamp_min(1.0)
+    return (out.float() - expected.float()).abs().amax().item() <= BOUNDS[dtype] * scale.item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("with_delta", [False, True], ids=["norm", "add-and-norm"])
+def test_residual_norm_is_the_add_and_the_models_norm(dtype, with_delta):
+    """The residual (fp32) plus a product's output (``dtype``), written back in place, and the block's RMSNorm of
+    it (the model's formula, fp32) in ``dtype``: at SmolLM2's width (576, a masked block of 1,024)."""
+    generator = torch.Generator().manual_seed(1)
+    residual = (3 * torch.randn(5, 576, generator=generator)).to(DEVICE)
+    delta = torch.randn(5, 576, generator=generator).to(DEVICE, dtype) if with_delta else None
+    norm = _norm(576, 1e-5, generator)
+    expected_residual = residual + delta.float() if with_delta else residual.clone()
+    expected = _rms_norm(expected_residual, norm).to(dtype)
+    normed = triton_step.residual_norm(residual, delta, norm.weight, norm.variance_epsilon, dtype)
+    assert normed.dtype == dtype and normed.shape == (5, 576)
+    assert torch.equal(residual, expected_residual)  # the add is exact: one fp32 rounding, as torch's
+    assert _close(normed, expected, dtype)
+
+
+def _rotary_inputs(rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, generator: torch.Generator):
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=generator).to(DEVICE, dtype)
+    angles = torch.rand(rows, dim // 2, generator=generator) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    return qkv, angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "head_norms"),
+                         [(9, 3, 64, False), (4, 2, 16, True), (8, 1, 32, False)], ids=["smollm2", "qwen3", "mqa"])
+def test_rotary_cache_rotates_and_writes_at_the_cursor(dtype, heads, kv_heads, dim, head_norms):
+    """The query and key heads normed where the family does, rotated as the step's torch code rotates them
+    (the same fp32 operations: without head norms the same bits), the query in the attention's dtype; the keys
+    and the values at the cursor's position of cache views with room for more, nothing else written."""
+    generator = torch.Generator().manual_seed(heads + dim)
+    qkv, cos, sin = _rotary_inputs(3, heads, kv_heads, dim, dtype, generator)
+    q_norm = _norm(dim, 1e-6, generator) if head_norms else None
+    k_norm = _norm(dim, 1e-6, generator) if head_norms else None
+    buffer = torch.full((4, kv_heads, 40, dim), 7.0, dtype=dtype, device=DEVICE)
+    keys, values = buffer[:3], buffer.clone()[:3]
+    cursor = torch.tensor([21], device=DEVICE)
+    query = triton_step.rotary_cache(qkv, cos, sin, q_norm, k_norm, keys, values, cursor, dtype, heads)
+    half = dim // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
+    expected = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos[:, None], signed_sin).to(dtype)
+    compare = torch.equal if not head_norms else lambda a, b: _close(a, b, dtype)
+    assert query.shape == (3, heads, dim) and query.dtype == dtype
+    assert compare(query, expected[:, :heads])
+    assert compare(keys[:, :, 21], expected[:, heads:])
+    assert torch.equal(values[:, :, 21], qkv[:, heads + kv_heads:])
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[21] = False
+    assert (keys[:, :, untouched] == 7).all() and (values[:, :, untouched] == 7).all() and (buffer[3] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("inner", [1536, 80], ids=["smollm2", "narrow"])
+def test_silu_mul_is_swiglus_activation_times_up(dtype, inner):
+    """``silu(gate)`` in the gate's dtype times ``up``, as ``F.silu(gate) * up`` (SmolLM2's 1,536: two blocks)."""
+    gate_up = (2 * torch.randn(4, 2 * inner, generator=torch.Generator().manual_seed(inner))).to(DEVICE, dtype)
+    out = triton_step.silu_mul(gate_up)
+    assert out.shape == (4, inner) and out.dtype == dtype
+    assert _close(out, F.silu(gate_up[:, :inner]) * gate_up[:, inner:], dtype)
+
+
+def _models() -> dict[str, torch.nn.Module]:
+    """SmolLM2's shape and a Qwen3 (per-head norms of query and key), 2 blocks, small vocabularies, fp32."""
+    torch.manual_seed(0)
+    smollm2 = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 256}))
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                                         eos_token_id=2, pad_token_id=0))
+    for model in (smollm2, qwen3):
+        model.eval().requires_grad_(False).to(DEVICE)
+        assert use_gqa_attention(model)
+    return {"smollm2": smollm2, "qwen3": qwen3}
+
+
+def _two_turns(model: torch.nn.Module, sample: bool) -> list:
+    """Two turns of four rows (rows of other lengths and padding, ending on token 2 or their budget)."""
+    ids = torch.randint(3, 256, (4, 80), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :70] = 0
+    cache, common = GrowingKVCache(), dict(eos_ids={2}, pad_id=0, processors=LogitsProcessorList(),
+                                           do_sample=sample, log_prob_temperature=1.0)
+    torch.manual_seed(5)
+    first = decode_batch(model, ids, mask, cache, [12, 4, 12, 8], **common)
+    where = {row: k for k, row in enumerate(first.cache_rows)}
+    cache.batch_select_indices(torch.tensor([where[row] for row in range(4)], device=DEVICE))
+    extra = torch.randint(3, 256, (4, 70), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    second = decode_batch(model, torch.cat([first.ids, extra], 1), torch.cat([first.mask, torch.ones_like(extra)], 1),
+                          cache, [8] * 4, **common)
+    return [(run.tokens, run.log_probs) for run in (first, second)]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU's static step, through the interpreter (the GPU's: "
+                    "test_modeling_graph_decode_cuda.py)")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_static_step_with_the_kernels_gives_torchs_tokens(sample, attention, monkeypatch):
+    """SmolLM2's shape and a Qwen3 in fp32 on the CPU, the static step forced on, with either attention: two
+    turns with the fused kernels and with torch's operations give the same tokens, log-probabilities within
+    fp32's rounding, and the kernels ran where chosen, and only there."""
+    monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", attention)
+    calls = collections.Counter()
+    for name in ("residual_norm", "rotary_cache", "silu_mul"):
+        kernel = getattr(triton_step, name)
+        monkeypatch.setattr(triton_step, name, lambda *a, _k=kernel, _n=name, **kw: calls.update([_n]) or _k(*a, **kw))
+    for name, model in _models().items():
+        runs = {}
+        for kernels in ("aten", "triton"):
+            monkeypatch.setattr(static_cache, "DECODE_KERNELS", kernels)
+            assert decoding_path("cpu", False)["decode.kernels"] == kernels
+            runs[kernels] = _two_turns(model, sample)
+            assert (sum(calls.values()) > 0) == (kernels == "triton"), name
+            if kernels == "triton":  # per step: 1 + 2 per block norms, a rotation and an activation per block
+                assert calls["residual_norm"] == 5 * calls["rotary_cache"] // 2 and calls["silu_mul"] == calls[
+                    "rotary_cache"], calls
+            calls.clear()
+        assert [run[0] for run in runs["triton"]] == [run[0] for run in runs["aten"]], name
+        assert max(change for _, change in parting(runs["triton"], runs["aten"])) <= 1e-4, name
+
+
+KERNELS_AHEAD_OF_TIME = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from spader_pipeline.modeling import triton_step_kernels as kernels
+# as the static step launches them on CUDA under autocast (SmolLM2: width 576, 9 + 3 heads of 64, SwiGLU 1,536)
+LAUNCHES = {
+    "residual_norm_kernel": ({"residual": "*fp32", "delta": "*bf16", "weight": "*fp32", "normed": "*bf16",
+                              "eps": "fp32"}, {"WIDTH": 576, "BLOCK": 1024, "HAS_DELTA": True}),
+    "rotary_cache_kernel": ({"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "q_weight": "*fp32", "k_weight": "*fp32",
+                             "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "eps": "fp32"},
+                            {"HEADS": 9, "KV_HEADS": 3, "HEADS_PAD": 16, "KV_PAD": 4, "DIM": 64, "HEAD_NORMS": False}),
+    "silu_mul_kernel": ({"gate_up": "*bf16", "out": "*bf16"}, {"INNER": 1536, "BLOCK": 1024}),
+}
+built = {}
+for name, (typed, values) in LAUNCHES.items():
+    kernel = getattr(kernels, name)
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: typed.get(n, "constexpr" if n in values else "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": False})
+    ptx = compiled.asm["ptx"]
+    built[name] = {"fma": ptx.count("fma.rn.f32"), "bytes": len(ptx)}
+print(json.dumps(built))
+"""
+
+
+def test_the_kernels_build_for_hopper_without_fused_multiply_adds():
+    """Triton's own compiler, ahead of time for sm_90 (the H200's; no GPU needed, so a CPU checks it before a
+    lease), at the static step's shapes: each kernel builds, and none sums a product in one rounding (the
+    launches turn that fusion off: the rotation's ``x·cos + y·sin`` rounds as torch's does)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # the real compiler
+    done = subprocess.run([sys.executable, "-c", KERNELS_AHEAD_OF_TIME], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(built) == {"residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel"}
+    assert built["rotary_cache_kernel"]["fma"] == 0, built
