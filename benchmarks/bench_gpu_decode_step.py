@@ -14,6 +14,9 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
 - ``graph``: the static step captured in CUDA graphs (the default on CUDA);
 - ``triton`` (in ``--paths``): the graphs with the step's attention as one Triton kernel
   (``SPADER_DECODE_ATTENTION=triton``, modeling/triton_attention.py);
+- ``fused`` and ``fused_triton`` (in ``--paths``): the graphs with the work between the step's products as
+  four fused Triton kernels a block (``SPADER_DECODE_KERNELS=triton``, modeling/triton_step.py), the attention
+  SDPA's or the Triton kernel;
 - ``hf_static`` (``--hf-generate``): transformers' ``generate(cache_implementation="static")`` (its forward
   compiled with CUDA graphs), greedy, per step with the prefill subtracted (a run of 1 new token against
   one of ``steps + 1``), and its first call's seconds (the compilation);
@@ -34,7 +37,7 @@ the prefill and the setup cancel, after one untimed call that captures the bucke
 Each under bf16 autocast over fp32 weights (as the trainer decodes) and with bf16 weights. Rows per
 second = rows / step. The capture counts and seconds (modeling.graph_decode.static_decode_stats) are
 printed last; ``--profile`` adds torch.profiler's top kernels of a step at the last row count, on ``graph``,
-``triton`` (where in ``--paths``) and ``static`` (:func:`profile_step`).
+``triton``, ``fused``, ``fused_triton`` (where in ``--paths``) and ``static`` (:func:`profile_step`).
 
     python benchmarks/bench_gpu_decode_step.py --rows 1 8 256 768 --width 512 --hf-generate 256 768 \
         [--llamacpp build/llamacpp/cmake-0.3.36-cuda-sm90/bin/llama-batched-bench]
@@ -64,14 +67,18 @@ from spader_pipeline.modeling.precision import bf16_inference
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
-#: path -> (SPADER_STATIC_DECODE, SPADER_CUDA_GRAPHS, SPADER_DECODE_ATTENTION)
-PATHS = {"host": ("off", True, "sdpa"), "static": ("on", False, "sdpa"), "graph": ("on", True, "sdpa"),
-         "triton": ("on", True, "triton")}
+#: path -> (SPADER_STATIC_DECODE, SPADER_CUDA_GRAPHS, SPADER_DECODE_ATTENTION, SPADER_DECODE_KERNELS)
+PATHS = {"host": ("off", True, "sdpa", "aten"), "static": ("on", False, "sdpa", "aten"),
+         "graph": ("on", True, "sdpa", "aten"), "triton": ("on", True, "triton", "aten"),
+         "fused": ("on", True, "sdpa", "triton"), "fused_triton": ("on", True, "triton", "triton")}
+#: the paths in CUDA graphs (left out on a CPU)
+GRAPH_PATHS = ("graph", "triton", "fused", "fused_triton")
 
 
 def select(path: str) -> None:
     """The module switches of ``path`` (:data:`PATHS`)."""
-    static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS, static_cache.DECODE_ATTENTION = PATHS[path]
+    (static_cache.STATIC_DECODE, static_cache.CUDA_GRAPHS, static_cache.DECODE_ATTENTION,
+     static_cache.DECODE_KERNELS) = PATHS[path]
 
 
 def sync() -> None:
@@ -240,7 +247,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256, 768])
     parser.add_argument("--width", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--paths", default="host,static,graph", help="of host, static, graph, triton (comma-separated)")
+    parser.add_argument("--paths", default="host,static,graph", help="of " + ", ".join(PATHS) + " (comma-separated)")
     parser.add_argument("--bf16-paths", default=None, help="the paths with bf16 weights (default: --paths)")
     parser.add_argument("--weights", default="fp32+autocast,bf16", help="of fp32+autocast, bf16 (comma-separated)")
     parser.add_argument("--hf-generate", type=int, nargs="*", default=[],
@@ -257,7 +264,7 @@ def main() -> None:
     args = smoke.parse_args(parser, rows=[2], width=16, steps=3, length_quanta=[8])
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for --smoke: no graphs there
     shape = {**SMOLLM2_135M, "num_hidden_layers": 2, "vocab_size": 4096} if args.smoke else SMOLLM2_135M
-    on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p not in ("graph", "triton")]
+    on_device = {name.split(",")[0]: [p for p in name.split(",")[1:] if device == "cuda" or p not in GRAPH_PATHS]
                  for name in (f"fp32+autocast,{args.paths}", f"bf16,{args.bf16_paths or args.paths}")}
     torch.manual_seed(0)
     fp32 = LlamaForCausalLM(LlamaConfig(**shape)).to(device).eval().requires_grad_(False)
@@ -293,7 +300,7 @@ def main() -> None:
     if args.llamacpp:
         time_llamacpp(fp32, Path(args.llamacpp), results, args.width, args.llamacpp_steps, args.llamacpp_repeats)
     if args.profile:
-        profiled = ["graph", *(["triton"] if "triton" in args.paths.split(",") else []), "static"]
+        profiled = ["graph", *(p for p in GRAPH_PATHS[1:] if p in args.paths.split(",")), "static"]
         for path in profiled if device == "cuda" else ("static",):
             try:
                 entries = profile_step(fp32, path, args.rows[-1], args.width, args.profile_steps, True)
@@ -311,11 +318,12 @@ def main() -> None:
           f"{stats['allocations']}; replays {stats['replays']}")
     ours = [*PATHS, *(f"q{quantum}" for quantum in args.length_quanta)]
     columns = [*ours, "hf_static", "llamacpp", "floor"]
-    print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns) + f" {'best tok/s':>11}"
+    print(f"{'weights':14} {'rows':>5} " + " ".join(f"{c:>{max(10, len(c))}}" for c in columns) + f" {'best tok/s':>11}"
           + (f" {'x llama.cpp':>11}" if args.llamacpp else ""))
     for r in results:
-        cells = [(f"{1e3 * r[c]:9.2f}" + ("*" if c == "llamacpp" and r.get("llamacpp_sequences") else " "))
-                 if r.get(c) else f"{'-':>10}" for c in columns]
+        cells = [(f"{1e3 * r[c]:{max(10, len(c)) - 1}.2f}" + ("*" if c == "llamacpp" and r.get("llamacpp_sequences")
+                                                              else " ")) if r.get(c) else f"{'-':>{max(10, len(c))}}"
+                 for c in columns]
         best = min((r[p] for p in ours if r.get(p)), default=None)  # none: the CPU, where there are no graphs
         rate = f"{r['rows'] / best:11.0f}" if best else f"{'-':>11}"
         # tokens a second, ours over llama.cpp's (at its most sequences where capped: what it would sustain)

@@ -22,13 +22,15 @@
 #                  rollout's boundary states copied out of the cache, per row against on the device; a
 #                  continued turn's prefill at 768 rows in blocks by the GPU's cost and the CPU's; the warm
 #                  start's SFT step from the frozen blocks' states and from the plain forward (~4 min)
-#     graphtests   bare machine: the gpu-marked tests of the static step and the Triton attention (~40 s)
+#     graphtests   bare machine: the gpu-marked tests of the static step, the Triton attention and the fused
+#                  Triton kernels between the step's products (~50 s)
 #     profile      bare machine: the step's attention at 768 rows by way (SDPA's kernels, batched products, the
 #                  Triton kernel at seven launches; flex_attention with --flex, ~45 s more to compile, left out)
 #                  against its bytes; then the graphs' step at 1, 8, 256, 768 rows with SDPA and with the
-#                  Triton attention (at the launch found fastest), beside llama.cpp's at the same shape and
+#                  Triton attention (at the launch found fastest), each with torch's kernels between the
+#                  products and with the fused Triton kernels, beside llama.cpp's at the same shape and
 #                  weights (where .gpu/llama was carried) and the floor, and torch.profiler's top kernels of a
-#                  step at 768 rows on each and op by op; the one-GPU run's attention and launch; a continued
+#                  step at 768 rows on each and op by op; the one-GPU run's attention, kernels and launch; a continued
 #                  turn's cache rearrangements at 768 rows, a row at a time against one copy a buffer (~3.5 min)
 #     onegpu       every part received: install; the one-GPU run: warm start, GRPO and SPADER side by side for
 #                  RL_STEPS steps each (RL_SECONDS caps them; without RL_STEPS, RL_SECONDS alone), 240 held-out
@@ -184,22 +186,30 @@ PY
   [ -x "$STAGE"/llama-batched-bench ] && llama=(--llamacpp "$STAGE"/llama-batched-bench)
   # shellcheck disable=SC2086
   PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 SPADER_TRITON_LAUNCH=$launch python3 benchmarks/bench_gpu_decode_step.py \
-    --rows ${PROFILE_ROWS:-1 8 256 768} --width 512 --steps 24 --paths graph,triton --weights fp32+autocast \
+    --rows ${PROFILE_ROWS:-1 8 256 768} --width 512 --steps 24 --paths graph,triton,fused,fused_triton --weights fp32+autocast \
     --profile "${llama[@]}" --json "$OUT"/profile_step.json 2>&1 | grep -v "Loading weights\|USDT" |
     tee "$OUT"/profile_step.log
   local step_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$step_rc
-  # the one-GPU run's attention (onegpu reads it; SPADER_DECODE_ATTENTION set by hand wins): the Triton kernel
-  # where the graph tests passed in this machine (graphtests first) and its step is at least 3% the faster
-  python3 - "$OUT"/profile_step.json "$(cat "$STAGE"/graphtests.rc 2>/dev/null || echo 1)" > "$STAGE"/attention <<'PY'
+  # the one-GPU run's attention and kernels (onegpu reads them; SPADER_DECODE_ATTENTION and SPADER_DECODE_KERNELS
+  # set by hand win): the fastest of the graphs' paths at 768 rows where the graph tests passed in this machine
+  # (graphtests first) and it is at least 3% faster than the graphs with SDPA and torch's kernels
+  python3 - "$OUT"/profile_step.json "$(cat "$STAGE"/graphtests.rc 2>/dev/null || echo 1)" "$STAGE" <<'PY'
 import json
 import sys
 
 row = json.load(open(sys.argv[1]))["rows"][-1]  # the 768 rows of a rollout
-faster = bool(row.get("triton") and row.get("graph") and row["triton"] < 0.97 * row["graph"])
-print("triton" if faster and sys.argv[2] == "0" else "sdpa")
+ways = {"graph": ("sdpa", "aten"), "triton": ("triton", "aten"), "fused": ("sdpa", "triton"),
+        "fused_triton": ("triton", "triton")}
+timed = {path: row[path] for path in ways if row.get(path)}
+best = min(timed, key=timed.get, default="graph")
+if sys.argv[2] != "0" or "graph" not in timed or timed[best] >= 0.97 * timed["graph"]:
+    best = "graph"
+attention, kernels = ways[best]
+open(f"{sys.argv[3]}/attention", "w").write(attention + "\n")
+open(f"{sys.argv[3]}/kernels", "w").write(kernels + "\n")
 PY
-  echo "the one-GPU run's attention: $(cat "$STAGE"/attention)"
+  echo "the one-GPU run's attention: $(cat "$STAGE"/attention), kernels: $(cat "$STAGE"/kernels)"
   # a continued turn's cache rearrangements at 768 rows: a row at a time against one copy a buffer (CUDA's default)
   PYTHONPATH="$PWD/src" python3 benchmarks/bench_cache_rearrange.py --device cuda --rows 768 --positions 768 \
     --repeats 3 2>&1 | tee "$OUT"/cache_rearrange.log
@@ -211,7 +221,8 @@ PY
 graphtests() {
   mkdir -p "$OUT"
   PYTHONPATH="$PWD/src" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -s \
-    tests/modeling/test_modeling_graph_decode_cuda.py tests/modeling/test_modeling_triton_attention.py 2>&1 |
+    tests/modeling/test_modeling_graph_decode_cuda.py tests/modeling/test_modeling_triton_attention.py \
+    tests/modeling/test_modeling_triton_step.py 2>&1 |
     tee "$OUT"/graph_tests.log
   local rc=${PIPESTATUS[0]}
   mkdir -p "$STAGE" && echo "$rc" > "$STAGE"/graphtests.rc  # profile's choice of the run's attention reads it
@@ -222,12 +233,14 @@ onegpu() {
   assemble || return 1
   local attention=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/attention 2>/dev/null)}
   local launch=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
-  attention=${attention:-sdpa}
-  echo "the run's decoding attention: $attention${launch:+, launched as $launch}"
+  local kernels=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/kernels 2>/dev/null)}
+  attention=${attention:-sdpa} kernels=${kernels:-aten}
+  echo "the run's decoding attention: $attention${launch:+, launched as $launch}; between the products: $kernels"
   # RL_STEPS: each method's step count (RL_SECONDS then only caps it); unset: RL_SECONDS decides
   local extra=${EXTRA:-}
   [ -z "${RL_STEPS:-}" ] || extra+=" --set training.native.total_steps=$RL_STEPS"
-  SPADER_DECODE_ATTENTION=$attention SPADER_TRITON_LAUNCH=$launch SKIP_TESTS=1 RL_SECONDS=${RL_SECONDS:-240} \
+  SPADER_DECODE_ATTENTION=$attention SPADER_DECODE_KERNELS=$kernels SPADER_TRITON_LAUNCH=$launch SKIP_TESTS=1 \
+    RL_SECONDS=${RL_SECONDS:-240} \
     RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE EXTRA=$extra bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
   local rc=$?
   # after the run's results: the rollout generator's gpu-marked tests (seconds; they import verl)
@@ -324,9 +337,10 @@ rehearse() {
   PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/modeling/test_modeling_graph_decode.py tests/modeling/test_modeling_static_cache.py \
     tests/modeling/test_modeling_graph_decode_cuda.py || bare_failed+=" the static step's tests"
-  # the Triton attention through Triton's interpreter (CI's CPU torch has no Triton)
+  # the Triton attention and the fused kernels through Triton's interpreter (CI's CPU torch has no Triton)
   TRITON_INTERPRET=1 PYTHONPATH="$PWD/src" "$bare" -m pytest -q -p no:cacheprovider \
-    tests/modeling/test_modeling_triton_attention.py || bare_failed+=" the Triton attention's tests"
+    tests/modeling/test_modeling_triton_attention.py tests/modeling/test_modeling_triton_step.py ||
+    bare_failed+=" the Triton kernels' tests"
   echo "-- 2. the payload"
   rm -rf "$dir" && mkdir -p "$dir"/stage && cp .gpu/g[0-9]*/payload.tar.part-* "$dir"/stage/ && cp .gpu/g1/parts "$dir"/stage/ || return 1
   (PATH="$venv/bin:$PATH" STAGE=$dir/stage SITE=$dir/site && assemble) || return 1
