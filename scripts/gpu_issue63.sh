@@ -229,18 +229,24 @@ graphtests() {
   return "$rc"
 }
 
+# the decoding path profile chose for this machine (set by hand, the variables win): exported for the run and
+# for verl's Ray processes, which inherit the environment
+decoding_choice() {
+  export SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/attention 2>/dev/null)}
+  export SPADER_TRITON_LAUNCH=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
+  export SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/kernels 2>/dev/null)}
+  SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-sdpa} SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-aten}
+  echo "decoding attention: $SPADER_DECODE_ATTENTION${SPADER_TRITON_LAUNCH:+, launched as $SPADER_TRITON_LAUNCH};" \
+    "between the products: $SPADER_DECODE_KERNELS"
+}
+
 onegpu() {
   assemble || return 1
-  local attention=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/attention 2>/dev/null)}
-  local launch=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
-  local kernels=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/kernels 2>/dev/null)}
-  attention=${attention:-sdpa} kernels=${kernels:-aten}
-  echo "the run's decoding attention: $attention${launch:+, launched as $launch}; between the products: $kernels"
+  decoding_choice
   # RL_STEPS: each method's step count (RL_SECONDS then only caps it); unset: RL_SECONDS decides
   local extra=${EXTRA:-}
   [ -z "${RL_STEPS:-}" ] || extra+=" --set training.native.total_steps=$RL_STEPS"
-  SPADER_DECODE_ATTENTION=$attention SPADER_DECODE_KERNELS=$kernels SPADER_TRITON_LAUNCH=$launch SKIP_TESTS=1 \
-    RL_SECONDS=${RL_SECONDS:-240} \
+  SKIP_TESTS=1 RL_SECONDS=${RL_SECONDS:-240} \
     RUN_TIMEOUT=${RUN_TIMEOUT:-480} SITE=$SITE EXTRA=$extra bash scripts/gpu_check.sh "$STAGE"/payload "$OUT"
   local rc=$?
   # after the run's results: the rollout generator's gpu-marked tests (seconds; they import verl)
@@ -261,6 +267,7 @@ update() {
 verl() {
   assemble || return 1
   environment
+  decoding_choice
   mkdir -p "$OUT"
   python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/verl_plugin/test_verl_real_workers.py \
     -k "${VERL_K:-fit_on_one_gpu}" 2>&1 | tee "$OUT"/verl_fit.log
