@@ -17,12 +17,14 @@ import torch
 import torch.nn.functional as F
 from decoding_runs import SMOLLM2_135M, parting
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from spader_pipeline.modeling import static_cache, triton_attention, triton_step
+from spader_pipeline.modeling import graph_decode, static_cache, triton_attention, triton_step
 from spader_pipeline.modeling.attention import use_gqa_attention
 from spader_pipeline.modeling.decode import decode_batch
 from spader_pipeline.modeling.decode_step import _rms_norm, decoding_path, rotated_query_keys
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
+from spader_pipeline.modeling.static_cache import StaticKVCache
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(),
                                 reason="needs Triton: a CUDA GPU, or its interpreter (TRITON_INTERPRET=1)")
@@ -108,6 +110,68 @@ def test_silu_mul_is_swiglus_activation_times_up(dtype, inner):
     assert _close(out, F.silu(gate_up[:, :inner]) * gate_up[:, inner:], dtype)
 
 
+def _sampling_state(rows: int, vocab: int, generator: torch.Generator) -> StaticKVCache:
+    """A static cache's row state at step 3 of a call: rows 0 and 5 already ended, row 2's budget ends now."""
+    cache = StaticKVCache(layers=1, kv_heads=1, head_dim=16, rows=rows + 2, length=64, steps=8, kv_dtype=torch.float32,
+                          device=torch.device(DEVICE))
+    budgets = [8] * rows
+    budgets[2] = 4
+    cache.begin(rows=rows, width=10, mask=torch.ones(rows, 10), positions=torch.full((rows,), 10), budgets=budgets,
+                uniforms=torch.rand(8, rows, generator=generator))
+    cache.step.fill_(3)
+    cache.done[[0, 5]] = True
+    cache.count[:rows] = 3
+    cache.token[:rows] = torch.randint(0, vocab, (rows,), generator=generator).to(DEVICE)
+    cache.uniforms[3, 6] = 1 - 2**-24
+    return cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("sample", "temperature"), [(False, 1.0), (True, 1.0), (True, 0.7), (False, 0.0)],
+                         ids=["greedy", "sampled", "sampled-T0.7", "greedy-unscaled"])
+def test_the_fused_sampling_is_the_static_steps(dtype, sample, temperature):
+    """One kernel for the static step's sampling (modeling/triton_step.py:sample_step) against its torch
+    operations (graph_decode._sample) on the same row state: the same tokens (greedy: the first largest; drawn:
+    the same inverse-CDF draws, the running sums in another order), log-probabilities within fp32's rounding,
+    and the same bookkeeping (counted while going, ended by an end token or the budget, the next token)."""
+    generator = torch.Generator().manual_seed(int(sample) + int(10 * temperature))
+    rows, vocab = 7, 5000  # blocks of 2,048: the last one partial
+    logits = (3 * torch.randn(rows, vocab, generator=generator)).to(DEVICE, dtype)
+    logits[3, 17] = logits[3, 4000] = logits[3].amax() + 1  # a tie: the first is the greedy token
+    logits[6, 100:] = float("-inf")  # row 6: 100 tokens of positive probability, drawn at the top of [0, 1)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature not in (0.0, 1.0) else [])
+    drawn = 1.0 if temperature in (0.0, 1.0) else temperature
+    states = {}
+    for fused in (False, True):
+        cache = _sampling_state(rows, vocab, torch.Generator().manual_seed(1))
+        greedy_token = int(torch.argmax(logits[3].float()))
+        sampling = graph_decode._Sampling(("test",), processors, sample, temperature,
+                                          torch.tensor([greedy_token, 4999], device=DEVICE), None,
+                                          graph_decode.fused_sampling_temperature(processors, temperature))
+        assert sampling.fused_temperature == drawn
+        graph_decode._sample(cache, logits, rows, sampling, fused=fused)
+        states[fused] = cache
+    torch_way, kernel = states[False], states[True]
+    assert torch.equal(kernel.tokens, torch_way.tokens) and torch.equal(kernel.token, torch_way.token)
+    if not sample:
+        assert int(kernel.tokens[3, 3]) == 17
+    for name in ("count", "done", "step", "budget"):
+        assert torch.equal(getattr(kernel, name), getattr(torch_way, name)), name
+    assert bool(kernel.done[2])  # by its budget
+    assert bool(kernel.done[3]) or sample  # greedy: by an end token
+    assert int(kernel.tokens[6, 3]) < 100  # a draw at the top of [0, 1) takes a token of positive probability
+    assert (kernel.log_probs - torch_way.log_probs).abs().amax().item() <= 1e-4
+
+
+def test_sampling_with_processors_that_sort_stays_torchs():
+    """Top-k, top-p and min-p read the sorted scores: the fused sampling does not take them, nor a call scored at
+    another temperature than it draws at."""
+    assert graph_decode.fused_sampling_temperature(LogitsProcessorList([TopPLogitsWarper(0.9)]), 1.0) is None
+    assert graph_decode.fused_sampling_temperature(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), 1.0) is None
+    assert graph_decode.fused_sampling_temperature(LogitsProcessorList([]), None) == 1.0
+    assert graph_decode.fused_sampling_temperature(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), 0.7) == 0.7
+
+
 def _models() -> dict[str, torch.nn.Module]:
     """SmolLM2's shape and a Qwen3 (per-head norms of query and key), 2 blocks, small vocabularies, fp32."""
     torch.manual_seed(0)
@@ -182,6 +246,11 @@ LAUNCHES = {
                              "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "eps": "fp32"},
                             {"HEADS": 9, "KV_HEADS": 3, "HEADS_PAD": 16, "KV_PAD": 4, "DIM": 64, "HEAD_NORMS": False}),
     "silu_mul_kernel": ({"gate_up": "*bf16", "out": "*bf16"}, {"INNER": 1536, "BLOCK": 1024}),
+    "sample_kernel": ({"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
+                       "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
+                       "temperature": "fp32"},
+                      {"VOCAB": 49152, "BLOCK": 2048, "DO_SAMPLE": True, "LOG_PROBS": True, "EOS_COUNT": 2,
+                       "EOS_PAD": 2}),
 }
 built = {}
 for name, (typed, values) in LAUNCHES.items():
@@ -190,7 +259,7 @@ for name, (typed, values) in LAUNCHES.items():
     signature = {n: typed.get(n, "constexpr" if n in values else "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "enable_fp_fusion": False})
+                              options={"num_warps": 8 if name == "sample_kernel" else 4, "enable_fp_fusion": False})
     ptx = compiled.asm["ptx"]
     built[name] = {"fma": ptx.count("fma.rn.f32"), "bytes": len(ptx)}
 print(json.dumps(built))
@@ -210,5 +279,5 @@ def test_the_kernels_build_for_hopper_without_fused_multiply_adds():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(built) == {"residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel"}
+    assert set(built) == {"residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel", "sample_kernel"}
     assert built["rotary_cache_kernel"]["fma"] == 0, built

@@ -393,12 +393,35 @@ class _Sampling:
     temperature: float | None
     eos: torch.Tensor
     captured: int | None
+    #: the temperature the fused sampling kernel (:func:`~spader_pipeline.modeling.triton_step.sample_step`)
+    #: draws and scores with, where it computes what the processors and the log-probabilities do; else ``None``
+    fused_temperature: float | None = None
 
 
-def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sampling) -> None:
+def fused_sampling_temperature(processors: Any, temperature: float | None) -> float | None:
+    """The one temperature that both draws (``processors``: none, or one ``TemperatureLogitsWarper``) and scores
+    (``temperature``, the log-probabilities'; ``None`` or ``<= 0``: unscaled, or none kept) a call's tokens, or
+    ``None`` where they differ or another processor (top-k, top-p, min-p) needs the sorted scores."""
+    if len(processors) > 1 or any(type(p).__name__ != "TemperatureLogitsWarper" for p in processors):
+        return None
+    drawn = float(processors[0].temperature) if len(processors) else 1.0
+    scored = drawn if temperature is None else float(temperature) if temperature > 0 else 1.0
+    return drawn if scored == drawn else None
+
+
+def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sampling, fused: bool = False) -> None:
     """Draw each of the first ``rows`` rows' token ``step`` from ``logits`` ``[rows, V]`` (the host loop's
     processors, draw and log-probability), record it, count it for the rows still going and mark the rows
-    it ends (an end token, or the row's budget); it becomes the row's next ``token``."""
+    it ends (an end token, or the row's budget); it becomes the row's next ``token``. ``fused``: as one Triton
+    kernel where the sampling allows it (:attr:`_Sampling.fused_temperature`)."""
+    if fused and sampling.fused_temperature is not None:
+        triton_step.sample_step(
+            logits[:rows], temperature=sampling.fused_temperature, do_sample=sampling.do_sample, step=cache.step,
+            uniforms=cache.uniforms, eos=sampling.eos, budget=cache.budget, done=cache.done, count=cache.count,
+            token=cache.token, tokens=cache.tokens, log_probs=cache.log_probs if sampling.temperature is not None
+            else None)
+        cache.step += 1
+        return
     scores = sampling.processors(cache.token[:rows, None], logits.to(dtype=torch.float32))
     if sampling.do_sample:
         uniforms = cache.uniforms.index_select(0, cache.step)[0, :rows]
@@ -519,7 +542,8 @@ class _Decoder:
                do_sample, temperature, tuple(sorted(eos_ids)), captured)
         if key not in self.samplings:
             eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=self.device)
-            self.samplings[key] = _Sampling(key, processors, do_sample, temperature, eos, captured)
+            self.samplings[key] = _Sampling(key, processors, do_sample, temperature, eos, captured,
+                                            fused_sampling_temperature(processors, temperature))
         return self.samplings[key]
 
     def take(self, cache: GrowingKVCache, rows: int, length: int, steps: int, captured: int | None) -> StaticKVCache:
@@ -575,7 +599,7 @@ class _Decoder:
 
             def one_step() -> None:
                 _sample(cache, step.forward(cache, rows, length, sampling.captured, attention, kernels), rows,
-                        sampling)
+                        sampling, fused=kernels == "triton")
 
             if graphs:
                 if self.pool is None:

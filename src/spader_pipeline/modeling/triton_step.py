@@ -1,5 +1,5 @@
 """The static decoding step's work between its products as three Triton kernels, a few launches a block
-instead of some twenty.
+instead of some twenty, and its sampling as one.
 
 Captured in a CUDA graph, a decoding step of SmolLM2 is ~620 kernels (30 blocks of ~20, the head and the
 sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
@@ -14,11 +14,17 @@ the query, the keys' and values' writes into the cache and the query's copy into
 * :func:`rotary_cache`: one row's q|k|v product: the query and key heads normed per head where the family
   does (Qwen3), rotated, the query written in the attention's layout and dtype, the keys and the values
   into the static cache at the cursor (read from the device, so a captured graph stays valid as it moves);
-* :func:`silu_mul`: ``silu(gate) * up``.
+* :func:`silu_mul`: ``silu(gate) * up``;
+* :func:`sample_step`: the step's sampling (~30 kernels and some 2 GB of fp32 passes over the vocabulary at 768
+  rows: the cast, the temperature, the softmax, its running sum, the draw, the log-softmax, the rows'
+  bookkeeping) as one program a row reading the bf16 logits three times, where the call's processors are a
+  temperature alone (top-k, top-p and min-p sort the scores: those stay torch's).
 
 Numerics: the same fp32 operations in the same order as the torch code they replace (the launches turn off
 the fusion of a product and a sum into one rounding), except a norm's sum of squares, which a kernel adds in
-its own order (as torch's own CUDA ``rms_norm`` does), and the activation's ``exp``. The static step with them
+its own order (as torch's own CUDA ``rms_norm`` does), the activation's ``exp``, and the sampling's sums (its
+total and running sums over the vocabulary in blocks, where torch's softmax normalises first: a draw within a
+few ulps of a token's boundary may fall on its neighbour). The static step with them
 gives the step without them within bf16's rounding (the gpu-marked tests, with the bound they hold the
 Triton attention to); graphs and the same step op by op give the same floats.
 
@@ -34,7 +40,7 @@ import functools
 
 import torch
 
-__all__ = ["residual_norm", "rotary_cache", "silu_mul"]
+__all__ = ["residual_norm", "rotary_cache", "sample_step", "silu_mul"]
 
 #: SwiGLU's columns a program computes
 SILU_BLOCK = 1024
@@ -100,3 +106,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, gate_up.stride(0), out.stride(0), INNER=inner, BLOCK=block, num_warps=4,
         enable_fp_fusion=False)
     return out
+
+
+#: vocabulary entries a sampling program reads at a time
+SAMPLE_BLOCK = 2048
+
+
+def sample_step(logits: torch.Tensor, *, temperature: float, do_sample: bool, step: torch.Tensor,
+                uniforms: torch.Tensor, eos: torch.Tensor, budget: torch.Tensor, done: torch.Tensor,
+                count: torch.Tensor, token: torch.Tensor, tokens: torch.Tensor,
+                log_probs: torch.Tensor | None) -> None:
+    """The static step's sampling of each row of ``logits`` ``[n, V]`` as one kernel (the torch operations it
+    replaces: the cast to fp32, the temperature, the softmax, its running sum, the draw, the log-softmax, the
+    row's bookkeeping; some 30 kernels and ~2 GB of passes over the vocabulary at 768 rows): greedy (the first
+    largest ``logits / temperature``) or drawn by inverse CDF with row ``r``'s ``uniforms[step, r]``; its
+    log-probability under ``logits / temperature`` into ``log_probs[r, step]`` (``None``: not kept); the token
+    into ``tokens[r, step]`` and ``token[r]``; ``count[r]`` up by one while the row had not ended; ``done[r]``
+    set by an end token (``eos``, long) or the row's ``budget``. ``step``: long ``[1]`` on the device (read, not
+    advanced). Row buffers are the static cache's (``[R]``, ``[R, S]``, ``uniforms`` ``[S, R]``), ``R >= n``."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("sample_step: the vocabulary must be contiguous")
+    keep = log_probs is not None
+    _kernels().sample_kernel[(rows,)](
+        logits, uniforms, step, eos, budget, done.view(torch.uint8), count, token, tokens,
+        log_probs if keep else uniforms, float(temperature), logits.stride(0), uniforms.stride(0), tokens.stride(0),
+        log_probs.stride(0) if keep else 0, VOCAB=vocab, BLOCK=min(SAMPLE_BLOCK, _pow2(vocab)), DO_SAMPLE=do_sample,
+        LOG_PROBS=keep, EOS_COUNT=eos.numel(), EOS_PAD=_pow2(max(eos.numel(), 1)), num_warps=8,
+        enable_fp_fusion=False)

@@ -93,3 +93,61 @@ def silu_mul_kernel(gate_up, out, gate_up_row, out_row, INNER: tl.constexpr, BLO
     up = tl.load(base + INNER + columns, mask=inside, other=0.0).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(gate_up.dtype.element_ty).to(tl.float32)
     tl.store(out + row * out_row + columns, (activated * up).to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, tokens, log_probs, temperature,
+                  logits_row, uniforms_step, tokens_row, log_probs_row,
+                  VOCAB: tl.constexpr, BLOCK: tl.constexpr, DO_SAMPLE: tl.constexpr, LOG_PROBS: tl.constexpr,
+                  EOS_COUNT: tl.constexpr, EOS_PAD: tl.constexpr):
+    """One row's token at ``step`` from its logits over ``temperature``: the greedy maximum (the first), or the
+    inverse-CDF draw of the row's uniform number at ``step`` (the first token whose running sum of
+    ``exp(s - max)`` exceeds the number times their total; past it, the last token of positive weight), its
+    log-probability ``s - logsumexp(s)``, and the row's bookkeeping as the static step's sampling keeps it:
+    the token recorded at ``step`` and fed next, counted while the row had not ended, the row ended by an
+    end token or its budget."""
+    row = tl.program_id(0).to(tl.int64)
+    at = tl.load(step)
+    base = logits + row * logits_row
+    # the maximum, and the greedy token: the first of the largest
+    best = tl.full([], float("-inf"), tl.float32)
+    chosen = tl.zeros([], tl.int64)
+    for start in range(0, VOCAB, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+        block_best = tl.max(s, 0)
+        if not DO_SAMPLE:
+            first = tl.min(tl.where(s == block_best, columns, VOCAB), 0).to(tl.int64)
+            chosen = tl.where(block_best > best, first, chosen)
+        best = tl.maximum(best, block_best)
+    # the total of exp(s - max), block by block: the draw's running sums below add the same block sums
+    total = tl.zeros([], tl.float32)
+    for start in range(0, VOCAB, BLOCK):
+        columns = start + tl.arange(0, BLOCK)
+        s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+        total += tl.sum(tl.exp(s - best), 0)
+    if DO_SAMPLE:
+        draw = tl.load(uniforms + at * uniforms_step + row) * total
+        running = tl.zeros([], tl.float32)
+        chosen = tl.full([], VOCAB, tl.int64)
+        last = tl.zeros([], tl.int64)
+        for start in range(0, VOCAB, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+            weight = tl.exp(s - best)
+            # a token of weight 0 is never drawn: the first whose running sum exceeds the draw where it grew
+            passed = ((tl.cumsum(weight, 0) + running) > draw) & (weight > 0)
+            chosen = tl.minimum(chosen, tl.min(tl.where(passed, columns, VOCAB), 0).to(tl.int64))
+            last = tl.maximum(last, tl.max(tl.where(weight > 0, columns, 0), 0).to(tl.int64))
+            running += tl.sum(weight, 0)
+        chosen = tl.where(chosen >= VOCAB, last, chosen)  # the draw rounded up to the total
+    if LOG_PROBS:
+        picked = tl.load(base + chosen).to(tl.float32) / temperature
+        tl.store(log_probs + row * log_probs_row + at, picked - (best + tl.log(total)))
+    tl.store(tokens + row * tokens_row + at, chosen)
+    was_done = tl.load(done + row)
+    tl.store(count + row, tl.load(count + row) + (1 - was_done).to(tl.int64))
+    ends = tl.load(eos + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < EOS_COUNT, other=-1)
+    ended = (tl.sum((ends == chosen).to(tl.int32), 0) > 0) | (at + 1 >= tl.load(budget + row))
+    tl.store(done + row, was_done | ended.to(tl.uint8))
+    tl.store(token + row, chosen)
