@@ -10,6 +10,7 @@ The kernels built for the H200 by Triton's own compiler (no GPU needed): the las
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from spader_pipeline.modeling import graph_decode, static_cache, triton_attention, triton_step
 from spader_pipeline.modeling.attention import use_gqa_attention
+from spader_pipeline.modeling.boundary import capture_block_output
 from spader_pipeline.modeling.decode import decode_batch
 from spader_pipeline.modeling.decode_step import _rms_norm, decoding_path, rotated_query_keys
 from spader_pipeline.modeling.kv_cache import GrowingKVCache
@@ -186,21 +188,27 @@ def _models() -> dict[str, torch.nn.Module]:
     return {"smollm2": smollm2, "qwen3": qwen3}
 
 
-def _two_turns(model: torch.nn.Module, sample: bool) -> list:
-    """Two turns of four rows (rows of other lengths and padding, ending on token 2 or their budget)."""
+def _two_turns(model: torch.nn.Module, sample: bool, capture: bool = False) -> list:
+    """Two turns of four rows (rows of other lengths and padding, ending on token 2 or their budget); with
+    ``capture``, the first block's outputs at the second turn's real positions last."""
     ids = torch.randint(3, 256, (4, 80), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :70] = 0
-    cache, common = GrowingKVCache(), dict(eos_ids={2}, pad_id=0, processors=LogitsProcessorList(),
-                                           do_sample=sample, log_prob_temperature=1.0)
+    cache, common = GrowingKVCache(capture_states=capture), dict(eos_ids={2}, pad_id=0, processors=LogitsProcessorList(),
+                                                                 do_sample=sample, log_prob_temperature=1.0)
     torch.manual_seed(5)
-    first = decode_batch(model, ids, mask, cache, [12, 4, 12, 8], **common)
-    where = {row: k for k, row in enumerate(first.cache_rows)}
-    cache.batch_select_indices(torch.tensor([where[row] for row in range(4)], device=DEVICE))
-    extra = torch.randint(3, 256, (4, 70), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    second = decode_batch(model, torch.cat([first.ids, extra], 1), torch.cat([first.mask, torch.ones_like(extra)], 1),
-                          cache, [8] * 4, **common)
-    return [(run.tokens, run.log_probs) for run in (first, second)]
+    with capture_block_output(model, 0) if capture else contextlib.nullcontext():
+        first = decode_batch(model, ids, mask, cache, [12, 4, 12, 8], **common)
+        where = {row: k for k, row in enumerate(first.cache_rows)}
+        cache.batch_select_indices(torch.tensor([where[row] for row in range(4)], device=DEVICE))
+        extra = torch.randint(3, 256, (4, 70), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        second = decode_batch(model, torch.cat([first.ids, extra], 1),
+                              torch.cat([first.mask, torch.ones_like(extra)], 1), cache, [8] * 4, **common)
+    runs = [(run.tokens, run.log_probs) for run in (first, second)]
+    if capture:
+        where = {row: k for k, row in enumerate(second.cache_rows)}
+        runs.append(cache.states.states[[where[row] for row in range(4)]][second.mask.bool()].float())
+    return runs
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CPU's static step, through the interpreter (the GPU's: "
@@ -230,6 +238,23 @@ def test_the_static_step_with_the_kernels_gives_torchs_tokens(sample, attention,
             calls.clear()
         assert [run[0] for run in runs["triton"]] == [run[0] for run in runs["aten"]], name
         assert max(change for _, change in parting(runs["triton"], runs["aten"])) <= 1e-4, name
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU's static step, through the interpreter (the GPU's: "
+                    "test_modeling_graph_decode_cuda.py)")
+def test_the_boundary_states_with_the_kernels_are_torchs(monkeypatch):
+    """The native trainer's boundary states (a block's output at every position, the decoded ones written by
+    the static step) with the fused kernels: the residual stream they update in place, as torch's operations
+    leave it, within fp32's rounding (SmolLM2's shape, greedy, the same tokens)."""
+    monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
+    model = _models()["smollm2"]
+    runs = {}
+    for kernels in ("aten", "triton"):
+        monkeypatch.setattr(static_cache, "DECODE_KERNELS", kernels)
+        runs[kernels] = _two_turns(model, False, capture=True)
+    assert [run[0] for run in runs["triton"][:2]] == [run[0] for run in runs["aten"][:2]]
+    fused, plain = runs["triton"][2], runs["aten"][2]
+    assert fused.shape == plain.shape and (fused - plain).abs().amax().item() <= 1e-5 * plain.abs().amax().item()
 
 
 KERNELS_AHEAD_OF_TIME = """
