@@ -225,7 +225,7 @@ graphtests() {
     tests/modeling/test_modeling_triton_step.py 2>&1 |
     tee "$OUT"/graph_tests.log
   local rc=${PIPESTATUS[0]}
-  mkdir -p "$STAGE" && echo "$rc" > "$STAGE"/graphtests.rc  # profile's choice of the run's attention reads it
+  mkdir -p "$STAGE" && echo "$rc" > "$STAGE"/graphtests.rc  # profile's choice of the run's decoding path reads it
   return "$rc"
 }
 

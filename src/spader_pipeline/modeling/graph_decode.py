@@ -360,7 +360,9 @@ class _Step:
                       length: int, mask: Any, captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_blocks` with the work between the products as :mod:`~spader_pipeline.modeling.triton_step`'s
         kernels: a block is its four products, the attention and four kernels (the residual's add fused into
-        the next norm). ``cos``/``sin`` ``[n, D]``; ``x`` is the residual stream, updated in place."""
+        the next norm). ``cos``/``sin`` ``[n, D]``; ``x`` is the residual stream, updated in place. The products
+        are CUDA's (one over each stacked copy, whatever :attr:`products` says: on a CPU only the interpreter's
+        tests run this)."""
         product, heads, norms = self.precision.product, self.heads, self.norms
         query_dtype = self.precision.attention
         normed = triton_step.residual_norm(x, None, norms[0].weight, norms[0].variance_epsilon, product)
