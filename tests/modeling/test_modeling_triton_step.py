@@ -165,6 +165,21 @@ def test_the_fused_sampling_is_the_static_steps(dtype, sample, temperature):
     assert (kernel.log_probs - torch_way.log_probs).abs().amax().item() <= 1e-4
 
 
+def test_the_fused_sampling_without_end_tokens():
+    """A call without end tokens (the benchmarks'): rows end by their budget alone, as torch's sampling ends them."""
+    states = {}
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for fused in (False, True):
+        cache = _sampling_state(7, 300, torch.Generator().manual_seed(1))
+        sampling = graph_decode._Sampling(("test",), LogitsProcessorList(), False, None,
+                                          torch.tensor([], dtype=torch.long, device=DEVICE), None, 1.0)
+        graph_decode._sample(cache, logits, 7, sampling, fused=fused)
+        states[fused] = cache
+    for name in ("tokens", "token", "count", "done"):
+        assert torch.equal(getattr(states[True], name), getattr(states[False], name)), name
+    assert states[True].done[:7].tolist() == [True, False, True, False, False, True, False]
+
+
 def test_sampling_with_processors_that_sort_stays_torchs():
     """Top-k, top-p and min-p read the sorted scores: the fused sampling does not take them, nor a call scored at
     another temperature than it draws at."""

@@ -129,7 +129,7 @@ def sample_step(logits: torch.Tensor, *, temperature: float, do_sample: bool, st
         raise ValueError("sample_step: the vocabulary must be contiguous")
     keep = log_probs is not None
     _kernels().sample_kernel[(rows,)](
-        logits, uniforms, step, eos, budget, done.view(torch.uint8), count, token, tokens,
+        logits, uniforms, step, eos if eos.numel() else step, budget, done.view(torch.uint8), count, token, tokens,
         log_probs if keep else uniforms, float(temperature), logits.stride(0), uniforms.stride(0), tokens.stride(0),
         log_probs.stride(0) if keep else 0, VOCAB=vocab, BLOCK=min(SAMPLE_BLOCK, _pow2(vocab)), DO_SAMPLE=do_sample,
         LOG_PROBS=keep, EOS_COUNT=eos.numel(), EOS_PAD=_pow2(max(eos.numel(), 1)), num_warps=8,
