@@ -49,9 +49,9 @@ def _as(path: str, monkeypatch) -> None:
     monkeypatch.setattr(static_cache, "CUDA_GRAPHS", path == "graph")
 
 
-def _decode(model, *, sample: bool, rows: int = 24, capture: bool = False):
+def _decode(model, *, sample: bool, rows: int = 24, capture: bool = False, top_p: float | None = 0.95):
     """Two turns (rows of different lengths and budgets, ending on token 2 or their budget; the cache's rows
-    put back in input order between them), top-p 0.95 when sampled: per turn tokens and log-probabilities;
+    put back in input order between them), ``top_p`` when sampled: per turn tokens and log-probabilities;
     the states at the real positions (``capture``)."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (rows, 40), generator=generator).to("cuda")
@@ -59,7 +59,7 @@ def _decode(model, *, sample: bool, rows: int = 24, capture: bool = False):
     for row in range(rows):
         mask[row, : row % 7] = 0
     budgets = [8 + (row * 5) % 40 for row in range(rows)]
-    processors = LogitsProcessorList([TopPLogitsWarper(0.95)] if sample else [])
+    processors = LogitsProcessorList([TopPLogitsWarper(top_p)] if sample and top_p is not None else [])
     common = dict(eos_ids={2}, pad_id=0, processors=processors, do_sample=sample, log_prob_temperature=1.0)
     cache = GrowingKVCache(capture_states=capture)
     torch.manual_seed(5)
@@ -121,10 +121,12 @@ def test_the_triton_attention_gives_sdpas_tokens_in_graphs(model, sample, monkey
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_the_fused_kernels_give_torchs_tokens_in_graphs(model, sample, attention, monkeypatch):
-    """The graphs with the work between the products as fused Triton kernels (modeling/triton_step.py) against
-    the graphs with torch's operations, with either attention: a norm's sums and the activation's exp round in
-    another order, so within the host loop's bound; captured, and op by op the same floats as captured (the
-    same kernels), with the boundary states within bf16's bound of torch's."""
+    """The graphs with the work between the products and the sampling as fused Triton kernels
+    (modeling/triton_step.py; sampled at temperature 1 without top-p, as the rollouts sample, so that the
+    sampling kernel draws) against the graphs with torch's operations, with either attention: a norm's sums,
+    the activation's exp and the sampling's sums round in another order, so within the host loop's bound;
+    captured, and op by op the same floats as captured (the same kernels), with the boundary states within
+    bf16's bound of torch's."""
     pytest.importorskip("triton")
     monkeypatch.setattr(static_cache, "DECODE_ATTENTION", attention)
     runs, states = {}, {}
@@ -132,7 +134,7 @@ def test_the_fused_kernels_give_torchs_tokens_in_graphs(model, sample, attention
         _as(path, monkeypatch)
         monkeypatch.setattr(static_cache, "DECODE_KERNELS", kernels)
         assert decoding_path("cuda", True)["decode.kernels"] == kernels
-        runs[kernels, path], states[kernels, path], _ = _decode(model, sample=sample, capture=True)
+        runs[kernels, path], states[kernels, path], _ = _decode(model, sample=sample, capture=True, top_p=None)
         assert not graph_decode._graphs_failed
     assert runs["triton", "graph"] == runs["triton", "static"]
     shared = parting(runs["triton", "graph"], runs["aten", "graph"])
