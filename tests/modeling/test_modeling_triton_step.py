@@ -137,7 +137,7 @@ def test_the_fused_sampling_is_the_static_steps(dtype, sample, temperature):
     the same inverse-CDF draws, the running sums in another order), log-probabilities within fp32's rounding,
     and the same bookkeeping (counted while going, ended by an end token or the budget, the next token)."""
     generator = torch.Generator().manual_seed(int(sample) + int(10 * temperature))
-    rows, vocab = 7, 5000  # blocks of 2,048: the last one partial
+    rows, vocab = 7, 5000  # blocks of 4,096: the last one partial
     logits = (3 * torch.randn(rows, vocab, generator=generator)).to(DEVICE, dtype)
     logits[3, 17] = logits[3, 4000] = logits[3].amax() + 1  # a tie: the first is the greedy token
     logits[6, 100:] = float("-inf")  # row 6: 100 tokens of positive probability, drawn at the top of [0, 1)
@@ -289,7 +289,7 @@ LAUNCHES = {
     "sample_kernel": ({"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
                        "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
                        "temperature": "fp32"},
-                      {"VOCAB": 49152, "BLOCK": 2048, "DO_SAMPLE": True, "LOG_PROBS": True, "EOS_COUNT": 2,
+                      {"VOCAB": 49152, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True, "EOS_COUNT": 2,
                        "EOS_PAD": 2}),
 }
 built = {}
