@@ -94,40 +94,33 @@ def test_a_growing_cache_moves_into_static_buffers_once_and_out_again():
     assert torch.equal(cache.layers[0].keys[:, :, :5], keys[[2, 0]]) and cache.get_seq_length() == 6
 
 
-def test_the_static_steps_attention_is_chosen_and_reported(monkeypatch):
-    """On CUDA the static step attends with SDPA, or with the Triton kernel where ``SPADER_DECODE_ATTENTION``
-    chooses it and Triton runs; the CPU's autocast keeps its own attention; another value is refused."""
-    assert decoding_path("cuda", True)["decode.attention"] == "sdpa"
-    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "triton")
-    monkeypatch.setattr(triton_attention, "available", lambda: False)
-    assert static_cache.static_attention_name() == "sdpa"
-    assert decoding_path("cuda", True)["decode.attention"] == "sdpa"  # no Triton here: SDPA, and said so
-    monkeypatch.setattr(triton_attention, "available", lambda: True)
-    assert decoding_path("cuda", True)["decode.attention"] == "triton"
-    assert decoding_path("cuda", True, bf16_weights=True)["decode.attention"] == "triton"
-    assert decoding_path("cpu", False)["decode.attention"] == "sdpa"  # the static step is off on a CPU by default
-    assert decoding_path("cpu", True)["decode.attention"] in ("cpp", "sdpa")
-    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="SPADER_DECODE_ATTENTION"):
-        decoding_path("cuda", True)
+#: per switch of the static step: (its module variable, the decoding path's key, its default, what bf16 weights
+#: get when it chooses Triton, what the CPU's autocast reports)
+SWITCHES = {
+    "attention": ("DECODE_ATTENTION", "decode.attention", "sdpa", "triton", ("cpp", "sdpa")),
+    "kernels": ("DECODE_KERNELS", "decode.kernels", "aten", "aten", ("cpp", "aten")),
+}
 
 
-def test_the_static_steps_kernels_are_chosen_and_reported(monkeypatch):
-    """The work between the static step's products: torch's operations, or the fused Triton kernels where
-    ``SPADER_DECODE_KERNELS`` chooses them, Triton runs and the step's residual stream is fp32 (not bf16
-    weights, not the CPU's autocast); the C++ step says its own; another value is refused."""
-    assert decoding_path("cuda", True)["decode.kernels"] == "aten"
-    monkeypatch.setattr(static_cache, "DECODE_KERNELS", "triton")
+@pytest.mark.parametrize("switch", sorted(SWITCHES))
+def test_the_static_steps_triton_switches_are_chosen_and_reported(monkeypatch, switch):
+    """On CUDA the static step attends with SDPA or the Triton kernel (``SPADER_DECODE_ATTENTION``), and runs the
+    work between its products as torch's operations or the fused Triton kernels (``SPADER_DECODE_KERNELS``;
+    those take an fp32 residual stream: not bf16 weights), Triton where chosen and Triton runs, said so where
+    it does not; the CPU's autocast keeps its own; another value is refused."""
+    variable, key, default, bf16_weights, cpu = SWITCHES[switch]
+    assert decoding_path("cuda", True)[key] == default
+    monkeypatch.setattr(static_cache, variable, "triton")
     monkeypatch.setattr(triton_attention, "available", lambda: False)
-    assert decoding_path("cuda", True)["decode.kernels"] == "aten"  # no Triton here: torch's, and said so
+    assert decoding_path("cuda", True)[key] == default  # no Triton here: torch's, and said so
     monkeypatch.setattr(triton_attention, "available", lambda: True)
-    assert decoding_path("cuda", True)["decode.kernels"] == "triton"
-    assert decoding_path("cuda", False)["decode.kernels"] == "triton"
-    assert decoding_path("cuda", True, bf16_weights=True)["decode.kernels"] == "aten"
-    assert decoding_path("cpu", False)["decode.kernels"] == "aten"  # the static step is off on a CPU by default
-    assert decoding_path("cpu", True)["decode.kernels"] in ("cpp", "aten")
-    monkeypatch.setattr(static_cache, "DECODE_KERNELS", "fused")
-    with pytest.raises(ValueError, match="SPADER_DECODE_KERNELS"):
+    assert decoding_path("cuda", True)[key] == "triton"
+    assert decoding_path("cuda", False)[key] == "triton"
+    assert decoding_path("cuda", True, bf16_weights=True)[key] == bf16_weights
+    assert decoding_path("cpu", False)[key] == default  # the static step is off on a CPU by default
+    assert decoding_path("cpu", True)[key] in cpu
+    monkeypatch.setattr(static_cache, variable, "flash")
+    with pytest.raises(ValueError, match=f"SPADER_{variable}"):
         decoding_path("cuda", True)
 
 
