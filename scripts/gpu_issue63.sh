@@ -170,16 +170,7 @@ profile() {
     --rows 768 --lengths 576 --json "$OUT"/attention.json 2>&1 | tee "$OUT"/attention.log
   local rc=${PIPESTATUS[0]}
   # the Triton kernel's launch on this GPU: another where it is at least 3% the faster than the step's default
-  python3 - "$OUT"/attention.json > "$STAGE"/triton_launch 2>/dev/null <<'PY'
-import json
-import sys
-
-ways = [way for way in json.load(open(sys.argv[1]))["ways"] if way.get("launch")]
-default = next((way for way in ways if way["way"] == "triton"), None)
-best = min(ways, key=lambda way: way["ms"], default=None)
-if default and best and best["ms"] < 0.97 * default["ms"]:
-    print(",".join(map(str, best["launch"])))
-PY
+  python3 scripts/gpu_decoding_choice.py launch "$OUT"/attention.json > "$STAGE"/triton_launch 2>/dev/null
   local launch=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
   echo "the Triton kernel's launch: ${launch:-the default (64,4,3)}"
   local llama=()
@@ -191,25 +182,11 @@ PY
     tee "$OUT"/profile_step.log
   local step_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$step_rc
-  # the one-GPU run's attention and kernels (onegpu reads them; SPADER_DECODE_ATTENTION and SPADER_DECODE_KERNELS
-  # set by hand win): the fastest of the graphs' paths at 768 rows where the graph tests passed in this machine
-  # (graphtests first) and it is at least 3% faster than the graphs with SDPA and torch's kernels
-  python3 - "$OUT"/profile_step.json "$(cat "$STAGE"/graphtests.rc 2>/dev/null || echo 1)" "$STAGE" <<'PY'
-import json
-import sys
-
-row = json.load(open(sys.argv[1]))["rows"][-1]  # the 768 rows of a rollout
-ways = {"graph": ("sdpa", "aten"), "triton": ("triton", "aten"), "fused": ("sdpa", "triton"),
-        "fused_triton": ("triton", "triton")}
-timed = {path: row[path] for path in ways if row.get(path)}
-best = min(timed, key=timed.get, default="graph")
-if sys.argv[2] != "0" or "graph" not in timed or timed[best] >= 0.97 * timed["graph"]:
-    best = "graph"
-attention, kernels = ways[best]
-open(f"{sys.argv[3]}/attention", "w").write(attention + "\n")
-open(f"{sys.argv[3]}/kernels", "w").write(kernels + "\n")
-PY
-  echo "the one-GPU run's attention: $(cat "$STAGE"/attention), kernels: $(cat "$STAGE"/kernels)"
+  # the one-GPU run's attention and kernels (onegpu and verl read them; SPADER_DECODE_ATTENTION and
+  # SPADER_DECODE_KERNELS set by hand win): the fastest of the graphs' paths at 768 rows where the graph tests
+  # passed in this machine (graphtests first) and it is at least 3% faster than the graphs with SDPA and torch's
+  python3 scripts/gpu_decoding_choice.py path "$OUT"/profile_step.json \
+    "$(cat "$STAGE"/graphtests.rc 2>/dev/null || echo 1)" "$STAGE"
   # a continued turn's cache rearrangements at 768 rows: a row at a time against one copy a buffer (CUDA's default)
   PYTHONPATH="$PWD/src" python3 benchmarks/bench_cache_rearrange.py --device cuda --rows 768 --positions 768 \
     --repeats 3 2>&1 | tee "$OUT"/cache_rearrange.log

@@ -1,0 +1,69 @@
+"""The decoding path a lease's ``profile`` step chooses for the runs after it (``scripts/gpu_issue63.sh``).
+
+Two choices, each from the benchmark JSON the step just wrote, each kept only where it is clearly faster
+(:data:`MARGIN`) than the default it replaces:
+
+* ``launch ATTENTION_JSON``: the Triton attention's launch (``block,warps,stages``) from
+  ``benchmarks/bench_gpu_attention.py``'s ways, printed where another launch beats the step's default
+  (``SPADER_TRITON_LAUNCH``); nothing printed otherwise;
+* ``path PROFILE_JSON GRAPHTESTS_RC STAGE``: the graphs' step at the rollout's row count (the last row of
+  ``benchmarks/bench_gpu_decode_step.py``'s table) with SDPA or the Triton attention, each with torch's kernels
+  or the fused ones, the fastest where the gpu-marked graph tests passed on this machine (their return code
+  0), else the graphs with SDPA and torch's kernels; written as ``STAGE/attention`` and ``STAGE/kernels``
+  (``SPADER_DECODE_ATTENTION``, ``SPADER_DECODE_KERNELS``) and printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+#: a choice replaces the default only when it is at least this much faster (a repeat's noise is ~1-2%)
+MARGIN = 0.97
+#: the graphs' paths of the decoding benchmark -> (attention, kernels between the products)
+PATHS = {"graph": ("sdpa", "aten"), "triton": ("triton", "aten"), "fused": ("sdpa", "triton"),
+         "fused_triton": ("triton", "triton")}
+
+
+def choose_launch(attention: dict) -> str | None:
+    """The fastest launch of the Triton attention where it beats the default launch (way ``triton``) by
+    :data:`MARGIN`, as ``block,warps,stages``; else ``None``."""
+    ways = [way for way in attention.get("ways", []) if way.get("launch") and way.get("ms")]
+    default = next((way for way in ways if way["way"] == "triton"), None)
+    best = min(ways, key=lambda way: way["ms"], default=None)
+    if default and best and best["ms"] < MARGIN * default["ms"]:
+        return ",".join(map(str, best["launch"]))
+    return None
+
+
+def choose_path(profile: dict, graph_tests_passed: bool) -> tuple[str, tuple[str, str]]:
+    """The path of :data:`PATHS` the runs decode with, and its (attention, kernels): the fastest at the last row
+    count timed where the graph tests passed and it beats ``graph`` by :data:`MARGIN`; else ``graph``."""
+    rows = profile.get("rows") or [{}]
+    timed = {path: rows[-1][path] for path in PATHS if rows[-1].get(path)}
+    best = min(timed, key=timed.get, default="graph")
+    if not graph_tests_passed or "graph" not in timed or timed[best] >= MARGIN * timed["graph"]:
+        best = "graph"
+    return best, PATHS[best]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "launch":
+        launch = choose_launch(json.loads(Path(argv[1]).read_text()))
+        if launch:
+            print(launch)
+        return 0
+    if len(argv) == 4 and argv[0] == "path":
+        path, (attention, kernels) = choose_path(json.loads(Path(argv[1]).read_text()), argv[2] == "0")
+        stage = Path(argv[3])
+        (stage / "attention").write_text(attention + "\n")
+        (stage / "kernels").write_text(kernels + "\n")
+        print(f"the runs' decoding: {path} (attention {attention}, kernels {kernels})")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

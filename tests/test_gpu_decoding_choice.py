@@ -1,0 +1,65 @@
+"""The decoding path a lease's ``profile`` step gives the runs after it (scripts/gpu_decoding_choice.py): a
+choice replaces the default only where it is clearly faster, and only where the graph tests passed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_decoding_choice.py"
+
+
+@pytest.fixture(scope="module")
+def choice():
+    spec = importlib.util.spec_from_file_location("gpu_decoding_choice", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _attention(**launches_ms) -> dict:
+    ways = [{"way": "sdpa", "ms": 0.5, "launch": None}]  # SDPA's kernels: no launch to choose
+    ways += [{"way": name, "ms": ms, "launch": [int(part) for part in name.split("_")[1:]] or [64, 4, 3]}
+             for name, ms in launches_ms.items()]
+    return {"ways": ways}
+
+
+def test_another_launch_is_chosen_only_where_clearly_faster(choice):
+    assert choice.choose_launch(_attention(triton=1.0, triton_128_8_2=0.9)) == "128,8,2"
+    assert choice.choose_launch(_attention(triton=1.0, triton_128_8_2=0.98)) is None  # within the margin
+    assert choice.choose_launch(_attention(triton=1.0)) is None
+    assert choice.choose_launch({"ways": [{"way": "sdpa", "ms": 0.4, "launch": None}]}) is None
+
+
+def _profile(**paths_ms) -> dict:
+    small = {"rows": 8, "graph": 0.002, "fused_triton": 0.0001}  # another row count: not the rollout's
+    seconds = {path: ms / 1e3 if ms is not None else None for path, ms in paths_ms.items()}  # None: the path failed
+    return {"rows": [small, {"rows": 768, **seconds}]}
+
+
+@pytest.mark.parametrize(("paths", "passed", "chosen"), [
+    ({"graph": 9.0, "triton": 8.0, "fused": 8.5, "fused_triton": 6.0}, True, "fused_triton"),
+    ({"graph": 9.0, "triton": 8.0, "fused": 8.5, "fused_triton": 6.0}, False, "graph"),  # graph tests failed
+    ({"graph": 9.0, "triton": 8.9, "fused": None, "fused_triton": None}, True, "graph"),  # within the margin
+    ({"graph": 9.0, "triton": None, "fused": 7.0, "fused_triton": None}, True, "fused"),  # failed paths left out
+    ({"graph": None, "fused": 7.0}, True, "graph"),  # nothing to compare with
+])
+def test_the_runs_path_is_the_fastest_at_the_rollouts_rows_where_the_tests_passed(choice, paths, passed, chosen):
+    path, (attention, kernels) = choice.choose_path(_profile(**paths), passed)
+    assert path == chosen and (attention, kernels) == choice.PATHS[chosen]
+
+
+def test_the_choice_is_written_where_the_runs_read_it(choice, tmp_path, capsys):
+    profile = tmp_path / "profile_step.json"
+    profile.write_text(json.dumps(_profile(graph=9.0, triton=6.0)))
+    assert choice.main(["path", str(profile), "0", str(tmp_path)]) == 0
+    assert (tmp_path / "attention").read_text() == "triton\n" and (tmp_path / "kernels").read_text() == "aten\n"
+    assert "triton" in capsys.readouterr().out
+    attention = tmp_path / "attention.json"
+    attention.write_text(json.dumps(_attention(triton=1.0, triton_32_4_3=0.5)))
+    assert choice.main(["launch", str(attention)]) == 0
+    assert capsys.readouterr().out.strip() == "32,4,3"
+    assert choice.main(["nothing"]) == 2
