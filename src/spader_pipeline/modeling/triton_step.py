@@ -22,9 +22,10 @@ the query, the keys' and values' writes into the cache and the query's copy into
 
 Numerics: the same fp32 operations in the same order as the torch code they replace (the launches turn off
 the fusion of a product and a sum into one rounding), except a norm's sum of squares, which a kernel adds in
-its own order (as torch's own CUDA ``rms_norm`` does), the activation's ``exp``, and the sampling's sums (its
-total and running sums over the vocabulary in blocks, where torch's softmax normalises first: a draw within a
-few ulps of a token's boundary may fall on its neighbour). The static step with them
+its own order (as torch's own CUDA ``rms_norm`` does), Triton's ``rsqrt``, ``exp`` and divisions (within 2 ulp;
+the temperature's is correctly rounded), and the sampling's sums (its total and running sums over the
+vocabulary in blocks, where torch's softmax normalises first: a draw within a few ulps of a token's boundary
+may fall on its neighbour). The rotation is the same bits. The static step with them
 gives the step without them within bf16's rounding (the gpu-marked tests, with the bound they hold the
 Triton attention to); graphs and the same step op by op give the same floats.
 

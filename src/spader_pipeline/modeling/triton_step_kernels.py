@@ -2,8 +2,9 @@
 it imports Triton, and ``TRITON_INTERPRET=1`` must be set before that for the interpreter).
 
 Each computes what the static step's torch operations compute, in the same order of fp32 operations (the
-launches turn off the fusion of a product and a sum into one rounding), so that only the sums over a row
-(a norm's mean) and ``exp`` may round otherwise."""
+launches turn off the fusion of a product and a sum into one rounding; the temperature's division is the
+correctly rounded one, ``div_rn``), so that only the sums over a row (a norm's mean, the sampling's totals),
+Triton's ``rsqrt``, ``exp`` and its other divisions (within 2 ulp, not correctly rounded) may round otherwise."""
 
 import triton
 import triton.language as tl
@@ -114,7 +115,7 @@ def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, token
     chosen = tl.zeros([], tl.int64)
     for start in range(0, VOCAB, BLOCK):
         columns = start + tl.arange(0, BLOCK)
-        s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+        s = tl.div_rn(tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32), temperature)
         block_best = tl.max(s, 0)
         if not DO_SAMPLE:
             first = tl.min(tl.where(s == block_best, columns, VOCAB), 0).to(tl.int64)
@@ -124,7 +125,7 @@ def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, token
     total = tl.zeros([], tl.float32)
     for start in range(0, VOCAB, BLOCK):
         columns = start + tl.arange(0, BLOCK)
-        s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+        s = tl.div_rn(tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32), temperature)
         total += tl.sum(tl.exp(s - best), 0)
     if DO_SAMPLE:
         draw = tl.load(uniforms + at * uniforms_step + row) * total
@@ -133,7 +134,7 @@ def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, token
         last = tl.zeros([], tl.int64)
         for start in range(0, VOCAB, BLOCK):
             columns = start + tl.arange(0, BLOCK)
-            s = tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32) / temperature
+            s = tl.div_rn(tl.load(base + columns, mask=columns < VOCAB, other=float("-inf")).to(tl.float32), temperature)
             weight = tl.exp(s - best)
             # a token of weight 0 is never drawn: the first whose running sum exceeds the draw where it grew
             passed = ((tl.cumsum(weight, 0) + running) > draw) & (weight > 0)
@@ -142,7 +143,7 @@ def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, token
             running += tl.sum(weight, 0)
         chosen = tl.where(chosen >= VOCAB, last, chosen)  # the draw rounded up to the total
     if LOG_PROBS:
-        picked = tl.load(base + chosen).to(tl.float32) / temperature
+        picked = tl.div_rn(tl.load(base + chosen).to(tl.float32), temperature)
         tl.store(log_probs + row * log_probs_row + at, picked - (best + tl.log(total)))
     tl.store(tokens + row * tokens_row + at, chosen)
     was_done = tl.load(done + row)
