@@ -278,30 +278,44 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from spader_pipeline.modeling import triton_step_kernels as kernels
-# as the static step launches them on CUDA under autocast (SmolLM2: width 576, 9 + 3 heads of 64, SwiGLU 1,536)
-LAUNCHES = {
-    "residual_norm_kernel": ({"residual": "*fp32", "delta": "*bf16", "weight": "*fp32", "normed": "*bf16",
-                              "eps": "fp32"}, {"WIDTH": 576, "BLOCK": 1024, "HAS_DELTA": True}),
-    "rotary_cache_kernel": ({"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "q_weight": "*fp32", "k_weight": "*fp32",
-                             "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "eps": "fp32"},
-                            {"HEADS": 9, "KV_HEADS": 3, "HEADS_PAD": 16, "KV_PAD": 4, "DIM": 64, "HEAD_NORMS": False}),
-    "silu_mul_kernel": ({"gate_up": "*bf16", "out": "*bf16"}, {"INNER": 1536, "BLOCK": 1024}),
-    "sample_kernel": ({"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
-                       "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
-                       "temperature": "fp32"},
-                      {"VOCAB": 49152, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True, "EOS_COUNT": 2,
-                       "EOS_PAD": 2}),
+# as the static step launches them on CUDA under autocast: SmolLM2 (width 576, 9 + 3 heads of 64 without head
+# norms, SwiGLU 1,536, 49,152 tokens) and Qwen3-8B (4,096, 32 + 8 heads of 128 with head norms, 12,288, 151,936)
+TYPES = {
+    "residual_norm_kernel": {"residual": "*fp32", "delta": "*bf16", "weight": "*fp32", "normed": "*bf16",
+                             "eps": "fp32"},
+    "rotary_cache_kernel": {"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "q_weight": "*fp32", "k_weight": "*fp32",
+                            "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "eps": "fp32"},
+    "silu_mul_kernel": {"gate_up": "*bf16", "out": "*bf16"},
+    "sample_kernel": {"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
+                      "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
+                      "temperature": "fp32"},
+}
+SHAPES = {
+    "smollm2": {"residual_norm_kernel": ({"WIDTH": 576, "BLOCK": 1024, "HAS_DELTA": True}, 4),
+                "rotary_cache_kernel": ({"HEADS": 9, "KV_HEADS": 3, "HEADS_PAD": 16, "KV_PAD": 4, "DIM": 64,
+                                         "HEAD_NORMS": False}, 4),
+                "silu_mul_kernel": ({"INNER": 1536, "BLOCK": 1024}, 4),
+                "sample_kernel": ({"VOCAB": 49152, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True,
+                                   "EOS_COUNT": 2, "EOS_PAD": 2}, 8)},
+    "qwen3_8b": {"residual_norm_kernel": ({"WIDTH": 4096, "BLOCK": 4096, "HAS_DELTA": True}, 8),
+                 "rotary_cache_kernel": ({"HEADS": 32, "KV_HEADS": 8, "HEADS_PAD": 32, "KV_PAD": 8, "DIM": 128,
+                                          "HEAD_NORMS": True}, 4),
+                 "silu_mul_kernel": ({"INNER": 12288, "BLOCK": 1024}, 4),
+                 "sample_kernel": ({"VOCAB": 151936, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True,
+                                    "EOS_COUNT": 2, "EOS_PAD": 2}, 8)},
 }
 built = {}
-for name, (typed, values) in LAUNCHES.items():
-    kernel = getattr(kernels, name)
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature = {n: typed.get(n, "constexpr" if n in values else "i32") for n in names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in values.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 8 if name == "sample_kernel" else 4, "enable_fp_fusion": False})
-    ptx = compiled.asm["ptx"]
-    built[name] = {"fma": ptx.count("fma.rn.f32"), "bytes": len(ptx)}
+for model, launches in SHAPES.items():
+    for name, (values, warps) in launches.items():
+        kernel = getattr(kernels, name)
+        names = list(inspect.signature(kernel.fn).parameters)
+        signature = {n: TYPES[name].get(n, "constexpr" if n in values else "i32") for n in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(k),): v for k, v in values.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        built[f"{model}/{name}"] = {"fma": ptx.count("fma.rn.f32"), "bytes": len(ptx)}
 print(json.dumps(built))
 """
 
@@ -319,5 +333,6 @@ def test_the_kernels_build_for_hopper_without_fused_multiply_adds():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(built) == {"residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel", "sample_kernel"}
-    assert built["rotary_cache_kernel"]["fma"] == 0, built
+    assert set(built) == {f"{model}/{name}" for model in ("smollm2", "qwen3_8b")
+                          for name in ("residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel", "sample_kernel")}
+    assert built["smollm2/rotary_cache_kernel"]["fma"] == 0 and built["qwen3_8b/rotary_cache_kernel"]["fma"] == 0, built
