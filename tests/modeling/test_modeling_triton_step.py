@@ -84,7 +84,7 @@ def test_rotary_cache_rotates_and_writes_at_the_cursor(dtype, heads, kv_heads, d
     generator = torch.Generator().manual_seed(heads + dim)
     qkv, cos, sin = _rotary_inputs(3, heads, kv_heads, dim, dtype, generator)
     q_norm = _norm(dim, 1e-6, generator) if head_norms else None
-    k_norm = _norm(dim, 1e-6, generator) if head_norms else None
+    k_norm = _norm(dim, 1e-5, generator) if head_norms else None  # each its own epsilon
     buffer = torch.full((4, kv_heads, 40, dim), 7.0, dtype=dtype, device=DEVICE)
     keys, values = buffer[:3], buffer.clone()[:3]
     cursor = torch.tensor([21], device=DEVICE)
@@ -284,7 +284,8 @@ TYPES = {
     "residual_norm_kernel": {"residual": "*fp32", "delta": "*bf16", "weight": "*fp32", "normed": "*bf16",
                              "eps": "fp32"},
     "rotary_cache_kernel": {"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "q_weight": "*fp32", "k_weight": "*fp32",
-                            "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "eps": "fp32"},
+                            "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "q_eps": "fp32",
+                            "k_eps": "fp32"},
     "silu_mul_kernel": {"gate_up": "*bf16", "out": "*bf16"},
     "sample_kernel": {"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
                       "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",

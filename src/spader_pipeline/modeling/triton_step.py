@@ -90,7 +90,7 @@ def rotary_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm
     norms = q_norm is not None
     _kernels().rotary_cache_kernel[(rows,)](
         qkv, cos, sin, q_norm.weight if norms else cos, k_norm.weight if norms else cos, query, keys, values, cursor,
-        q_norm.variance_epsilon if norms else 0.0, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
+        q_norm.variance_epsilon if norms else 0.0, k_norm.variance_epsilon if norms else 0.0, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
         values.stride(1), values.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEADS_PAD=_pow2(heads),
         KV_PAD=_pow2(kv_heads), DIM=dim, HEAD_NORMS=norms, num_warps=4, enable_fp_fusion=False)

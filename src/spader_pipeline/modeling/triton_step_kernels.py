@@ -40,7 +40,7 @@ def _head_norm(x, partner_x, weight, dims, partners, eps, IN_DTYPE: tl.constexpr
 
 
 @triton.jit
-def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, cursor, eps,
+def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, cursor, q_eps, k_eps,
                         qkv_row, qkv_head, cos_row, sin_row, query_row, query_head, key_row, key_head, key_position,
                         value_row, value_head, value_position,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
@@ -63,7 +63,7 @@ def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, 
     q = tl.load(base + heads * qkv_head + dims[None, :], mask=held, other=0.0).to(tl.float32)
     q_partner = tl.load(base + heads * qkv_head + partners[None, :], mask=held, other=0.0).to(tl.float32)
     if HEAD_NORMS:
-        q, q_partner = _head_norm(q, q_partner, q_weight, dims, partners, eps, in_dtype, DIM)
+        q, q_partner = _head_norm(q, q_partner, q_weight, dims, partners, q_eps, in_dtype, DIM)
     q = q * c + q_partner * signed
     tl.store(query + row * query_row + heads * query_head + dims[None, :], q.to(query.dtype.element_ty), mask=held)
 
@@ -73,7 +73,7 @@ def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, 
     k = tl.load(k_base + kv_heads * qkv_head + dims[None, :], mask=kv_held, other=0.0).to(tl.float32)
     k_partner = tl.load(k_base + kv_heads * qkv_head + partners[None, :], mask=kv_held, other=0.0).to(tl.float32)
     if HEAD_NORMS:
-        k, k_partner = _head_norm(k, k_partner, k_weight, dims, partners, eps, in_dtype, DIM)
+        k, k_partner = _head_norm(k, k_partner, k_weight, dims, partners, k_eps, in_dtype, DIM)
     k = k * c + k_partner * signed
     tl.store(keys + row * key_row + kv_heads * key_head + at * key_position + dims[None, :],
              k.to(keys.dtype.element_ty), mask=kv_held)
