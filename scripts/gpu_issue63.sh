@@ -182,9 +182,10 @@ profile() {
     tee "$OUT"/profile_step.log
   local step_rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] && rc=$step_rc
-  # the one-GPU run's attention and kernels (onegpu and verl read them; SPADER_DECODE_ATTENTION and
-  # SPADER_DECODE_KERNELS set by hand win): the fastest of the graphs' paths at 768 rows where the graph tests
-  # passed in this machine (graphtests first) and it is at least 3% faster than the graphs with SDPA and torch's
+  # the one-GPU run's attention and kernels, and verl's server's (onegpu and verl read them; SPADER_DECODE_ATTENTION
+  # and SPADER_DECODE_KERNELS set by hand win): the fastest of the graphs' paths at 768 rows, and at 8, where the
+  # graph tests passed in this machine (graphtests first) and it is at least 3% faster than the graphs with SDPA
+  # and torch's kernels
   python3 scripts/gpu_decoding_choice.py path "$OUT"/profile_step.json \
     "$(cat "$STAGE"/graphtests.rc 2>/dev/null || echo 1)" "$STAGE"
   # a continued turn's cache rearrangements at 768 rows: a row at a time against one copy a buffer (CUDA's default)
@@ -206,12 +207,13 @@ graphtests() {
   return "$rc"
 }
 
-# the decoding path profile chose for this machine (set by hand, the variables win): exported for the run and
-# for verl's Ray processes, which inherit the environment
+# the decoding path profile chose for this machine (set by hand, the variables win), exported: for the one-GPU
+# run's rollouts (768 rows), or with "server_" for verl's server (batches of 1-8; Ray's processes inherit it)
 decoding_choice() {
-  export SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/attention 2>/dev/null)}
+  local prefix=${1:-}
+  export SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/"$prefix"attention 2>/dev/null)}
   export SPADER_TRITON_LAUNCH=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
-  export SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/kernels 2>/dev/null)}
+  export SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/"$prefix"kernels 2>/dev/null)}
   SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-sdpa} SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-aten}
   echo "decoding attention: $SPADER_DECODE_ATTENTION${SPADER_TRITON_LAUNCH:+, launched as $SPADER_TRITON_LAUNCH};" \
     "between the products: $SPADER_DECODE_KERNELS"
@@ -244,7 +246,7 @@ update() {
 verl() {
   assemble || return 1
   environment
-  decoding_choice
+  decoding_choice server_
   mkdir -p "$OUT"
   python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/verl_plugin/test_verl_real_workers.py \
     -k "${VERL_K:-fit_on_one_gpu}" 2>&1 | tee "$OUT"/verl_fit.log

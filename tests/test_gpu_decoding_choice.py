@@ -52,11 +52,24 @@ def test_the_runs_path_is_the_fastest_at_the_rollouts_rows_where_the_tests_passe
     assert path == chosen and (attention, kernels) == choice.PATHS[chosen]
 
 
+def test_verl_servers_path_is_chosen_at_its_batch_sizes(choice):
+    """verl's agent loop sends our server batches of 1-8: its path is the fastest at 8 rows (the largest row
+    count timed of at most :data:`SERVER_ROWS`), which need not be the rollout's."""
+    profile = {"rows": [{"rows": 1, "graph": 2.0, "fused": 1.0}, {"rows": 8, "graph": 2.2, "fused": 1.1, "triton": 2.5},
+                        {"rows": 256, "graph": 4.5}, {"rows": 768, "graph": 9.0, "triton": 6.0}]}
+    assert choice.choose_path(profile, True)[0] == "triton"
+    assert choice.choose_path(profile, True, choice.SERVER_ROWS)[0] == "fused"
+    assert choice.choose_path({"rows": [{"rows": 768, "graph": 9.0, "triton": 6.0}]}, True, 8)[0] == "graph"
+
+
 def test_the_choice_is_written_where_the_runs_read_it(choice, tmp_path, capsys):
     profile = tmp_path / "profile_step.json"
     profile.write_text(json.dumps(_profile(graph=9.0, triton=6.0)))
     assert choice.main(["path", str(profile), "0", str(tmp_path)]) == 0
     assert (tmp_path / "attention").read_text() == "triton\n" and (tmp_path / "kernels").read_text() == "aten\n"
+    # at 8 rows (_profile's small row): fused_triton against graph
+    assert (tmp_path / "server_attention").read_text() == "triton\n"
+    assert (tmp_path / "server_kernels").read_text() == "triton\n"
     assert "triton" in capsys.readouterr().out
     attention = tmp_path / "attention.json"
     attention.write_text(json.dumps(_attention(triton=1.0, triton_32_4_3=0.5)))
