@@ -1,8 +1,8 @@
-"""The static decoding step's work between its products as three Triton kernels, a few launches a block
-instead of some twenty, and its sampling as one.
+"""The static decoding step's work between its products as three Triton kernels (four launches a block where
+torch's operations take sixteen), and its sampling as one.
 
-Captured in a CUDA graph, a decoding step of SmolLM2 is ~620 kernels (30 blocks of ~20, the head and the
-sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
+Captured in a CUDA graph, a decoding step of SmolLM2 is ~640 kernels (30 blocks of 20, and 40 around them:
+the embedding, the rotary tables, the head, the sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
 where its arithmetic takes ~0.1 (docs/results.md, "One GPU"). Between a block's four products, torch runs
 the residual's add, the norm and the cast to bf16 (3 kernels, twice), the rotary embedding (4), the cast of
 the query, the keys' and values' writes into the cache and the query's copy into the attention's layout
@@ -15,19 +15,21 @@ the query, the keys' and values' writes into the cache and the query's copy into
   does (Qwen3), rotated, the query written in the attention's layout and dtype, the keys and the values
   into the static cache at the cursor (read from the device, so a captured graph stays valid as it moves);
 * :func:`silu_mul`: ``silu(gate) * up``;
-* :func:`sample_step`: the step's sampling (~30 kernels and some 2 GB of fp32 passes over the vocabulary at 768
-  rows: the cast, the temperature, the softmax, its running sum, the draw, the log-softmax, the rows'
+* :func:`sample_step`: the step's sampling (~30 kernels and some 2 GB of fp32 passes over the vocabulary at
+  768 rows: the cast, the temperature, the softmax, its running sum, the draw, the log-softmax, the rows'
   bookkeeping) as one program a row reading the bf16 logits three times, where the call's processors are a
   temperature alone (top-k, top-p and min-p sort the scores: those stay torch's).
+
+A block is then 9 launches (its four products, the attention, four kernels) and a step ~290.
 
 Numerics: the same fp32 operations in the same order as the torch code they replace (the launches turn off
 the fusion of a product and a sum into one rounding), except a norm's sum of squares, which a kernel adds in
 its own order (as torch's own CUDA ``rms_norm`` does), Triton's ``rsqrt``, ``exp`` and divisions (within 2 ulp;
 the temperature's is correctly rounded), and the sampling's sums (its total and running sums over the
 vocabulary in blocks, where torch's softmax normalises first: a draw within a few ulps of a token's boundary
-may fall on its neighbour). The rotation is the same bits. The static step with them
-gives the step without them within bf16's rounding (the gpu-marked tests, with the bound they hold the
-Triton attention to); graphs and the same step op by op give the same floats.
+may fall on its neighbour). The rotation is the same bits. The static step with them gives the step without
+them within bf16's rounding (the gpu-marked tests, with the bound they hold the Triton attention to); graphs
+and the same step op by op give the same floats.
 
 Selected with ``SPADER_DECODE_KERNELS=triton`` (:data:`~spader_pipeline.modeling.static_cache.DECODE_KERNELS`)
 where Triton runs (:func:`~spader_pipeline.modeling.triton_attention.available`) and the step's residual
