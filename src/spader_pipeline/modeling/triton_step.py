@@ -1,5 +1,5 @@
 """The static decoding step's work between its products as three Triton kernels (four launches a block where
-torch's operations take sixteen), and its sampling as one.
+torch's operations take fifteen), and its sampling as one.
 
 Captured in a CUDA graph, a decoding step of SmolLM2 is ~640 kernels (30 blocks of 20, and 40 around them:
 the embedding, the rotary tables, the head, the sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
