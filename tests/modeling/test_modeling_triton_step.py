@@ -291,20 +291,22 @@ TYPES = {
                       "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
                       "temperature": "fp32"},
 }
-SHAPES = {
-    "smollm2": {"residual_norm_kernel": ({"WIDTH": 576, "BLOCK": 1024, "HAS_DELTA": True}, 4),
-                "rotary_cache_kernel": ({"HEADS": 9, "KV_HEADS": 3, "HEADS_PAD": 16, "KV_PAD": 4, "DIM": 64,
-                                         "HEAD_NORMS": False}, 4),
-                "silu_mul_kernel": ({"INNER": 1536, "BLOCK": 1024}, 4),
-                "sample_kernel": ({"VOCAB": 49152, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True,
-                                   "EOS_COUNT": 2, "EOS_PAD": 2}, 8)},
-    "qwen3_8b": {"residual_norm_kernel": ({"WIDTH": 4096, "BLOCK": 4096, "HAS_DELTA": True}, 8),
-                 "rotary_cache_kernel": ({"HEADS": 32, "KV_HEADS": 8, "HEADS_PAD": 32, "KV_PAD": 8, "DIM": 128,
-                                          "HEAD_NORMS": True}, 4),
-                 "silu_mul_kernel": ({"INNER": 12288, "BLOCK": 1024}, 4),
-                 "sample_kernel": ({"VOCAB": 151936, "BLOCK": 4096, "DO_SAMPLE": True, "LOG_PROBS": True,
-                                    "EOS_COUNT": 2, "EOS_PAD": 2}, 8)},
-}
+
+
+def launches(width, heads, kv_heads, dim, inner, vocab, head_norms):
+    # each kernel's constants and warps as triton_step launches them for a model of these sizes
+    pad = lambda n: 1 << (n - 1).bit_length()
+    return {"residual_norm_kernel": ({"WIDTH": width, "BLOCK": pad(width), "HAS_DELTA": True},
+                                     4 if pad(width) <= 2048 else 8),
+            "rotary_cache_kernel": ({"HEADS": heads, "KV_HEADS": kv_heads, "HEADS_PAD": pad(heads),
+                                     "KV_PAD": pad(kv_heads), "DIM": dim, "HEAD_NORMS": head_norms}, 4),
+            "silu_mul_kernel": ({"INNER": inner, "BLOCK": min(1024, pad(inner))}, 4),
+            "sample_kernel": ({"VOCAB": vocab, "BLOCK": min(4096, pad(vocab)), "DO_SAMPLE": True, "LOG_PROBS": True,
+                               "EOS_COUNT": 2, "EOS_PAD": 2}, 8)}
+
+
+SHAPES = {"smollm2": launches(576, 9, 3, 64, 1536, 49152, False),
+          "qwen3_8b": launches(4096, 32, 8, 128, 12288, 151936, True)}
 built = {}
 for model, launches in SHAPES.items():
     for name, (values, warps) in launches.items():
@@ -323,8 +325,9 @@ print(json.dumps(built))
 
 def test_the_kernels_build_for_hopper_without_fused_multiply_adds():
     """Triton's own compiler, ahead of time for sm_90 (the H200's; no GPU needed, so a CPU checks it before a
-    lease), at the static step's shapes: each kernel builds, and none sums a product in one rounding (the
-    launches turn that fusion off: the rotation's ``x·cos + y·sin`` rounds as torch's does)."""
+    lease), at the static step's shapes for SmolLM2 and for Qwen3-8B (the reference setup's model): each kernel
+    builds, and the rotation sums no product in one rounding (the launches turn that fusion off: its
+    ``x·cos + y·sin`` rounds as torch's)."""
     import json
     import subprocess
     import sys
