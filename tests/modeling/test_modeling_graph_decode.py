@@ -264,41 +264,33 @@ class _OneNormCall(TorchFunctionMode):
 _ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")
 
 
-class _Launches(contextlib.ContextDecorator):
-    """Stands in for the fused Triton kernels (modeling/triton_step.py; CI's torch has no Triton): each call a
-    launch counted under ``triton:<name>``, its outputs allocated as the kernel's wrapper allocates them."""
+def _stand_in_kernels(operations: _Operations, monkeypatch) -> None:
+    """Stands in for the fused Triton kernels (modeling/triton_step.py; CI's torch has no Triton) until the test
+    ends: each call a launch counted under ``triton:<name>``, its outputs allocated as the kernel's wrapper
+    allocates them."""
+    from spader_pipeline.modeling import triton_step
 
-    def __init__(self, operations: _Operations, monkeypatch) -> None:
-        self.operations, self.monkeypatch = operations, monkeypatch
+    def launched(name, result):
+        def kernel(*args, **kwargs):
+            operations.counts[f"triton:{name}"] += 1
+            return result(*args, **kwargs)
+        return kernel
 
-    def __enter__(self):
-        from spader_pipeline.modeling import triton_step
-
-        def launched(name, result):
-            def kernel(*args, **kwargs):
-                self.operations.counts[f"triton:{name}"] += 1
-                return result(*args, **kwargs)
-            return kernel
-
-        patches = {
-            "residual_norm": lambda residual, delta, weight, eps, dtype: torch.empty(residual.shape, dtype=dtype),
-            "rotary_cache": lambda qkv, cos, sin, qn, kn, keys, values, cursor, dtype, heads: torch.empty(
-                qkv.shape[0], heads, qkv.shape[2], dtype=dtype),
-            "silu_mul": lambda gate_up: torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype),
-            "sample_step": lambda logits, **buffers: None,
-        }
-        for name, result in patches.items():
-            self.monkeypatch.setattr(triton_step, name, launched(name, result))
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    patches = {
+        "residual_norm": lambda residual, delta, weight, eps, dtype: torch.empty(residual.shape, dtype=dtype),
+        "rotary_cache": lambda qkv, cos, sin, qn, kn, keys, values, cursor, dtype, heads: torch.empty(
+            qkv.shape[0], heads, qkv.shape[2], dtype=dtype),
+        "silu_mul": lambda gate_up: torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype),
+        "sample_step": lambda logits, **buffers: None,
+    }
+    for name, result in patches.items():
+        monkeypatch.setattr(triton_step, name, launched(name, result))
 
 
 def _step_operations(blocks: int, kernels: str = "aten", monkeypatch=None) -> int:
     """The operations of one step and its sampling as built for CUDA under bf16 autocast (its norms, products
     and attention; run here on the CPU's tensors), SmolLM2's block with ``blocks`` blocks, 8 rows; ``kernels``
-    ``triton``: with the fused kernels (:class:`_Launches`), each counted as one launch."""
+    ``triton``: with the fused kernels (:func:`_stand_in_kernels`), each counted as one launch."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": blocks, "vocab_size": 512})).eval()
     precision = graph_decode._Precision(torch.bfloat16, torch.float32, torch.bfloat16, False, torch.bfloat16)
@@ -312,8 +304,9 @@ def _step_operations(blocks: int, kernels: str = "aten", monkeypatch=None) -> in
     sampling = graph_decode._Sampling(("greedy",), lambda ids, scores: scores, False, 1.0, torch.tensor([2]), None,
                                       fused_temperature=1.0)
     operations = _Operations()
-    launches = _Launches(operations, monkeypatch) if kernels == "triton" else contextlib.nullcontext()
-    with torch.no_grad(), launches, _OneNormCall(operations), operations:
+    if kernels == "triton":
+        _stand_in_kernels(operations, monkeypatch)
+    with torch.no_grad(), _OneNormCall(operations), operations:
         logits = step.forward(cache, rows, 256, None, "sdpa", kernels)
         graph_decode._sample(cache, logits, rows, sampling, fused=kernels == "triton")
     return sum(count for name, count in operations.counts.items() if name not in _ALLOCATIONS)
