@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,15 @@ def test_the_choice_is_written_where_the_runs_read_it(choice, tmp_path, capsys):
     assert choice.main(["launch", str(attention)]) == 0
     assert capsys.readouterr().out.strip() == "32,4,3"
     assert choice.main(["nothing"]) == 2
+
+
+def test_the_paths_are_the_benchmarks(choice):
+    """The choice reads the decoding benchmark's table by its paths' names: each of its graphs' paths with the
+    switches the benchmark runs it with (the two lists kept apart: the choice runs on the bare machine's Python
+    without the benchmark's imports)."""
+    sys.path.insert(0, str(SCRIPT.parents[1] / "benchmarks"))
+    import bench_gpu_decode_step as bench
+
+    assert set(choice.PATHS) == set(bench.GRAPH_PATHS)
+    for path, (attention, kernels) in choice.PATHS.items():
+        assert bench.PATHS[path][1:] == (True, attention, kernels), path  # in CUDA graphs
