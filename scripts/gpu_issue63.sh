@@ -207,13 +207,17 @@ graphtests() {
   return "$rc"
 }
 
+# the switches as the call set them by hand (decoding_choice exports its own, and a later step of the same call
+# must not take those for the hand's)
+HAND_ATTENTION=${SPADER_DECODE_ATTENTION:-} HAND_LAUNCH=${SPADER_TRITON_LAUNCH:-} HAND_KERNELS=${SPADER_DECODE_KERNELS:-}
+
 # the decoding path profile chose for this machine (set by hand, the variables win), exported: for the one-GPU
 # run's rollouts (768 rows), or with "server_" for verl's server (batches of 1-8; Ray's processes inherit it)
 decoding_choice() {
   local prefix=${1:-}
-  export SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-$(cat "$STAGE"/"$prefix"attention 2>/dev/null)}
-  export SPADER_TRITON_LAUNCH=${SPADER_TRITON_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
-  export SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-$(cat "$STAGE"/"$prefix"kernels 2>/dev/null)}
+  export SPADER_DECODE_ATTENTION=${HAND_ATTENTION:-$(cat "$STAGE"/"$prefix"attention 2>/dev/null)}
+  export SPADER_TRITON_LAUNCH=${HAND_LAUNCH:-$(cat "$STAGE"/triton_launch 2>/dev/null)}
+  export SPADER_DECODE_KERNELS=${HAND_KERNELS:-$(cat "$STAGE"/"$prefix"kernels 2>/dev/null)}
   SPADER_DECODE_ATTENTION=${SPADER_DECODE_ATTENTION:-sdpa} SPADER_DECODE_KERNELS=${SPADER_DECODE_KERNELS:-aten}
   echo "decoding attention: $SPADER_DECODE_ATTENTION${SPADER_TRITON_LAUNCH:+, launched as $SPADER_TRITON_LAUNCH};" \
     "between the products: $SPADER_DECODE_KERNELS"
