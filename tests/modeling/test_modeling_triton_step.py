@@ -67,28 +67,63 @@ def test_residual_norm_is_the_add_and_the_models_norm(dtype, with_delta):
     assert _close(normed, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_embed_norm_is_the_embedding_the_positions_mark_and_the_first_norm(dtype):
+    """A step's start: each row's token embedded (fp32, the residual stream: the same bits as ``F.embedding``),
+    its position at the cursor marked attendable (no other), and the first block's norm of it in ``dtype``."""
+    generator = torch.Generator().manual_seed(3)
+    embed = torch.randn(300, 576, generator=generator).to(DEVICE)
+    token = torch.tensor([5, 299, 0, 5], device=DEVICE)
+    norm = _norm(576, 1e-5, generator)
+    valid = torch.zeros(6, 40, dtype=torch.bool, device=DEVICE)
+    valid[:, :10] = True
+    expected_valid = valid.clone()
+    expected_valid[:4, 21] = True
+    residual, normed = triton_step.embed_norm(token, embed, norm.weight, norm.variance_epsilon, dtype, valid,
+                                              torch.tensor([21], device=DEVICE))
+    assert torch.equal(residual, F.embedding(token, embed)) and residual.dtype == torch.float32
+    assert torch.equal(valid, expected_valid)
+    assert normed.dtype == dtype and _close(normed, _rms_norm(residual, norm).to(dtype), dtype)
+
+
+def test_advance_moves_the_rows_positions_the_cursor_and_the_step():
+    """A step's end in one launch: the first rows' positions (past one block of rows too), the cursor, the step."""
+    for rows in (3, triton_step.ADVANCE_BLOCK + 5):
+        position = torch.arange(rows + 4, device=DEVICE)
+        cursor, step = torch.tensor([30], device=DEVICE), torch.tensor([2], device=DEVICE)
+        triton_step.advance(position, rows, cursor, step)
+        expected = torch.arange(rows + 4, device=DEVICE)
+        expected[:rows] += 1
+        assert torch.equal(position, expected) and int(cursor) == 31 and int(step) == 3
+
+
 def _rotary_inputs(rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, generator: torch.Generator):
+    """A q|k|v product, rotary tables of 50 positions (``[50, D]`` fp32) and each row's position in them."""
     qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=generator).to(DEVICE, dtype)
-    angles = torch.rand(rows, dim // 2, generator=generator) * 6
+    angles = torch.rand(50, dim // 2, generator=generator) * 6
     angles = torch.cat((angles, angles), dim=-1)
-    return qkv, angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    position = torch.randperm(50, generator=generator)[:rows]
+    return qkv, angles.cos().to(DEVICE), angles.sin().to(DEVICE), position.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "head_norms"),
                          [(9, 3, 64, False), (4, 2, 16, True), (8, 1, 32, False)], ids=["smollm2", "qwen3", "mqa"])
 def test_rotary_cache_rotates_and_writes_at_the_cursor(dtype, heads, kv_heads, dim, head_norms):
-    """The query and key heads normed where the family does, rotated as the step's torch code rotates them
-    (the same fp32 operations: without head norms the same bits), the query in the attention's dtype; the keys
+    """The query and key heads normed where the family does, rotated by the tables' rows at each row's position
+    as the step's torch code rotates them (the same fp32 operations: without head norms the same bits), the
+    query in the attention's dtype; the keys
     and the values at the cursor's position of cache views with room for more, nothing else written."""
     generator = torch.Generator().manual_seed(heads + dim)
-    qkv, cos, sin = _rotary_inputs(3, heads, kv_heads, dim, dtype, generator)
+    qkv, cos_table, sin_table, position = _rotary_inputs(3, heads, kv_heads, dim, dtype, generator)
     q_norm = _norm(dim, 1e-6, generator) if head_norms else None
     k_norm = _norm(dim, 1e-5, generator) if head_norms else None  # each its own epsilon
     buffer = torch.full((4, kv_heads, 40, dim), 7.0, dtype=dtype, device=DEVICE)
     keys, values = buffer[:3], buffer.clone()[:3]
     cursor = torch.tensor([21], device=DEVICE)
-    query = triton_step.rotary_cache(qkv, cos, sin, q_norm, k_norm, keys, values, cursor, dtype, heads)
+    query = triton_step.rotary_cache(qkv, cos_table, sin_table, position, q_norm, k_norm, keys, values, cursor, dtype,
+                                     heads)
+    cos, sin = cos_table[position], sin_table[position]  # each row's rotation, at its position
     half = dim // 2
     signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
     expected = rotated_query_keys(qkv, heads, kv_heads, q_norm, k_norm, cos[:, None], signed_sin).to(dtype)
@@ -237,7 +272,7 @@ def test_the_static_step_with_the_kernels_gives_torchs_tokens(sample, attention,
     monkeypatch.setattr(static_cache, "STATIC_DECODE", "on")
     monkeypatch.setattr(static_cache, "DECODE_ATTENTION", attention)
     calls = collections.Counter()
-    for name in ("residual_norm", "rotary_cache", "silu_mul"):
+    for name in ("embed_norm", "residual_norm", "rotary_cache", "silu_mul", "advance"):
         kernel = getattr(triton_step, name)
         monkeypatch.setattr(triton_step, name, lambda *a, _k=kernel, _n=name, **kw: calls.update([_n]) or _k(*a, **kw))
     for name, model in _models().items():
@@ -247,9 +282,10 @@ def test_the_static_step_with_the_kernels_gives_torchs_tokens(sample, attention,
             assert decoding_path("cpu", False)["decode.kernels"] == kernels
             runs[kernels] = _two_turns(model, sample)
             assert (sum(calls.values()) > 0) == (kernels == "triton"), name
-            if kernels == "triton":  # per step: 1 + 2 per block norms, a rotation and an activation per block
-                assert calls["residual_norm"] == 5 * calls["rotary_cache"] // 2 and calls["silu_mul"] == calls[
-                    "rotary_cache"], calls
+            if kernels == "triton":  # per step of 2 blocks: 1 start, 2 norms a block, a rotation and an
+                steps = calls["embed_norm"]  # activation a block, 1 advance (the sampling: where it is fused)
+                assert calls["residual_norm"] == 4 * steps and calls["rotary_cache"] == calls["silu_mul"] == 2 * steps
+                assert calls["advance"] == steps > 0, calls
             calls.clear()
         assert [run[0] for run in runs["triton"]] == [run[0] for run in runs["aten"]], name
         assert max(change for _, change in parting(runs["triton"], runs["aten"])) <= 1e-4, name
@@ -283,13 +319,16 @@ from spader_pipeline.modeling import triton_step_kernels as kernels
 TYPES = {
     "residual_norm_kernel": {"residual": "*fp32", "delta": "*bf16", "weight": "*fp32", "normed": "*bf16",
                              "eps": "fp32"},
-    "rotary_cache_kernel": {"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "q_weight": "*fp32", "k_weight": "*fp32",
-                            "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64", "q_eps": "fp32",
-                            "k_eps": "fp32"},
+    "embed_norm_kernel": {"token": "*i64", "embed": "*fp32", "weight": "*fp32", "residual": "*fp32", "normed": "*bf16",
+                          "valid": "*u8", "cursor": "*i64", "eps": "fp32"},
+    "rotary_cache_kernel": {"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "position": "*i64", "q_weight": "*fp32",
+                            "k_weight": "*fp32", "query": "*bf16", "keys": "*bf16", "values": "*bf16", "cursor": "*i64",
+                            "q_eps": "fp32", "k_eps": "fp32"},
     "silu_mul_kernel": {"gate_up": "*bf16", "out": "*bf16"},
     "sample_kernel": {"logits": "*bf16", "uniforms": "*fp32", "step": "*i64", "eos": "*i64", "budget": "*i64",
                       "done": "*u8", "count": "*i64", "token": "*i64", "tokens": "*i64", "log_probs": "*fp32",
                       "temperature": "fp32"},
+    "advance_kernel": {"position": "*i64", "cursor": "*i64", "step": "*i64"},
 }
 
 
@@ -298,11 +337,13 @@ def launches(width, heads, kv_heads, dim, inner, vocab, head_norms):
     pad = lambda n: 1 << (n - 1).bit_length()
     return {"residual_norm_kernel": ({"WIDTH": width, "BLOCK": pad(width), "HAS_DELTA": True},
                                      4 if pad(width) <= 2048 else 8),
+            "embed_norm_kernel": ({"WIDTH": width, "BLOCK": pad(width)}, 4 if pad(width) <= 2048 else 8),
             "rotary_cache_kernel": ({"HEADS": heads, "KV_HEADS": kv_heads, "HEADS_PAD": pad(heads),
                                      "KV_PAD": pad(kv_heads), "DIM": dim, "HEAD_NORMS": head_norms}, 4),
             "silu_mul_kernel": ({"INNER": inner, "BLOCK": min(1024, pad(inner))}, 4),
             "sample_kernel": ({"VOCAB": vocab, "BLOCK": min(4096, pad(vocab)), "DO_SAMPLE": True, "LOG_PROBS": True,
-                               "EOS_COUNT": 2, "EOS_PAD": 2}, 8)}
+                               "EOS_COUNT": 2, "EOS_PAD": 2}, 8),
+            "advance_kernel": ({"BLOCK": 1024}, 4)}
 
 
 SHAPES = {"smollm2": launches(576, 9, 3, 64, 1536, 49152, False),
@@ -338,5 +379,6 @@ def test_the_kernels_build_for_hopper_without_fused_multiply_adds():
     assert done.returncode == 0, done.stderr[-2000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(built) == {f"{model}/{name}" for model in ("smollm2", "qwen3_8b")
-                          for name in ("residual_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel", "sample_kernel")}
+                          for name in ("residual_norm_kernel", "embed_norm_kernel", "rotary_cache_kernel", "silu_mul_kernel",
+                                       "sample_kernel", "advance_kernel")}
     assert built["smollm2/rotary_cache_kernel"]["fma"] == 0 and built["qwen3_8b/rotary_cache_kernel"]["fma"] == 0, built

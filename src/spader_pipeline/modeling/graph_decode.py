@@ -50,6 +50,7 @@ them, :data:`PRODUCTS`, so that the tests hold it to the host loop's bits).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -264,6 +265,23 @@ class _Step:
         # a query in its own dtype (CUDA's autocast precision, or fp32 weights), heads of a power of two
         self.fusable = (precision.residual == torch.float32 and precision.attention is not None
                         and not precision.round_keys and self.head_dim & (self.head_dim - 1) == 0)
+        self._rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the additive mask's two values, made once (a step's mask is then one kernel, not three)
+        self._mask_values = None if precision.attention is None else (
+            torch.zeros((), dtype=precision.attention, device=self.embed.device),
+            torch.full((), -torch.inf, dtype=precision.attention, device=self.embed.device))
+
+    def rotary_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary ``cos``/``sin`` at positions ``0..length-1``, ``[length, D]`` in the residual
+        stream's dtype (what its rotary embedding gives a row at each position: the same elementwise values), made
+        once per static cache's length and before a capture, so that a step reads its rows' by position instead
+        of computing them (~7 kernels). A row's position never passes its cursor, which stays below the
+        length."""
+        if length not in self._rotary:
+            positions = torch.arange(length, device=self.embed.device)[None]
+            cos, sin = self.rotary(self.embed[:1], positions)
+            self._rotary[length] = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rotary[length]
 
     def product(self, x: torch.Tensor, product: _Product) -> torch.Tensor:
         """``x`` ``[n, in]`` times ``product``'s weights, in the products' dtype (:data:`PRODUCTS`)."""
@@ -282,10 +300,9 @@ class _Step:
         """What every layer's attention reads of ``mask`` bool ``[n, L]`` (True: attend): itself for the CPU's
         decoding attention; for SDPA, the additive ``[n, 1, 1, L]`` mask SDPA would make of it in each
         layer (0 and -inf in the attention's dtype, as ATen's ``convert_boolean_attn_mask``), made once a step."""
-        dtype = self.precision.attention
-        if dtype is None:
+        if self._mask_values is None:
             return mask
-        return torch.where(mask[:, None, None, :], 0.0, torch.full((), -torch.inf, dtype=dtype, device=mask.device))
+        return torch.where(mask[:, None, None, :], *self._mask_values)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any,
                 scaling: float) -> torch.Tensor:
@@ -309,25 +326,28 @@ class _Step:
                 attention: str = "sdpa", kernels: str = "aten") -> torch.Tensor:
         """Feed each of the first ``rows`` rows its ``token`` at ``position``, writing its keys, values (and the
         captured block's output) at ``cursor``, attending over the first ``length`` positions (``attention``
-        ``triton``: up to ``cursor``, :mod:`~spader_pipeline.modeling.triton_attention`); advance ``position``
-        and ``cursor``. ``kernels`` ``triton``: the work between the products as
-        :mod:`~spader_pipeline.modeling.triton_step`'s kernels (where :attr:`fusable`). Returns the logits
+        ``triton``: up to ``cursor``, :mod:`~spader_pipeline.modeling.triton_attention`); :func:`_advance` moves
+        ``position`` and ``cursor`` on after the sampling. ``kernels`` ``triton``: the work between the products
+        as :mod:`~spader_pipeline.modeling.triton_step`'s kernels (where :attr:`fusable`). Returns the logits
         ``[rows, V]``."""
-        x = F.embedding(cache.token[:rows], self.embed)  # [n, hidden]: the residual stream
-        cos, sin = self.rotary(x, cache.position[:rows, None])  # [n, 1, D]
-        cache.valid[:rows].index_fill_(1, cache.cursor, True)
+        cos, sin = self.rotary_tables(cache.length)
+        position = cache.position[:rows]
+        if kernels == "triton":  # the embedding, the position's mark and the first norm in one kernel
+            norm = self.norms[0]
+            x, normed = triton_step.embed_norm(cache.token[:rows], self.embed, norm.weight, norm.variance_epsilon,
+                                               self.precision.product, cache.valid, cache.cursor)
+        else:
+            x = F.embedding(cache.token[:rows], self.embed)  # [n, hidden]: the residual stream
+            cos, sin = cos.index_select(0, position)[:, None], sin.index_select(0, position)[:, None]  # [n, 1, D]
+            cache.valid[:rows].index_fill_(1, cache.cursor, True)
         if attention == "triton":  # the runner names it only where the attention is SDPA's kind
             mask = (cache.valid[:rows, :length], cache.cursor + 1, cache.first[:rows])
         else:
             mask = self._attention_mask(cache.valid[:rows, :length])
         states = cache.states[:rows, 0] if captured is not None else None
         if kernels == "triton":
-            logits = self._fused_blocks(x, cos[:, 0], sin[:, 0], cache, rows, length, mask, captured, states)
-        else:
-            logits = self._blocks(x, cos, sin, cache, rows, length, mask, captured, states)
-        cache.position[:rows] += 1
-        cache.cursor += 1
-        return logits
+            return self._fused_blocks(x, normed, cos, sin, position, cache, rows, length, mask, captured, states)
+        return self._blocks(x, cos, sin, cache, rows, length, mask, captured, states)
 
     def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, rows: int,
                 length: int, mask: Any, captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
@@ -356,22 +376,22 @@ class _Step:
                 states.index_copy_(1, cache.cursor, x[:, None].to(states.dtype))
         return self.product(self.final_norm(x), self.head)
 
-    def _fused_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, rows: int,
-                      length: int, mask: Any, captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
+    def _fused_blocks(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      position: torch.Tensor, cache: StaticKVCache, rows: int, length: int, mask: Any,
+                      captured: int | None, states: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_blocks` with the work between the products as :mod:`~spader_pipeline.modeling.triton_step`'s
         kernels: a block is its four products, the attention and four kernels (the residual's add fused into
-        the next norm). ``cos``/``sin`` ``[n, D]``; ``x`` is the residual stream, updated in place. The products
-        are CUDA's (one over each stacked copy, whatever :attr:`products` says: on a CPU only the interpreter's
-        tests run this)."""
+        the next norm). ``x`` is the residual stream, updated in place, ``normed`` its first norm; ``cos``/``sin``
+        the rotary tables ``[L, D]`` read at each row's ``position``. The products are CUDA's (one over each
+        stacked copy, whatever :attr:`products` says: on a CPU only the interpreter's tests run this)."""
         product, heads, norms = self.precision.product, self.heads, self.norms
         query_dtype = self.precision.attention
-        normed = triton_step.residual_norm(x, None, norms[0].weight, norms[0].variance_epsilon, product)
         for index, (_, qkv_weight, q_norm, k_norm, scaling, o_weight, _, gate_up_weight,
                     down_weight) in enumerate(self.layers):
             qkv = F.linear(normed, qkv_weight.weight).view(rows, heads + 2 * self.kv_heads, self.head_dim)
             keys, values = cache.keys[index][:rows], cache.values[index][:rows]
-            query = triton_step.rotary_cache(qkv, cos, sin, q_norm, k_norm, keys, values, cache.cursor, query_dtype,
-                                             heads)
+            query = triton_step.rotary_cache(qkv, cos, sin, position, q_norm, k_norm, keys, values, cache.cursor,
+                                             query_dtype, heads)
             out = self._attend(query, keys[:, :, :length], values[:, :, :length], mask, scaling)
             middle = norms[2 * index + 1]
             normed = triton_step.residual_norm(x, F.linear(out.to(product), o_weight.weight), middle.weight,
@@ -415,14 +435,14 @@ def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sa
     """Draw each of the first ``rows`` rows' token ``step`` from ``logits`` ``[rows, V]`` (the host loop's
     processors, draw and log-probability), record it, count it for the rows still going and mark the rows
     it ends (an end token, or the row's budget); it becomes the row's next ``token``. ``fused``: as one Triton
-    kernel where the sampling allows it (:attr:`_Sampling.fused_temperature`)."""
+    kernel where the sampling allows it (:attr:`_Sampling.fused_temperature`). ``step`` moves on after
+    (:func:`_advance`)."""
     if fused and sampling.fused_temperature is not None:
         triton_step.sample_step(
             logits[:rows], temperature=sampling.fused_temperature, do_sample=sampling.do_sample, step=cache.step,
             uniforms=cache.uniforms, eos=sampling.eos, budget=cache.budget, done=cache.done, count=cache.count,
             token=cache.token, tokens=cache.tokens, log_probs=cache.log_probs if sampling.temperature is not None
             else None)
-        cache.step += 1
         return
     scores = sampling.processors(cache.token[:rows, None], logits.to(dtype=torch.float32))
     if sampling.do_sample:
@@ -437,7 +457,27 @@ def _sample(cache: StaticKVCache, logits: torch.Tensor, rows: int, sampling: _Sa
     cache.count[:rows] += (~done).long()
     done |= (new[:, None] == sampling.eos[None, :]).any(-1) | (cache.step + 1 >= cache.budget[:rows])
     cache.token[:rows] = new
+
+
+def _advance(cache: StaticKVCache, rows: int, fused: bool = False) -> None:
+    """A step's end: the first ``rows`` rows' ``position``, the ``cursor`` and the sampling's ``step`` each up by
+    one (``fused``: in one Triton launch, :func:`~spader_pipeline.modeling.triton_step.advance`)."""
+    if fused:
+        triton_step.advance(cache.position, rows, cache.cursor, cache.step)
+        return
+    cache.position[:rows] += 1
+    cache.cursor += 1
     cache.step += 1
+
+
+def decoding_step(step: _Step, cache: StaticKVCache, rows: int, length: int, sampling: _Sampling, attention: str,
+                  kernels: str) -> None:
+    """One decoding step of the first ``rows`` rows over ``length`` positions, as a runner launches (and a graph
+    captures) it: the forward (:meth:`_Step.forward`), the sampling, the advance."""
+    fused = kernels == "triton"
+    _sample(cache, step.forward(cache, rows, length, sampling.captured, attention, kernels), rows, sampling,
+            fused=fused)
+    _advance(cache, rows, fused)
 
 
 def _cuda_graph(step: Callable[[], None], pool: Any, stream: Any) -> Any:
@@ -598,10 +638,8 @@ class _Decoder:
         if key not in self.runners:
             _STATS["buckets"] += 1
             cache, step = self.cache, self.step
-
-            def one_step() -> None:
-                _sample(cache, step.forward(cache, rows, length, sampling.captured, attention, kernels), rows,
-                        sampling, fused=kernels == "triton")
+            step.rotary_tables(cache.length)  # before a capture: its kernels are not the step's
+            one_step = functools.partial(decoding_step, step, cache, rows, length, sampling, attention, kernels)
 
             if graphs:
                 if self.pool is None:
@@ -676,6 +714,7 @@ def _run_steps(decoder: _Decoder, static: StaticKVCache, logits: torch.Tensor, s
     """The first token from the prefill's ``logits``, then windows of steps until every row ended, the ended
     rows moved behind the going ones (``order``: the cache row each row held before, kept along)."""
     _sample(static, logits, batch, sampling)  # the first token, from the prefill's logits
+    static.step += 1
     rows, sampled = row_bucket(batch), 1
     while sampled < longest:
         done = static.done[:rows].tolist()  # the one read from the device in a window of steps

@@ -1,26 +1,33 @@
 """The static decoding step's work between its products as three Triton kernels (four launches a block where
-torch's operations take fifteen), and its sampling as one.
+torch's operations take fifteen), its start, its sampling and its end as one kernel each.
 
-Captured in a CUDA graph, a decoding step of SmolLM2 is ~640 kernels (30 blocks of 20, and 40 around them:
-the embedding, the rotary tables, the head, the sampling), and on an H200 a graph's kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms
-where its arithmetic takes ~0.1 (docs/results.md, "One GPU"). Between a block's four products, torch runs
-the residual's add, the norm and the cast to bf16 (3 kernels, twice), the rotary embedding (4), the cast of
-the query, the keys' and values' writes into the cache and the query's copy into the attention's layout
-(4), SwiGLU's activation and product (2). vLLM and SGLang fuse the same groups (``fused_add_rms_norm``,
-``rotary_embedding`` with ``reshape_and_cache``, ``silu_and_mul``); here, with the static step's layout:
+Captured in a CUDA graph, a decoding step of SmolLM2 was ~640 kernels (30 blocks of 20, and 40 around them:
+the embedding, the rotary tables, the mask, the head, the sampling, the advance), and on an H200 a graph's
+kernel costs ~3 µs however little it does: a step at 1 row took 1.9 ms where its arithmetic takes ~0.1
+(docs/results.md, "One GPU"). Between a block's four products, torch runs the residual's add, the norm and
+the cast to bf16 (3 kernels, twice), the rotary embedding (4), the cast of the query, the keys' and values'
+writes into the cache and the query's copy into the attention's layout (4), SwiGLU's activation and product
+(2). vLLM and SGLang fuse the same groups (``fused_add_rms_norm``, ``rotary_embedding`` with
+``reshape_and_cache``, ``silu_and_mul``); here, with the static step's layout:
 
 * :func:`residual_norm`: the residual stream plus a product's output, written back in place, and the
   block's norm of it in the products' dtype (one program a row);
 * :func:`rotary_cache`: one row's q|k|v product: the query and key heads normed per head where the family
-  does (Qwen3), rotated, the query written in the attention's layout and dtype, the keys and the values
-  into the static cache at the cursor (read from the device, so a captured graph stays valid as it moves);
+  does (Qwen3), rotated by the rotary tables' row at the row's position (made once per static cache,
+  :meth:`~spader_pipeline.modeling.graph_decode._Step.rotary_tables`), the query written in the attention's
+  layout and dtype, the keys and the values into the static cache at the cursor (read from the device, so a
+  captured graph stays valid as it moves);
 * :func:`silu_mul`: ``silu(gate) * up``;
+* :func:`embed_norm`: the step's start: the tokens' embeddings (the residual stream), their position marked
+  attendable, the first block's norm;
 * :func:`sample_step`: the step's sampling (~30 kernels and some 2 GB of fp32 passes over the vocabulary at
   768 rows: the cast, the temperature, the softmax, its running sum, the draw, the log-softmax, the rows'
   bookkeeping) as one program a row reading the bf16 logits three times, where the call's processors are a
-  temperature alone (top-k, top-p and min-p sort the scores: those stay torch's).
+  temperature alone (top-k, top-p and min-p sort the scores: those stay torch's);
+* :func:`advance`: the step's end: positions, cursor and sampling step moved on.
 
-A block is then 9 launches (its four products, the attention, four kernels) and a step ~290.
+A block is then 9 launches (its four products, the attention, four kernels) and the step around the blocks
+5 (the start, the mask, the head, the sampling, the advance): 275 a step.
 
 Numerics: the same fp32 operations in the same order as the torch code they replace (the launches turn off
 the fusion of a product and a sum into one rounding), except a norm's sum of squares, which a kernel adds in
@@ -43,7 +50,7 @@ import functools
 
 import torch
 
-__all__ = ["residual_norm", "rotary_cache", "sample_step", "silu_mul"]
+__all__ = ["advance", "embed_norm", "residual_norm", "rotary_cache", "sample_step", "silu_mul"]
 
 #: SwiGLU's columns a program computes
 SILU_BLOCK = 1024
@@ -76,14 +83,32 @@ def residual_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: to
     return normed
 
 
-def rotary_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.nn.Module | None,
-                 k_norm: torch.nn.Module | None, keys: torch.Tensor, values: torch.Tensor, cursor: torch.Tensor,
-                 query_dtype: torch.dtype, heads: int) -> torch.Tensor:
+def embed_norm(token: torch.Tensor, embed: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+               valid: torch.Tensor, cursor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's start: ``token`` long ``[n]`` embedded by ``embed`` ``[V, W]`` (the residual stream, in
+    ``embed``'s dtype, as ``F.embedding``), each row's position ``cursor`` (long ``[1]`` on the device) marked
+    attendable in ``valid`` bool ``[R, L]`` (``R >= n``), and the first block's norm of the embedding
+    (:func:`residual_norm`'s, ``weight``, ``eps``) in ``dtype``. Returns the residual and the normed ``[n, W]``."""
+    rows, (_, width) = token.shape[0], embed.shape
+    residual = torch.empty((rows, width), dtype=embed.dtype, device=embed.device)
+    normed = torch.empty((rows, width), dtype=dtype, device=embed.device)
+    block = _pow2(width)
+    _kernels().embed_norm_kernel[(rows,)](
+        token, embed, weight, residual, normed, valid.view(torch.uint8), cursor, eps, embed.stride(0),
+        residual.stride(0), normed.stride(0), valid.stride(0), WIDTH=width, BLOCK=block,
+        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+    return residual, normed
+
+
+def rotary_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor,
+                 q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None, keys: torch.Tensor,
+                 values: torch.Tensor, cursor: torch.Tensor, query_dtype: torch.dtype, heads: int) -> torch.Tensor:
     """A step's q|k|v product ``qkv`` ``[n, H + 2 H_kv, D]`` (``heads`` = H): query and key heads normed per
-    head by ``q_norm``/``k_norm`` (``None``: not), rotated by ``cos``/``sin`` ``[n, D]`` fp32 (transformers'
-    rotary tables, ``rotate_half``'s convention); the keys and the values written into ``keys``/``values``
-    ``[n, H_kv, L, D]`` (views of the static cache) at position ``cursor`` (long ``[1]`` on the device).
-    Returns the rotated query ``[n, H, D]`` in ``query_dtype``."""
+    head by ``q_norm``/``k_norm`` (``None``: not), rotated by the rows of the rotary tables ``cos``/``sin``
+    ``[L, D]`` fp32 (transformers' values at positions 0..L-1, ``rotate_half``'s convention) at each row's
+    ``position`` (long ``[n]``); the keys and the values written into ``keys``/``values`` ``[n, H_kv, L', D]``
+    (views of the static cache) at position ``cursor`` (long ``[1]`` on the device). Returns the rotated query
+    ``[n, H, D]`` in ``query_dtype``."""
     rows, width, dim = qkv.shape
     kv_heads = (width - heads) // 2
     if qkv.stride(2) != 1 or keys.stride(3) != 1 or values.stride(3) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -91,11 +116,12 @@ def rotary_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm
     query = torch.empty((rows, heads, dim), dtype=query_dtype, device=qkv.device)
     norms = q_norm is not None
     _kernels().rotary_cache_kernel[(rows,)](
-        qkv, cos, sin, q_norm.weight if norms else cos, k_norm.weight if norms else cos, query, keys, values, cursor,
-        q_norm.variance_epsilon if norms else 0.0, k_norm.variance_epsilon if norms else 0.0, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
-        values.stride(1), values.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEADS_PAD=_pow2(heads),
-        KV_PAD=_pow2(kv_heads), DIM=dim, HEAD_NORMS=norms, num_warps=4, enable_fp_fusion=False)
+        qkv, cos, sin, position, q_norm.weight if norms else cos, k_norm.weight if norms else cos, query, keys, values,
+        cursor, q_norm.variance_epsilon if norms else 0.0, k_norm.variance_epsilon if norms else 0.0, qkv.stride(0),
+        qkv.stride(1), cos.stride(0), sin.stride(0), query.stride(0), query.stride(1), keys.stride(0), keys.stride(1),
+        keys.stride(2), values.stride(0), values.stride(1), values.stride(2), HEADS=heads, KV_HEADS=kv_heads,
+        HEADS_PAD=_pow2(heads), KV_PAD=_pow2(kv_heads), DIM=dim, HEAD_NORMS=norms, num_warps=4,
+        enable_fp_fusion=False)
     return query
 
 
@@ -138,3 +164,13 @@ def sample_step(logits: torch.Tensor, *, temperature: float, do_sample: bool, st
         log_probs.stride(0) if keep else 0, VOCAB=vocab, BLOCK=min(SAMPLE_BLOCK, _pow2(vocab)), DO_SAMPLE=do_sample,
         LOG_PROBS=keep, EOS_COUNT=eos.numel(), EOS_PAD=_pow2(max(eos.numel(), 1)), num_warps=8,
         enable_fp_fusion=False)
+
+
+#: rows a program of the step's advance moves on (one program up to the largest row bucket)
+ADVANCE_BLOCK = 1024
+
+
+def advance(position: torch.Tensor, rows: int, cursor: torch.Tensor, step: torch.Tensor) -> None:
+    """A step's end as one launch: ``position[:rows] += 1``, ``cursor += 1``, ``step += 1`` (long, on the device)."""
+    _kernels().advance_kernel[(-(-rows // ADVANCE_BLOCK),)](position, cursor, step, rows, BLOCK=ADVANCE_BLOCK,
+                                                            num_warps=4)

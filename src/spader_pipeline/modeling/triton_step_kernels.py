@@ -11,6 +11,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _norm_into(r, weight, normed, columns, inside, eps, WIDTH: tl.constexpr):
+    """``weight * (r * rsqrt(mean(r²) + eps))`` of one row ``r`` (fp32) stored at ``normed`` in its dtype."""
+    mean = tl.sum(r * r, 0) / WIDTH
+    w = tl.load(weight + columns, mask=inside, other=0.0).to(tl.float32)
+    tl.store(normed + columns, (w * (r * tl.rsqrt(mean + eps))).to(normed.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def residual_norm_kernel(residual, delta, weight, normed, eps, residual_row, delta_row, normed_row,
                          WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     """One row: ``residual += delta`` (written back), then ``weight * (r * rsqrt(mean(r²) + eps))`` cast to
@@ -22,10 +30,22 @@ def residual_norm_kernel(residual, delta, weight, normed, eps, residual_row, del
     if HAS_DELTA:
         r = r + tl.load(delta + row * delta_row + columns, mask=inside, other=0.0).to(tl.float32)
         tl.store(residual + row * residual_row + columns, r.to(residual.dtype.element_ty), mask=inside)
-    mean = tl.sum(r * r, 0) / WIDTH
-    w = tl.load(weight + columns, mask=inside, other=0.0).to(tl.float32)
-    out = w * (r * tl.rsqrt(mean + eps))
-    tl.store(normed + row * normed_row + columns, out.to(normed.dtype.element_ty), mask=inside)
+    _norm_into(r, weight, normed + row * normed_row, columns, inside, eps, WIDTH)
+
+
+@triton.jit
+def embed_norm_kernel(token, embed, weight, residual, normed, valid, cursor, eps, embed_row, residual_row,
+                      normed_row, valid_row, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's start of a step: its token's embedding into ``residual`` (its dtype), its position at the cursor
+    marked attendable in ``valid``, and the first norm of the embedding (as :func:`residual_norm_kernel`'s)."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    inside = columns < WIDTH
+    r = tl.load(embed + tl.load(token + row) * embed_row + columns, mask=inside, other=0.0)
+    tl.store(residual + row * residual_row + columns, r.to(residual.dtype.element_ty), mask=inside)
+    tl.store(valid + row * valid_row + tl.load(cursor), tl.full([], 1, tl.uint8))
+    _norm_into(r.to(residual.dtype.element_ty).to(tl.float32), weight, normed + row * normed_row, columns, inside,
+               eps, WIDTH)
 
 
 @triton.jit
@@ -40,20 +60,21 @@ def _head_norm(x, partner_x, weight, dims, partners, eps, IN_DTYPE: tl.constexpr
 
 
 @triton.jit
-def rotary_cache_kernel(qkv, cos, sin, q_weight, k_weight, query, keys, values, cursor, q_eps, k_eps,
+def rotary_cache_kernel(qkv, cos, sin, position, q_weight, k_weight, query, keys, values, cursor, q_eps, k_eps,
                         qkv_row, qkv_head, cos_row, sin_row, query_row, query_head, key_row, key_head, key_position,
                         value_row, value_head, value_position,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                         DIM: tl.constexpr, HEAD_NORMS: tl.constexpr):
     """One row of a step's q|k|v product ``[H + 2 H_kv, D]``: the query heads (normed per head where the family
-    does) rotated into ``query``; the key heads so, and the value heads as they are, written into the caches at
-    the position ``cursor`` holds."""
+    does) rotated by the rotary tables' row at the row's ``position`` into ``query``; the key heads so, and the
+    value heads as they are, written into the caches at the position ``cursor`` holds."""
     row = tl.program_id(0).to(tl.int64)
     at = tl.load(cursor).to(tl.int64)
+    logical = tl.load(position + row).to(tl.int64)
     dims = tl.arange(0, DIM)
     partners = (dims + DIM // 2) % DIM  # rotate_half: the other half of the same head
-    c = tl.load(cos + row * cos_row + dims)[None, :]
-    s = tl.load(sin + row * sin_row + dims)
+    c = tl.load(cos + logical * cos_row + dims)[None, :]
+    s = tl.load(sin + logical * sin_row + dims)
     signed = tl.where(dims < DIM // 2, -s, s)[None, :]  # rotate_half's sign, on sin (negation is exact)
     base = qkv + row * qkv_row
     in_dtype = qkv.dtype.element_ty
@@ -152,3 +173,16 @@ def sample_kernel(logits, uniforms, step, eos, budget, done, count, token, token
     ended = (tl.sum((ends == chosen).to(tl.int32), 0) > 0) | (at + 1 >= tl.load(budget + row))
     tl.store(done + row, was_done | ended.to(tl.uint8))
     tl.store(token + row, chosen)
+
+
+@triton.jit
+def advance_kernel(position, cursor, step, rows, BLOCK: tl.constexpr):
+    """The end of a step: a block of the first ``rows`` rows' logical positions up by one, and (the first program)
+    the cursor and the sampling's step."""
+    block = tl.program_id(0)
+    at = block * BLOCK + tl.arange(0, BLOCK)
+    inside = at < rows
+    tl.store(position + at, tl.load(position + at, mask=inside) + 1, mask=inside)
+    if block == 0:
+        tl.store(cursor, tl.load(cursor) + 1)
+        tl.store(step, tl.load(step) + 1)
