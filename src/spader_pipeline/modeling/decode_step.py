@@ -292,6 +292,10 @@ def decoding_path(device: str = "auto", bf16: bool | str = "auto", *, bf16_weigh
       ``SPADER_DECODE_KERNELS``, :mod:`~spader_pipeline.modeling.triton_step`), ``cpp`` (the C++ step) or
       ``aten`` (torch's operations).
 
+    The Triton attention and kernels take heads of a power of two, as the supported families' are (SmolLM2's
+    64, Qwen3's 128); this reads settings, not a model, so for another model it names them where the step
+    would use torch's (the step's own choice: ``graph_decode._Decoder.runner``).
+
     The C++ and Python steps and attentions compute the same sums, in another order where the attention
     is SDPA's (log-probabilities within ``tests/modeling/test_modeling_decoding_path.py``'s bound); the key
     cache's dtype moves them within the bound ``tests/modeling/test_modeling_decode_attention.py`` states.
