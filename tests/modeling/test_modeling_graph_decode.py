@@ -340,6 +340,25 @@ def test_with_the_fused_kernels_a_block_is_nine_launches(monkeypatch):
     assert per_block <= _step_operations(3) - _step_operations(2) - 11
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_with_the_triton_attention_one_graph_a_row_bucket_serves_every_length(attention, monkeypatch):
+    """SDPA reads the whole view a step attends over, so its graphs are per length bucket (of 256 positions);
+    the Triton attention reads each row's positions up to the cursor whatever the view, so its step attends
+    over the whole allocation, one graph per row bucket however long the turn grows."""
+    from spader_pipeline.modeling import triton_attention
+
+    monkeypatch.setattr(triton_attention, "available", lambda: True)  # launched nowhere here: the choice alone
+    monkeypatch.setattr(static_cache, "DECODE_ATTENTION", attention)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": 1, "vocab_size": 64})).eval()
+    precision = graph_decode._Precision(torch.bfloat16, torch.float32, torch.bfloat16, False, torch.bfloat16)
+    decoder = graph_decode._Decoder(model, precision, torch.device("cpu"))
+    decoder.cache = static_cache.StaticKVCache(layers=1, kv_heads=3, head_dim=64, rows=8, length=1024, steps=64,
+                                               kv_dtype=torch.bfloat16, device="cpu")
+    assert decoder.attention() == attention
+    lengths = {decoder.step_length(cursor) for cursor in (100, 300, 700, 1000)}
+    assert lengths == ({1024} if attention == "triton" else {256, 512, 768, 1024})
+
+
 def test_a_step_reads_nothing_from_the_device(tiny_model, monkeypatch):
     """Inside a window of steps nothing reads a tensor's value on the host (on CUDA each would wait for the
     device): ``item``, ``tolist``, truth values and conversions raise there. The reads between windows (which

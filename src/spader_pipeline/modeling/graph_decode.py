@@ -627,12 +627,29 @@ class _Decoder:
         self.tenant = weakref.ref(cache)
         return static
 
+    def attention(self) -> str:
+        """The step's attention under the switches: ``cpu`` (the CPU's decoding attention under autocast),
+        ``triton`` where chosen and the model's heads fit the kernel, else ``sdpa``."""
+        if self.precision.attention is None:
+            return "cpu"
+        attention = static_cache.static_attention_name()
+        if attention == "triton" and not triton_fits(self.step.heads // self.step.kv_heads, self.step.head_dim):
+            return "sdpa"  # a shape the kernel does not take (the tests' tiny models' heads of 8)
+        return attention
+
+    def step_length(self, cursor: int) -> int:
+        """The positions a step writing at ``cursor`` attends over, its graph's length: a length bucket for SDPA
+        (it reads the whole view) and the CPU's attention; with the Triton attention, which reads each row's
+        positions from its first to the cursor whatever the view, the whole allocation, so that one graph per
+        row bucket serves every length the allocation holds (fewer captures)."""
+        if self.attention() == "triton":
+            return self.cache.length
+        return length_bucket(cursor + 1, self.cache.length)
+
     def runner(self, rows: int, length: int, sampling: _Sampling) -> Any:
         """The step at ``rows`` x ``length`` for ``sampling``, captured once where graphs are on."""
         graphs = _use_graphs(self.device)
-        attention = static_cache.static_attention_name() if self.precision.attention is not None else "cpu"
-        if attention == "triton" and not triton_fits(self.step.heads // self.step.kv_heads, self.step.head_dim):
-            attention = "sdpa"  # a shape the kernel does not take (the tests' tiny models' heads of 8)
+        attention = self.attention()
         kernels = static_cache.static_kernels_name() if self.step.fusable else "aten"
         key = (rows, length, sampling.key, attention, kernels, graphs)
         if key not in self.runners:
@@ -728,7 +745,7 @@ def _run_steps(decoder: _Decoder, static: StaticKVCache, logits: torch.Tensor, s
                 order[hole], order[filler] = order[filler], order[hole]
             rows = row_bucket(going)
         cursor = width + sampled - 1
-        length = length_bucket(cursor + 1, static.length)
+        length = decoder.step_length(cursor)
         window = min(static_cache.SYNC_EVERY, longest - sampled, length - cursor)
         runner = decoder.runner(rows, length, sampling)
         first = 0

@@ -16,8 +16,9 @@ Sizes are buckets, so a few captured graphs serve every batch:
 * a step attends over a view of it: :func:`row_bucket` rows of the rows still decoding (finished rows are
   masked, and moved behind the going ones when the going ones fit a smaller bucket,
   :meth:`StaticKVCache.compact`) and :func:`length_bucket` positions of the real length so far
-  (:data:`LENGTH_QUANTUM` at a time, growing to the next bucket as the turn goes on). A graph is captured
-  once per view's shape while the allocation lasts.
+  (:data:`LENGTH_QUANTUM` at a time, growing to the next bucket as the turn goes on; with the Triton
+  attention, which reads no position past the cursor whatever the view, the whole allocation). A graph is
+  captured once per view's shape while the allocation lasts.
 
 The switches: :data:`STATIC_DECODE` (``SPADER_STATIC_DECODE``: ``auto``, the static step on CUDA; ``on``,
 on any device, the CPU running the same step without graphs, as the tests do; ``off``),
