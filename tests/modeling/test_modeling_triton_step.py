@@ -112,8 +112,8 @@ def _rotary_inputs(rows: int, heads: int, kv_heads: int, dim: int, dtype: torch.
 def test_rotary_cache_rotates_and_writes_at_the_cursor(dtype, heads, kv_heads, dim, head_norms):
     """The query and key heads normed where the family does, rotated by the tables' rows at each row's position
     as the step's torch code rotates them (the same fp32 operations: without head norms the same bits), the
-    query in the attention's dtype; the keys
-    and the values at the cursor's position of cache views with room for more, nothing else written."""
+    query in the attention's dtype; the keys and the values at the cursor's position of cache views with room
+    for more, nothing else written."""
     generator = torch.Generator().manual_seed(heads + dim)
     qkv, cos_table, sin_table, position = _rotary_inputs(3, heads, kv_heads, dim, dtype, generator)
     q_norm = _norm(dim, 1e-6, generator) if head_norms else None
